@@ -1,0 +1,343 @@
+"""The engine: one step is schedule -> execute -> update.
+
+Request lifecycle (see ``sequence.py`` for states):
+  1. ``add_request`` validates, tokenizes and queues (or, with ``kv=``, imports a hand-off).
+  2. ``step`` schedules a batch under the token budget, runs it, appends sampled tokens and
+     returns one ``RequestOutput`` per request that received a token.
+  3. A finished request's blocks are freed at once, unless it was added with ``hold_kv``:
+     then ``export_kv`` reads them and ``release_kv`` frees them. ``abort`` frees at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import deque
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import GenerationResult, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
+from pdserve.engine.text import TextStream
+from pdserve.errors import CapacityError, DuplicateRequestError, InvalidArgumentError, UnknownRequestError
+from pdserve.models.config import ModelConfig
+from pdserve.models.loader import checkpoint_fingerprint, load_state_dict
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for heartbeats and metrics."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_held: int
+    queued_tokens: int
+    """Tokens still to prefill across waiting and running sequences."""
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    text: TextStream
+
+
+class Engine:
+    """A paged-KV, continuously batching engine for one model on one device."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype_name = "bfloat16" if config.dtype == "auto" else config.dtype
+        self.dtype: torch.dtype = getattr(torch, dtype_name)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
+        self.layout = KVLayout(
+            model_fingerprint=checkpoint_fingerprint(self.model_dir),
+            dtype=dtype_name,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            mc,
+            config,
+            load_state_dict(self.model_dir, dtype=self.dtype),
+            dtype=self.dtype,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._held: dict[str, Sequence] = {}
+        self._imports: deque[tuple[Sequence, KVPayload]] = deque()
+        self._arrivals = 0
+        self._rng = random.Random(0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **config: Any) -> Engine:
+        """Load a checkpoint directory; keyword arguments are ``EngineConfig`` fields."""
+        return cls(path, EngineConfig(**config))
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        hold_kv: bool = False,
+        layer_hook: LayerHook | None = None,
+        cache_salt: str = "",
+        kv: KVPayload | None = None,
+        first_token: tuple[int, float] | None = None,
+    ) -> list[int]:
+        """Queue a request; returns its prompt token ids.
+
+        ``hold_kv``: keep the KV after the request finishes, for ``export_kv``.
+        ``layer_hook``: called per layer as the prompt's KV completes (for streaming hand-off).
+        ``cache_salt``: prefix-cache namespace (a tenant): equal prompts with different salts
+        share no blocks. ``kv`` + ``first_token``: continue a request prefilled elsewhere.
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests or request_id in self._held:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        token_ids = self._prompt_ids(prompt)
+        params.check_against(
+            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, prompt_len=len(token_ids)
+        )
+        need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise CapacityError(
+                f"request needs {need} KV blocks, more than this engine's {self.block_manager.num_blocks}"
+            )
+        if not params.ignore_eos and self.tokenizer.eos_token_ids:
+            params = dataclasses.replace(
+                params, stop_token_ids=params.stop_token_ids + tuple(self.tokenizer.eos_token_ids)
+            )
+        self._arrivals += 1
+        seq = Sequence(
+            request_id, token_ids, params, arrival=self._arrivals,
+            hold_kv=hold_kv, layer_hook=layer_hook, cache_salt=cache_salt,
+        )
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        req = _Request(seq, TextStream(self.tokenizer, params.stop))
+        if kv is None:
+            self.scheduler.add(seq)
+        else:
+            self._check_import(kv, token_ids, first_token)
+            assert first_token is not None
+            seq.token_ids.append(first_token[0])
+            seq.output_logprobs.append(first_token[1])
+            req.text.add(first_token[0])  # already streamed by the prefill side
+            self._imports.append((seq, kv))
+        self._requests[request_id] = req
+        return token_ids
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("prompt", "must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgumentError("prompt_token_ids", f"token {bad} outside [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(ids)} tokens; the model's maximum length is {self.max_model_len}"
+            )
+        return ids
+
+    def _check_import(self, kv: KVPayload, token_ids: list[int], first: tuple[int, float] | None) -> None:
+        self.layout.check_compatible(kv.layout)
+        if kv.num_tokens != len(token_ids):
+            raise InvalidArgumentError(
+                "kv", f"payload holds {kv.num_tokens} tokens but the prompt has {len(token_ids)}"
+            )
+        if first is None or not 0 <= first[0] < self.model_config.vocab_size:
+            raise InvalidArgumentError("first_token", "a valid first token must come with an imported KV")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. False if it is not (or no longer) here."""
+        if request_id in self._held:
+            self.release_kv(request_id)
+            return True
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        pending = next((item for item in self._imports if item[0] is req.seq), None)
+        if pending is not None:
+            self._imports.remove(pending)
+        elif not req.seq.status.finished:
+            self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    # -- hand-off ------------------------------------------------------------------------
+    def export_kv(self, request_id: str) -> KVPayload:
+        """Copy the prompt KV of a finished ``hold_kv`` request (blocks stay held)."""
+        seq = self._held.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"no held KV for request {request_id!r}")
+        n = seq.num_prompt_tokens
+        layers = [self.runner.read_layer(i, seq.block_table, n) for i in range(self.model_config.num_layers)]
+        return KVPayload(
+            self.layout, n,
+            tuple(k.to("cpu").contiguous() for k, _ in layers),
+            tuple(v.to("cpu").contiguous() for _, v in layers),
+        )
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks a finished ``hold_kv`` request kept."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            raise UnknownRequestError(f"no held KV for request {request_id!r}")
+        self.block_manager.free(seq)
+
+    def _admit_imports(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self._imports and len(self.scheduler.running) < self.config.max_num_seqs:
+            seq, kv = self._imports[0]
+            if not self.block_manager.allocate(seq, kv.num_tokens + 1):
+                break
+            self._imports.popleft()
+            for i in range(kv.layout.num_layers):
+                self.runner.write_layer(i, seq.block_table, kv.keys[i], kv.values[i])
+            seq.num_computed_tokens = seq.num_cached_tokens = kv.num_tokens
+            self.block_manager.register_computed_blocks(seq)
+            self.scheduler.add_running(seq)
+            status = self.scheduler.token_stop(seq, seq.token_ids[-1])
+            if status is not None:  # the first token already ends it (max_tokens=1, EOS)
+                self.scheduler.finish(seq, status)
+                outputs.append(self._output(self._requests[seq.request_id], [], []))
+        return outputs
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> execute -> update. Returns deltas of requests that progressed."""
+        outputs = self._admit_imports()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched)
+        for seq in self.scheduler.update(sched, result.sampled):
+            req = self._requests[seq.request_id]
+            token, logprob = seq.token_ids[-1], seq.output_logprobs[-1]
+            if req.text.add(token) and not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)  # a stop string hit
+            out = self._output(req, [token], [logprob])
+            if result.logits is not None:
+                out.logits = result.logits[seq.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _output(self, req: _Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:
+        seq = req.seq
+        finished = seq.status.finished
+        out = RequestOutput(
+            seq.request_id, tokens, logprobs,
+            text=req.text.take(final=finished),
+            finished=finished,
+            finish_reason=seq.status.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+        if finished:
+            del self._requests[seq.request_id]
+            if seq.hold_kv:
+                self._held[seq.request_id] = seq
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self._imports)
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Iterable[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (simple use; services drive ``step`` themselves)."""
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        param_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompt_list)
+        if len(param_list) != len(prompt_list):
+            raise InvalidArgumentError("params", "need one SamplingParams per prompt, or a single one")
+        results: dict[str, GenerationResult] = {}
+        ids = [f"gen-{self._arrivals + i}-{id(self)}" for i in range(len(prompt_list))]
+        for rid, prompt, p in zip(ids, prompt_list, param_list, strict=True):
+            tokens = self.add_request(rid, prompt, p)
+            results[rid] = GenerationResult(rid, tokens, [], [], "", None)  # type: ignore[arg-type]
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r.token_ids += out.new_token_ids
+                r.logprobs += out.new_logprobs
+                r.text += out.text
+                if out.finished:
+                    assert out.finish_reason is not None
+                    r.finish_reason = out.finish_reason
+                    r.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in ids]
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        queued = sum(q.num_pending_tokens for q in s.waiting) + sum(
+            q.num_pending_tokens for q in s.running if q.num_computed_tokens < q.num_prompt_tokens
+        )
+        return EngineStats(
+            num_blocks_total=bm.num_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            block_size=bm.block_size,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(self._imports),
+            num_held=len(self._held),
+            queued_tokens=queued,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+        )
+
+    def check_no_leaks(self) -> None:
+        """Raise unless the engine is idle with every block free and ref counts consistent."""
+        if self.has_unfinished() or self._requests or self._held:
+            raise RuntimeError(
+                f"engine not idle: {len(self._requests)} requests, {len(self._held)} held, "
+                f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting"
+            )
+        self.block_manager.check_consistency([])
+        if self.block_manager.num_free_blocks != self.block_manager.num_blocks:
+            raise RuntimeError("KV blocks leaked")

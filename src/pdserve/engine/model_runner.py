@@ -1,0 +1,167 @@
+"""Executes a scheduled step: builds the flat batch, runs the model, samples. No policy here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.models.config import ModelConfig
+from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: dict[str, tuple[int, float]]
+    """request id -> (token, logprob) for every chunk that reached its last token."""
+    logits: dict[str, torch.Tensor] | None = None
+    """request id -> ``[vocab]`` float32 logits, when the config asks for them."""
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV pool on one device."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.cfg = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = dtype
+        self.block_size = config.block_size
+        # Build on the meta device (no random init of weights we overwrite anyway), then
+        # materialise on the target device and copy the checkpoint in.
+        with torch.device("meta"):
+            model = LlamaModel(model_config, max_model_len)
+        model = model.to_empty(device=self.device).to(dtype)
+        model.load_hf_weights(weights)
+        # Rotary tables stay float32 (positions up to max_model_len would lose precision in bf16).
+        from pdserve.models.llama import rope_tables
+
+        cos, sin = rope_tables(model_config, max_model_len)
+        model.cos, model.sin = cos.to(self.device), sin.to(self.device)
+        self.model = model.eval()
+        shape = (num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache: KVCache = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        self._arange = torch.arange(max_model_len + self.block_size, device=self.device)
+
+    # -- step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for chunk in out.decodes:
+            seq = chunk.seq
+            p = seq.num_computed_tokens
+            sample_rows.append(len(ids))
+            sample_seqs.append(seq)
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        spans: list[PrefillSpan] = []
+        hooked: list[tuple[Sequence, int]] = []
+        for chunk in out.prefills:
+            seq, n = chunk.seq, chunk.num_tokens
+            p0, start = seq.num_computed_tokens, len(ids)
+            ids.extend(seq.token_ids[p0 : p0 + n])
+            pos.extend(range(p0, p0 + n))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(p0, p0 + n))
+            ctx = p0 + n
+            if p0 == 0:
+                spans.append(PrefillSpan(start, n, ctx, None, None))
+            else:
+                ar = self._arange
+                mask = ar[:ctx].unsqueeze(0) <= (ar[p0:ctx]).unsqueeze(1)  # [n, ctx] causal with offset
+                table = self._long(seq.block_table[: -(-ctx // bs)])
+                spans.append(PrefillSpan(start, n, ctx, table, mask))
+            if chunk.samples:
+                sample_rows.append(start + n - 1)
+                sample_seqs.append(seq)
+                if seq.layer_hook is not None:
+                    hooked.append((seq, ctx))
+
+        meta = AttentionMetadata(
+            slot_mapping=self._long(slots),
+            num_decodes=len(out.decodes),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=spans,
+        )
+        if out.decodes:
+            tables = [c.seq.block_table for c in out.decodes]
+            width = max(map(len, tables))
+            meta.decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
+            )
+            ctx_lens = self._long([c.seq.num_computed_tokens + 1 for c in out.decodes])
+            meta.decode_mask = (self._arange[: width * bs].unsqueeze(0) < ctx_lens.unsqueeze(1))[:, None, None, :]
+
+        logits = self.model(
+            self._long(ids),
+            self._long(pos),
+            self.kv_cache,
+            meta,
+            self._long(sample_rows),
+            after_layer=self._layer_hook_caller(hooked) if hooked else None,
+        )
+        if not sample_seqs:  # only non-final prompt chunks this step
+            return StepResult({})
+        tokens, logprobs = sample(logits, sample_seqs)
+        result = StepResult({s.request_id: (t, lp) for s, t, lp in zip(sample_seqs, tokens, logprobs, strict=True)})
+        if self.config.return_logits:
+            result.logits = {s.request_id: logits[i].cpu() for i, s in enumerate(sample_seqs)}
+        return result
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _layer_hook_caller(self, hooked: list[tuple[Sequence, int]]) -> Callable[[int], None]:
+        def after_layer(layer: int) -> None:
+            for seq, ctx in hooked:
+                assert seq.layer_hook is not None
+                k, v = self.read_layer(layer, seq.block_table, ctx)
+                seq.layer_hook(layer, k, v)
+
+        return after_layer
+
+    # -- KV import / export ------------------------------------------------------------------
+    def read_layer(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K, V of a sequence, ``[num_tokens, kvh, hd]`` each (gathered copies)."""
+        table = self._long(block_table[: -(-num_tokens // self.block_size)])
+        k_cache, v_cache = self.kv_cache[layer]
+        kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        return (
+            k_cache[table].view(-1, kvh, hd)[:num_tokens],
+            v_cache[table].view(-1, kvh, hd)[:num_tokens],
+        )
+
+    def write_layer(self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``[num_tokens, kvh, hd]`` K/V into the slots of ``block_table``."""
+        n = keys.shape[0]
+        bs = self.block_size
+        table = self._long(block_table)
+        pos = self._arange[:n]
+        slots = table[pos // bs] * bs + pos % bs
+        k_cache, v_cache = self.kv_cache[layer]
+        kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        k_cache.view(-1, kvh, hd).index_copy_(0, slots, keys.to(self.device, self.dtype))
+        v_cache.view(-1, kvh, hd).index_copy_(0, slots, values.to(self.device, self.dtype))

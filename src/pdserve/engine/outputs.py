@@ -1,0 +1,54 @@
+"""What the engine hands back: per-step deltas and whole results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    """A stop token, the model's EOS or a stop string."""
+    LENGTH = "length"
+    """max_tokens reached."""
+    ABORT = "abort"
+    """Aborted by the caller."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's delta from one ``Engine.step()``.
+
+    Tokens are appended in order; a request emits no more outputs after ``finished``.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text: str = ""
+    """New text (never a split UTF-8 character; cut before a stop string)."""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache or an imported KV payload."""
+    logits: torch.Tensor | None = None
+    """``[vocab]`` logits of the sampled step, only with ``EngineConfig.return_logits``."""
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished request, as returned by ``Engine.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    num_cached_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

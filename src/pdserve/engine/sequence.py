@@ -1,0 +1,129 @@
+"""One request inside the engine: its tokens, its KV blocks and where it is in its life.
+
+Lifecycle:
+  1. ``WAITING``: added, no KV computed (or preempted: KV dropped, to be recomputed).
+  2. ``RUNNING``: admitted; each step computes a prompt chunk or one decode token.
+  3. ``FINISHED_*``: stop/length/abort. Its blocks are freed, unless the request asked to hold
+     its KV for export (a prefill worker's hand-off), in which case ``release_kv`` frees them.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, Protocol
+
+from pdserve.engine.outputs import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LayerHook(Protocol):
+    """Called once per layer when a prefill's KV of that layer is complete.
+
+    ``keys``/``values``: ``[num_prompt_tokens, num_kv_heads, head_dim]``, views that are only
+    valid during the call (copy what you keep).
+    """
+
+    def __call__(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+
+class SequenceStatus(IntEnum):
+    """Ordered: everything above RUNNING is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def finished(self) -> bool:
+        return self > SequenceStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Sequence:
+    """Token state and KV bookkeeping of one request. Holds no tensors."""
+
+    __slots__ = (
+        "arrival",
+        "block_hashes",
+        "block_table",
+        "cache_salt",
+        "generator",
+        "hold_kv",
+        "layer_hook",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "output_logprobs",
+        "params",
+        "request_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival: int,
+        hold_kv: bool = False,
+        layer_hook: LayerHook | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.hold_kv = hold_kv
+        self.layer_hook = layer_hook
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        """Tokens whose KV is in the cache (prefix hits included)."""
+        self.num_cached_tokens = 0
+        """Prompt tokens that came from the prefix cache or an import, not computed here."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the leading full, computed blocks (they depend on tokens only, so
+        they survive preemption)."""
+        self.output_logprobs: list[float] = []
+        self.generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:  # no token ids: prompts stay out of logs
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,69 @@
+"""Typed error hierarchy shared by the library and the services.
+
+Library code raises these; the gRPC boundary (``pdserve.rpc``) maps each class to one status
+code via ``grpc_code``. The names are gRPC ``StatusCode`` member names, kept as strings so that
+the engine can raise them without importing grpc.
+"""
+
+from __future__ import annotations
+
+
+class PdServeError(Exception):
+    """Base of every error pdserve raises on purpose."""
+
+    grpc_code: str = "INTERNAL"
+
+
+class InvalidArgumentError(PdServeError, ValueError):
+    """A caller-supplied value is invalid. ``field`` names the offending field."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelLoadError(PdServeError):
+    """A checkpoint directory is missing a file or describes an unsupported model."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class KVPayloadMismatchError(PdServeError):
+    """A KV payload was produced by another model, dtype or cache layout."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class UnknownRequestError(PdServeError, KeyError):
+    """A request id that the component does not (or no longer) hold."""
+
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message.
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(PdServeError):
+    """A request id that is already in flight."""
+
+    grpc_code = "ALREADY_EXISTS"
+
+
+class CapacityError(PdServeError):
+    """No worker, block or byte budget can take the request right now."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class WorkerUnavailableError(PdServeError):
+    """A worker or dependency is gone or not reachable."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class KVTransferError(PdServeError):
+    """A KV hand-off timed out, broke or failed its checksum."""
+
+    grpc_code = "UNAVAILABLE"

@@ -1,0 +1,73 @@
+"""KV hand-off: export on engine A, import on engine B, decode on B == A alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import KVPayloadMismatchError
+from tests.unit.engine.test_parity import prompts_of, run_collect
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prefill_and_export(engine: Engine, rid: str, prompt: list[int], hook: object = None) -> tuple[tuple[int, float], KVPayload]:
+    engine.add_request(rid, prompt, PARAMS, hold_kv=True, layer_hook=hook)  # type: ignore[arg-type]
+    first: tuple[int, float] | None = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            first = (o.new_token_ids[0], o.new_logprobs[0])
+    assert first is not None
+    payload = engine.export_kv(rid)
+    engine.release_kv(rid)
+    engine.check_no_leaks()
+    return first, payload
+
+
+@pytest.mark.parametrize("block_sizes", [(16, 16), (8, 32)])
+def test_export_import_continues_exactly(tiny_llama_dir: Path, block_sizes: tuple[int, int]) -> None:
+    a = Engine.from_pretrained(tiny_llama_dir, dtype="float32", block_size=block_sizes[0])
+    b = Engine.from_pretrained(tiny_llama_dir, dtype="float32", block_size=block_sizes[1])
+    prompts = prompts_of(a, [3, 16, 45])
+    alone = run_collect(a, prompts, PARAMS)
+    for i, p in enumerate(prompts):
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            layers[layer] = (k.clone(), v.clone())
+
+        first, payload = prefill_and_export(a, f"x{i}", p, hook)
+        # The layer hook saw exactly what the export holds, every layer once.
+        assert sorted(layers) == list(range(a.model_config.num_layers))
+        for layer, (k, v) in layers.items():
+            assert torch.equal(k, payload.keys[layer]) and torch.equal(v, payload.values[layer])
+        wire = KVPayload.from_bytes(payload.to_bytes())
+        b.add_request(f"y{i}", p, PARAMS, kv=wire, first_token=first)
+        tokens = [first[0]]
+        while b.has_unfinished():
+            for o in b.step():
+                tokens += o.new_token_ids
+        assert tokens == alone[f"r{i}"][0]
+        assert len(tokens) == PARAMS.max_tokens
+    b.check_no_leaks()
+
+
+def test_mismatched_payload_refused(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> None:
+    a = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
+    other_model = Engine.from_pretrained(tiny_qwen2_dir, dtype="float32")
+    other_dtype = Engine.from_pretrained(tiny_llama_dir, dtype="bfloat16")
+    prompt = prompts_of(a, [20])[0]
+    first, payload = prefill_and_export(a, "x", prompt)
+    for engine, field in ((other_model, "model_fingerprint"), (other_dtype, "dtype")):
+        with pytest.raises(KVPayloadMismatchError, match=field):
+            engine.add_request("y", prompt, PARAMS, kv=payload, first_token=first)
+        engine.check_no_leaks()
+    blob = bytearray(payload.to_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    with pytest.raises(KVPayloadMismatchError, match="checksum"):
+        KVPayload.from_bytes(bytes(blob))

@@ -1,0 +1,113 @@
+"""Greedy tokens and per-step logits match HF transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from tests.unit.engine.hf_reference import HFReference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ATOL = 2e-4
+
+
+def prompts_of(engine: Engine, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_collect(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+    out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+        out[f"r{i}"] = ([], [])
+    while engine.has_unfinished():
+        step: list[RequestOutput] = engine.step()
+        for o in step:
+            out[o.request_id][0].extend(o.new_token_ids)
+            if o.logits is not None:
+                out[o.request_id][1].append(o.logits)
+    engine.check_no_leaks()
+    return out
+
+
+def assert_matches_hf(ref: HFReference, prompt: list[int], tokens: list[int], logits: list[torch.Tensor]) -> None:
+    full = ref.logits(prompt + tokens)  # [len, vocab]
+    expected = full[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+    assert tokens == expected.argmax(-1).tolist()
+    torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_tied_dir"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir: Path) -> HFReference:
+    return HFReference(model_dir)
+
+
+LENGTHS = [1, 5, 16, 17, 40, 77]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({}, id="batched"),
+        pytest.param({"max_num_batched_tokens": 24, "max_num_seqs": 8}, id="chunked"),
+        pytest.param({"max_num_batched_tokens": 24, "max_num_seqs": 8, "enable_chunked_prefill": False}, id="unchunked-small-budget"),
+        pytest.param({"num_kv_blocks": 14, "block_size": 8}, id="preemption"),
+    ],
+)
+def test_batched_greedy_matches_hf(model_dir: Path, ref: HFReference, config: dict[str, object]) -> None:
+    engine = Engine.from_pretrained(model_dir, dtype="float32", return_logits=True, **config)
+    prompts = prompts_of(engine, LENGTHS)
+    got = run_collect(engine, prompts)
+    for i, p in enumerate(prompts):
+        tokens, logits = got[f"r{i}"]
+        assert len(tokens) == GREEDY.max_tokens
+        assert_matches_hf(ref, p, tokens, logits)
+    if "num_kv_blocks" in config:
+        assert engine.stats().num_preemptions > 0, "the pool was meant to be too small"
+
+
+def test_alone_equals_batched(model_dir: Path) -> None:
+    engine = Engine.from_pretrained(model_dir, dtype="float32")
+    prompts = prompts_of(engine, LENGTHS, seed=1)
+    batched = run_collect(engine, prompts)
+    for i, p in enumerate(prompts):
+        alone = run_collect(engine, [p])
+        assert alone["r0"][0] == batched[f"r{i}"][0]
+
+
+def test_prefix_cache_hits_match_hf(model_dir: Path, ref: HFReference) -> None:
+    engine = Engine.from_pretrained(model_dir, dtype="float32", return_logits=True, block_size=8)
+    shared = prompts_of(engine, [40], seed=2)[0]
+    first = run_collect(engine, [shared + [7, 8, 9]])
+    assert engine.stats().prefix_cache_hits == 0
+    prompts = [shared + [11, 12], shared[:33], shared]
+    engine.add_request("warm", shared + [7, 8, 9], GREEDY)
+    cached: list[int] = []
+    got: dict[str, tuple[list[int], list[torch.Tensor]]] = {"warm": ([], [])}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, GREEDY)
+        got[f"p{i}"] = ([], [])
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id][0].extend(o.new_token_ids)
+            assert o.logits is not None
+            got[o.request_id][1].append(o.logits)
+            if o.finished:
+                cached.append(o.num_cached_tokens)
+    engine.check_no_leaks()
+    assert got["warm"][0] == first["r0"][0]
+    assert max(cached) >= 32, "the shared prefix should come from the cache"
+    for i, p in enumerate(prompts):
+        assert_matches_hf(ref, p, *got[f"p{i}"])
