@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
@@ -33,7 +34,11 @@ def chain_block_hashes(
         h = hashlib.blake2b(digest_size=16)
         h.update(parent)
         h.update(salt_bytes)
-        h.update(b"".join(t.to_bytes(4, "little") for t in token_ids[i * block_size : (i + 1) * block_size]))
+        h.update(
+            b"".join(
+                t.to_bytes(4, "little") for t in token_ids[i * block_size : (i + 1) * block_size]
+            )
+        )
         parent = h.digest()
         out.append(parent)
     return out
@@ -49,7 +54,9 @@ class Block:
 class BlockManager:
     """Owns the block pool's bookkeeping. Never touches tensors."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -102,6 +109,7 @@ class BlockManager:
         for block_id in block_ids:
             self._ref(block_id)
         seq.block_table = list(block_ids)
+        seq.num_registered_blocks = len(block_ids)
         seq.num_computed_tokens = seq.num_cached_tokens = len(block_ids) * self.block_size
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -117,12 +125,13 @@ class BlockManager:
                 parent=seq.block_hashes[-1] if seq.block_hashes else b"",
                 start=len(seq.block_hashes),
             )
-        for i in range(n_full):
+        for i in range(seq.num_registered_blocks, n_full):
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]
             if block.hash is None and h not in self._cached:
                 block.hash = h
                 self._cached[h] = block.block_id
+        seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
@@ -149,7 +158,7 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -166,7 +175,9 @@ class BlockManager:
                 counts[block_id] += 1
         for block in self.blocks:
             if block.ref_count != counts[block.block_id]:
-                raise RuntimeError(f"block {block.block_id}: ref {block.ref_count} != {counts[block.block_id]}")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref {block.ref_count} != {counts[block.block_id]}"
+                )
             if (block.ref_count == 0) != (block.block_id in self._free):
                 raise RuntimeError(f"block {block.block_id}: free-list membership wrong")
         for h, block_id in self._cached.items():

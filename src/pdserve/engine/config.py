@@ -43,11 +43,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "auto"):
-            raise InvalidArgumentError("dtype", f"must be bfloat16, float32 or auto, got {self.dtype!r}")
+            raise InvalidArgumentError(
+                "dtype", f"must be bfloat16, float32 or auto, got {self.dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgumentError("device", f"must be cpu or cuda[:N], got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise InvalidArgumentError("block_size", f"must be a power of two, got {self.block_size}")
+            raise InvalidArgumentError(
+                "block_size", f"must be a power of two, got {self.block_size}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidArgumentError("num_kv_blocks", f"must be >= 2, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:

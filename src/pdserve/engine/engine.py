@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,12 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
 from pdserve.engine.text import TextStream
-from pdserve.errors import CapacityError, DuplicateRequestError, InvalidArgumentError, UnknownRequestError
+from pdserve.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    UnknownRequestError,
+)
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import checkpoint_fingerprint, load_state_dict
 from pdserve.tokenizer import Tokenizer
@@ -71,8 +77,17 @@ class Engine:
         dtype_name = "bfloat16" if config.dtype == "auto" else config.dtype
         self.dtype: torch.dtype = getattr(torch, dtype_name)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        # Within a sliding window, full attention is exact; past it we would diverge, so cap there.
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        block_bytes = (
+            2
+            * mc.num_layers
+            * config.block_size
+            * mc.num_kv_heads
+            * mc.head_dim
+            * self.dtype.itemsize
+        )
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
         self.layout = KVLayout(
             model_fingerprint=checkpoint_fingerprint(self.model_dir),
@@ -130,12 +145,15 @@ class Engine:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         token_ids = self._prompt_ids(prompt)
         params.check_against(
-            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len, prompt_len=len(token_ids)
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            prompt_len=len(token_ids),
         )
         need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
             raise CapacityError(
-                f"request needs {need} KV blocks, more than this engine's {self.block_manager.num_blocks}"
+                f"request needs {need} KV blocks; this engine has "
+                f"{self.block_manager.num_blocks} in all"
             )
         if not params.ignore_eos and self.tokenizer.eos_token_ids:
             params = dataclasses.replace(
@@ -143,8 +161,13 @@ class Engine:
             )
         self._arrivals += 1
         seq = Sequence(
-            request_id, token_ids, params, arrival=self._arrivals,
-            hold_kv=hold_kv, layer_hook=layer_hook, cache_salt=cache_salt,
+            request_id,
+            token_ids,
+            params,
+            arrival=self._arrivals,
+            hold_kv=hold_kv,
+            layer_hook=layer_hook,
+            cache_salt=cache_salt,
         )
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -181,14 +204,18 @@ class Engine:
             )
         return ids
 
-    def _check_import(self, kv: KVPayload, token_ids: list[int], first: tuple[int, float] | None) -> None:
+    def _check_import(
+        self, kv: KVPayload, token_ids: list[int], first: tuple[int, float] | None
+    ) -> None:
         self.layout.check_compatible(kv.layout)
         if kv.num_tokens != len(token_ids):
             raise InvalidArgumentError(
                 "kv", f"payload holds {kv.num_tokens} tokens but the prompt has {len(token_ids)}"
             )
         if first is None or not 0 <= first[0] < self.model_config.vocab_size:
-            raise InvalidArgumentError("first_token", "a valid first token must come with an imported KV")
+            raise InvalidArgumentError(
+                "first_token", "a valid first token must come with an imported KV"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. False if it is not (or no longer) here."""
@@ -212,9 +239,13 @@ class Engine:
         if seq is None:
             raise UnknownRequestError(f"no held KV for request {request_id!r}")
         n = seq.num_prompt_tokens
-        layers = [self.runner.read_layer(i, seq.block_table, n) for i in range(self.model_config.num_layers)]
+        layers = [
+            self.runner.read_layer(i, seq.block_table, n)
+            for i in range(self.model_config.num_layers)
+        ]
         return KVPayload(
-            self.layout, n,
+            self.layout,
+            n,
             tuple(k.to("cpu").contiguous() for k, _ in layers),
             tuple(v.to("cpu").contiguous() for _, v in layers),
         )
@@ -267,7 +298,9 @@ class Engine:
         seq = req.seq
         finished = seq.status.finished
         out = RequestOutput(
-            seq.request_id, tokens, logprobs,
+            seq.request_id,
+            tokens,
+            logprobs,
             text=req.text.take(final=finished),
             finished=finished,
             finish_reason=seq.status.finish_reason,
@@ -289,12 +322,16 @@ class Engine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Run prompts to completion (simple use; services drive ``step`` themselves)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
-        param_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompt_list)
+        prompt_list = _as_prompt_list(prompts)
+        param_list = (
+            list(params)
+            if isinstance(params, Seq)
+            else [params or SamplingParams()] * len(prompt_list)
+        )
         if len(param_list) != len(prompt_list):
-            raise InvalidArgumentError("params", "need one SamplingParams per prompt, or a single one")
+            raise InvalidArgumentError(
+                "params", "need one SamplingParams per prompt, or a single one"
+            )
         results: dict[str, GenerationResult] = {}
         ids = [f"gen-{self._arrivals + i}-{id(self)}" for i in range(len(prompt_list))]
         for rid, prompt, p in zip(ids, prompt_list, param_list, strict=True):
@@ -341,3 +378,13 @@ class Engine:
         self.block_manager.check_consistency([])
         if self.block_manager.num_free_blocks != self.block_manager.num_blocks:
             raise RuntimeError("KV blocks leaked")
+
+
+def _as_prompt_list(prompts: str | Seq[int] | Iterable[str | Seq[int]]) -> list[str | Seq[int]]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]

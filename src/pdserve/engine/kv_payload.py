@@ -92,7 +92,8 @@ class KVPayload:
         body = memoryview(blob)[4 + hlen : -4]
         if len(body) != per_layer * layout.num_layers:
             raise KVPayloadMismatchError(
-                f"KV payload body is {len(body)} bytes, header implies {per_layer * layout.num_layers}"
+                f"KV payload body is {len(body)} bytes, "
+                f"header implies {per_layer * layout.num_layers}"
             )
         keys, values = [], []
         for i in range(layout.num_layers):
@@ -116,7 +117,9 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def split_layer(data: bytes, layout: KVLayout, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_layer(
+    data: bytes, layout: KVLayout, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V from their wire bytes."""
     shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
     half = len(data) // 2

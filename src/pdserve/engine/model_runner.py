@@ -12,7 +12,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.models.config import ModelConfig
-from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan
+from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan, rope_tables
 
 
 @dataclass(slots=True)
@@ -48,14 +48,15 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(dtype)
         model.load_hf_weights(weights)
         # Rotary tables stay float32 (positions up to max_model_len would lose precision in bf16).
-        from pdserve.models.llama import rope_tables
-
         cos, sin = rope_tables(model_config, max_model_len)
         model.cos, model.sin = cos.to(self.device), sin.to(self.device)
         self.model = model.eval()
         shape = (num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache: KVCache = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(model_config.num_layers)
         ]
         self._arange = torch.arange(max_model_len + self.block_size, device=self.device)
@@ -90,7 +91,9 @@ class ModelRunner:
                 spans.append(PrefillSpan(start, n, ctx, None, None))
             else:
                 ar = self._arange
-                mask = ar[:ctx].unsqueeze(0) <= (ar[p0:ctx]).unsqueeze(1)  # [n, ctx] causal with offset
+                mask = ar[:ctx].unsqueeze(0) <= (ar[p0:ctx]).unsqueeze(
+                    1
+                )  # [n, ctx] causal with offset
                 table = self._long(seq.block_table[: -(-ctx // bs)])
                 spans.append(PrefillSpan(start, n, ctx, table, mask))
             if chunk.samples:
@@ -113,7 +116,9 @@ class ModelRunner:
                 [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
             )
             ctx_lens = self._long([c.seq.num_computed_tokens + 1 for c in out.decodes])
-            meta.decode_mask = (self._arange[: width * bs].unsqueeze(0) < ctx_lens.unsqueeze(1))[:, None, None, :]
+            meta.decode_mask = (self._arange[: width * bs].unsqueeze(0) < ctx_lens.unsqueeze(1))[
+                :, None, None, :
+            ]
 
         logits = self.model(
             self._long(ids),
@@ -126,7 +131,9 @@ class ModelRunner:
         if not sample_seqs:  # only non-final prompt chunks this step
             return StepResult({})
         tokens, logprobs = sample(logits, sample_seqs)
-        result = StepResult({s.request_id: (t, lp) for s, t, lp in zip(sample_seqs, tokens, logprobs, strict=True)})
+        result = StepResult(
+            {s.request_id: (t, lp) for s, t, lp in zip(sample_seqs, tokens, logprobs, strict=True)}
+        )
         if self.config.return_logits:
             result.logits = {s.request_id: logits[i].cpu() for i, s in enumerate(sample_seqs)}
         return result
@@ -144,7 +151,9 @@ class ModelRunner:
         return after_layer
 
     # -- KV import / export ------------------------------------------------------------------
-    def read_layer(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_layer(
+        self, layer: int, block_table: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K, V of a sequence, ``[num_tokens, kvh, hd]`` each (gathered copies)."""
         table = self._long(block_table[: -(-num_tokens // self.block_size)])
         k_cache, v_cache = self.kv_cache[layer]
@@ -154,7 +163,9 @@ class ModelRunner:
             v_cache[table].view(-1, kvh, hd)[:num_tokens],
         )
 
-    def write_layer(self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_layer(
+        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Copy ``[num_tokens, kvh, hd]`` K/V into the slots of ``block_table``."""
         n = keys.shape[0]
         bs = self.block_size

@@ -31,19 +31,27 @@ class SamplingParams:
     """Finish when the text contains one of these strings (the output is cut before it)."""
     ignore_eos: bool = False
     """Keep generating past the model's end-of-sequence token."""
-    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+    stop_token_set: frozenset[int] = field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, int | float) or math.isnan(self.temperature):
-            raise InvalidArgumentError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+            raise InvalidArgumentError(
+                "temperature", f"must be a number >= 0, got {self.temperature!r}"
+            )
         if self.temperature < 0 or math.isinf(self.temperature):
-            raise InvalidArgumentError("temperature", f"must be finite and >= 0, got {self.temperature}")
+            raise InvalidArgumentError(
+                "temperature", f"must be finite and >= 0, got {self.temperature}"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgumentError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidArgumentError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidArgumentError(
+                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgumentError("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):

@@ -55,7 +55,9 @@ class SchedulerOutput:
 class Scheduler:
     """Decides what each engine step computes; owns the waiting/running queues."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, *, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, *, max_model_len: int
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -103,7 +105,9 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs
+        ):
             seq = self.waiting[0]
             bm.take_prefix(seq, bm.match_prefix(seq))
             pending = seq.num_pending_tokens

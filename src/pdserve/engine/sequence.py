@@ -68,6 +68,7 @@ class Sequence:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "num_registered_blocks",
         "output_logprobs",
         "params",
         "request_id",
@@ -103,6 +104,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         """Chained hashes of the leading full, computed blocks (they depend on tokens only, so
         they survive preemption)."""
+        self.num_registered_blocks = 0
+        """Leading blocks of ``block_table`` already published to the prefix cache."""
         self.output_logprobs: list[float] = []
         self.generator: torch.Generator | None = None
 

@@ -36,7 +36,11 @@ class TextStream:
         """The text not yet taken; all of it when ``final``."""
         if final and not self.stopped:
             self._text += self._detok.flush()
-        end = len(self._text) if final or self.stopped else max(self._sent, len(self._text) - self._hold)
+        end = (
+            len(self._text)
+            if final or self.stopped
+            else max(self._sent, len(self._text) - self._hold)
+        )
         delta = self._text[self._sent : end]
         self._sent = end
         return delta

@@ -49,6 +49,11 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    """q/k/v projections have a bias (Qwen2 always; Llama when ``attention_bias``)."""
+    o_proj_bias: bool
+    """The output projection has a bias too (Llama's ``attention_bias``; not Qwen2)."""
+    sliding_window: int | None
+    """Mistral/Qwen2 sliding-window attention span; the engine caps its length at it."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -70,6 +75,11 @@ class ModelConfig:
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
             )
             scaling = _parse_rope_scaling(scaling_cfg)
+            if cfg.get("mlp_bias"):
+                raise ModelLoadError("config.json sets mlp_bias, which is not supported")
+            window = cfg.get("sliding_window")
+            if family == "qwen2" and not cfg.get("use_sliding_window", False):
+                window = None
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -88,6 +98,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v bias; Llama may declare attention_bias.
                 attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+                o_proj_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+                sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -111,8 +111,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.kvh) * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, (self.nh + 2 * self.kvh) * self.hd, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.hd**-0.5
 
     def forward(
@@ -148,7 +150,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        D, mb = meta.decode_block_tables.shape
+        D = meta.decode_block_tables.shape[0]
         # Gather each sequence's blocks: [D, max_blocks, bs, kvh, hd] -> [D, kvh, S, hd].
         keys = k_cache[meta.decode_block_tables].view(D, -1, self.kvh, self.hd).transpose(1, 2)
         vals = v_cache[meta.decode_block_tables].view(D, -1, self.kvh, self.hd).transpose(1, 2)
@@ -221,6 +223,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
 
+    cos: torch.Tensor  # [max_positions, head_dim] float32
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -266,7 +271,10 @@ class LlamaModel(nn.Module):
 
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
-        if not cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings:
+            # Re-tie: moving the module between devices may have given lm_head its own storage.
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
             self.lm_head.weight.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
@@ -277,8 +285,13 @@ class LlamaModel(nn.Module):
             )
             if cfg.attention_bias:
                 assert attn.qkv_proj.bias is not None
-                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                attn.qkv_proj.bias.copy_(
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                )
             attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if cfg.o_proj_bias:
+                assert attn.o_proj.bias is not None
+                attn.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
             layer.mlp.gate_up_proj.weight.copy_(
                 torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,12 @@ from tests.unit.engine.test_parity import prompts_of, run_collect
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def prefill_and_export(engine: Engine, rid: str, prompt: list[int], hook: object = None) -> tuple[tuple[int, float], KVPayload]:
-    engine.add_request(rid, prompt, PARAMS, hold_kv=True, layer_hook=hook)  # type: ignore[arg-type]
+def prefill_and_export(
+    engine: Engine, rid: str, prompt: list[int], hook: object = None
+) -> tuple[tuple[int, float], KVPayload]:
+    # The prefill side samples only the first token, then holds the prompt's KV for export.
+    first_only = dataclasses.replace(PARAMS, max_tokens=1)
+    engine.add_request(rid, prompt, first_only, hold_kv=True, layer_hook=hook)  # type: ignore[arg-type]
     first: tuple[int, float] | None = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -30,7 +35,9 @@ def prefill_and_export(engine: Engine, rid: str, prompt: list[int], hook: object
 
 
 @pytest.mark.parametrize("block_sizes", [(16, 16), (8, 32)])
-def test_export_import_continues_exactly(tiny_llama_dir: Path, block_sizes: tuple[int, int]) -> None:
+def test_export_import_continues_exactly(
+    tiny_llama_dir: Path, block_sizes: tuple[int, int]
+) -> None:
     a = Engine.from_pretrained(tiny_llama_dir, dtype="float32", block_size=block_sizes[0])
     b = Engine.from_pretrained(tiny_llama_dir, dtype="float32", block_size=block_sizes[1])
     prompts = prompts_of(a, [3, 16, 45])
@@ -38,8 +45,13 @@ def test_export_import_continues_exactly(tiny_llama_dir: Path, block_sizes: tupl
     for i, p in enumerate(prompts):
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            layers[layer] = (k.clone(), v.clone())
+        def hook(
+            layer: int,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = layers,
+        ) -> None:
+            seen[layer] = (k.clone(), v.clone())
 
         first, payload = prefill_and_export(a, f"x{i}", p, hook)
         # The layer hook saw exactly what the export holds, every layer once.

@@ -22,7 +22,9 @@ def prompts_of(engine: Engine, lengths: list[int], seed: int = 0) -> list[list[i
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_collect(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+def run_collect(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
     out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -37,7 +39,9 @@ def run_collect(engine: Engine, prompts: list[list[int]], params: SamplingParams
     return out
 
 
-def assert_matches_hf(ref: HFReference, prompt: list[int], tokens: list[int], logits: list[torch.Tensor]) -> None:
+def assert_matches_hf(
+    ref: HFReference, prompt: list[int], tokens: list[int], logits: list[torch.Tensor]
+) -> None:
     full = ref.logits(prompt + tokens)  # [len, vocab]
     expected = full[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
     assert tokens == expected.argmax(-1).tolist()
@@ -62,11 +66,16 @@ LENGTHS = [1, 5, 16, 17, 40, 77]
     [
         pytest.param({}, id="batched"),
         pytest.param({"max_num_batched_tokens": 24, "max_num_seqs": 8}, id="chunked"),
-        pytest.param({"max_num_batched_tokens": 24, "max_num_seqs": 8, "enable_chunked_prefill": False}, id="unchunked-small-budget"),
+        pytest.param(
+            {"max_num_batched_tokens": 24, "max_num_seqs": 8, "enable_chunked_prefill": False},
+            id="unchunked-small-budget",
+        ),
         pytest.param({"num_kv_blocks": 14, "block_size": 8}, id="preemption"),
     ],
 )
-def test_batched_greedy_matches_hf(model_dir: Path, ref: HFReference, config: dict[str, object]) -> None:
+def test_batched_greedy_matches_hf(
+    model_dir: Path, ref: HFReference, config: dict[str, object]
+) -> None:
     engine = Engine.from_pretrained(model_dir, dtype="float32", return_logits=True, **config)
     prompts = prompts_of(engine, LENGTHS)
     got = run_collect(engine, prompts)
@@ -90,10 +99,10 @@ def test_alone_equals_batched(model_dir: Path) -> None:
 def test_prefix_cache_hits_match_hf(model_dir: Path, ref: HFReference) -> None:
     engine = Engine.from_pretrained(model_dir, dtype="float32", return_logits=True, block_size=8)
     shared = prompts_of(engine, [40], seed=2)[0]
-    first = run_collect(engine, [shared + [7, 8, 9]])
+    first = run_collect(engine, [[*shared, 7, 8, 9]])
     assert engine.stats().prefix_cache_hits == 0
-    prompts = [shared + [11, 12], shared[:33], shared]
-    engine.add_request("warm", shared + [7, 8, 9], GREEDY)
+    prompts = [[*shared, 11, 12], shared[:33], shared]
+    engine.add_request("warm", [*shared, 7, 8, 9], GREEDY)
     cached: list[int] = []
     got: dict[str, tuple[list[int], list[torch.Tensor]]] = {"warm": ([], [])}
     for i, p in enumerate(prompts):
@@ -111,3 +120,63 @@ def test_prefix_cache_hits_match_hf(model_dir: Path, ref: HFReference) -> None:
     assert max(cached) >= 32, "the shared prefix should come from the cache"
     for i, p in enumerate(prompts):
         assert_matches_hf(ref, p, *got[f"p{i}"])
+
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        pytest.param("mistral", {"family": "mistral"}, id="mistral"),
+        pytest.param(
+            "llama3",
+            {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0},
+            id="llama3-rope-scaling",
+        ),
+        pytest.param(
+            "llama3p",
+            {"rope_scaling": LLAMA3_SCALING, "rope_style": "parameters"},
+            id="rope-parameters-key",
+        ),
+        pytest.param("sharded", {"shards": 3}, id="sharded-safetensors"),
+        pytest.param("llama-bias", {"attention_bias": True}, id="llama-attention-bias"),
+    ],
+)
+def test_checkpoint_variants_match_hf(
+    tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict[str, object]
+) -> None:
+    from pdserve.models.demo import init_checkpoint
+
+    path = init_checkpoint(
+        tmp_path_factory.mktemp(name), "tiny", dtype="float32", seed=5, **overrides
+    )
+    engine = Engine.from_pretrained(path, dtype="float32", return_logits=True)
+    ref = HFReference(path)
+    prompts = prompts_of(engine, [7, 90])  # 90 > original_max_position_embeddings: scaling matters
+    got = run_collect(engine, prompts)
+    for i, p in enumerate(prompts):
+        assert_matches_hf(ref, p, *got[f"r{i}"])
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu(tiny_llama_dir: Path) -> None:
+    """The same code on CUDA: greedy tokens equal the CPU engine's, logits close."""
+    cpu = Engine.from_pretrained(tiny_llama_dir, dtype="float32", return_logits=True)
+    gpu = Engine.from_pretrained(tiny_llama_dir, dtype="float32", return_logits=True, device="cuda")
+    prompts = prompts_of(cpu, LENGTHS)
+    a, b = run_collect(cpu, prompts), run_collect(gpu, prompts)
+    for rid in a:
+        assert a[rid][0] == b[rid][0]
+        torch.testing.assert_close(
+            torch.stack(a[rid][1]), torch.stack(b[rid][1]), atol=1e-3, rtol=1e-3
+        )
+    ref = HFReference(tiny_llama_dir)
+    for i, p in enumerate(prompts):
+        assert_matches_hf(ref, p, *b[f"r{i}"])

@@ -1,0 +1,66 @@
+"""The ``pdserve`` command line: a dispatcher to one handler module per subcommand.
+
+Each subcommand's module is imported only when that subcommand runs, so ``pdserve --help``
+stays fast (no torch, grpc or transformers import). To add a subcommand, add one entry to
+``COMMANDS``: its handler takes the arguments that follow the subcommand name and returns the
+exit status, and parses them with its own ``argparse`` parser (so ``pdserve NAME --help`` works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import PdServeError
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """Where a subcommand's handler lives: ``module.function(argv) -> int``."""
+
+    module: str
+    function: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "model": Command("pdserve.models.demo", "main_model", "make demo checkpoints (model init)"),
+    "bench": Command("pdserve.bench", "main_bench", "benchmarks (bench engine)"),
+    "up": Command("pdserve.launcher", "main_up", "start a local cluster (Redis + all services)"),
+    "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
+    "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {name:<10} {cmd.help}" for name, cmd in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/Decode-disaggregated LLM inference server.",
+        epilog=f"commands:\n{commands}\n\nrun 'pdserve COMMAND --help' for a command's options",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``pdserve COMMAND ARGS...``; returns the process exit status."""
+    ns = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    cmd = COMMANDS[ns.command]
+    handler: Callable[[Sequence[str]], int] = getattr(
+        importlib.import_module(cmd.module), cmd.function
+    )
+    try:
+        return int(handler(ns.args))
+    except PdServeError as e:  # an expected failure: a message, not a traceback
+        print(f"pdserve {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny demo checkpoints (made once per session), and GPU test skipping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+GPU_SKIP_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when gpu tests were collected: keeps plain collection light
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: object) -> Path:
+    from pdserve.models.demo import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp(name), "tiny", dtype="float32", **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama checkpoint, float32, seed 0, untied."""
+    return _tiny(tmp_path_factory, "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen2 checkpoint (q/k/v biases, rope theta 1e6), float32, seed 0."""
+    return _tiny(tmp_path_factory, "tiny_qwen2", family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama checkpoint with tied input/output embeddings (no lm_head.weight)."""
+    return _tiny(tmp_path_factory, "tiny_tied", tie_word_embeddings=True)
