@@ -1,0 +1,1 @@
+"""The gRPC services; each is started with `python -m services.<name>`."""

@@ -1,0 +1,1 @@
+"""Scheduler service: places requests on prefill/decode workers (see pdserve.scheduling)."""

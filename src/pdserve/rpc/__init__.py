@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by the services: server construction and error mapping."""

@@ -1,0 +1,158 @@
+"""Server plumbing shared by the five services: build a grpc.aio server, serve until a signal.
+
+``build_server`` adds the health service, reflection and the error interceptor, so a service's
+``__main__`` only lists its servicers::
+
+    server, port, health = build_server([(add_SchedulerServicer_to_server, servicer)], port=0)
+    await server.start()
+    await health.set_serving()
+    await serve_until_signal(server, health, grace_s=5.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.errors import WorkerUnavailableError
+from pdserve.rpc.errors import ErrorInterceptor
+
+logger = logging.getLogger(__name__)
+
+AddServicerFn = Callable[[Any, grpc.aio.Server], None]
+"""A generated ``add_XServicer_to_server(servicer, server)`` function."""
+
+DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    # KV payloads travel as streams of chunks, but a chunk may still be several MiB.
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+class ServiceHealth(health_aio.HealthServicer):
+    """The standard health servicer, knowing which services this server hosts.
+
+    Every hosted service and the overall status ("") start NOT_SERVING; ``set_serving()``
+    flips them all once the server can take requests, ``set_not_serving()`` on drain.
+    """
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        super().__init__()
+        self.service_names: tuple[str, ...] = ("", *service_names)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        # set() is a coroutine, but the initial state must hold before the server starts and
+        # before any event loop runs; the base class keeps the states in this dict.
+        for name in self.service_names:
+            self._server_status[name] = not_serving
+
+    async def set_all(self, status: int) -> None:
+        for name in self.service_names:
+            await self.set(name, status)
+
+    async def set_serving(self) -> None:
+        await self.set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self.set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class _ServiceNameRecorder:
+    """Stands in for a server to learn the service names an ``add_*`` function registers."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
+        self.names.extend(h.service_name() for h in handlers)
+
+    def add_registered_method_handlers(self, name: str, handlers: Any) -> None:
+        if name not in self.names:
+            self.names.append(name)
+
+
+def build_server(
+    servicers: Sequence[tuple[AddServicerFn, object]],
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+) -> tuple[grpc.aio.Server, int, ServiceHealth]:
+    """A grpc.aio server hosting ``servicers`` plus health and reflection, bound but not started.
+
+    ``port=0`` binds a free port; the bound port is returned. The error interceptor runs
+    innermost, after any ``interceptors`` given (tracing, for instance).
+    """
+    names: list[str] = []
+    for add, servicer in servicers:
+        recorder = _ServiceNameRecorder()
+        add(servicer, recorder)
+        names.extend(recorder.names)
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorInterceptor()], options=list(options)
+    )
+    for add, servicer in servicers:
+        add(servicer, server)
+    health = ServiceHealth(names)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise WorkerUnavailableError(f"cannot bind gRPC server to {address}")
+    return server, bound, health
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    health: ServiceHealth,
+    grace_s: float,
+    *,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and stop gracefully.
+
+    Drain order: health says NOT_SERVING (load balancers stop sending), ``on_drain`` runs (a
+    worker marks itself draining in its heartbeat), then ``server.stop(grace_s)`` lets running
+    calls finish for up to ``grace_s`` seconds and cancels the rest. Also returns if the server
+    terminates by itself.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    terminated = asyncio.create_task(server.wait_for_termination(), name="grpc-termination")
+    stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+    try:
+        await asyncio.wait({terminated, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stopping.done():
+            logger.info("signal received: draining for up to %.1fs", grace_s)
+            await health.set_not_serving()
+            if on_drain is not None:
+                await on_drain()
+            await server.stop(grace_s)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        for task in (terminated, stopping):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    logger.info("server stopped")

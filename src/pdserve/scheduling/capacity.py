@@ -1,0 +1,158 @@
+"""Capacity arithmetic: what a request needs on a worker and whether the worker has it.
+
+Pure functions over heartbeat data; no I/O. The scheduler runs the same check twice: once on
+its cached view to pick candidates, and once more under WATCH on fresh data before committing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
+
+
+class Phase(StrEnum):
+    """Which part of a request a worker is asked to serve."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+    """Prefill and decode on one mixed worker."""
+
+    @property
+    def role(self) -> WorkerRole:
+        """The worker role that serves this phase."""
+        return _ROLE_OF_PHASE[self]
+
+
+_ROLE_OF_PHASE = {
+    Phase.PREFILL: WorkerRole.PREFILL,
+    Phase.DECODE: WorkerRole.DECODE,
+    Phase.COLOCATED: WorkerRole.MIXED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Resources one reservation holds on one worker (or a sum of several)."""
+
+    tokens: int = 0
+    """Prompt tokens still to prefill (counts against the worker's queue)."""
+    blocks: int = 0
+    """KV blocks the request will occupy."""
+
+    def __add__(self, other: Claim) -> Claim:
+        return Claim(self.tokens + other.tokens, self.blocks + other.blocks)
+
+    def __sub__(self, other: Claim) -> Claim:
+        return Claim(max(0, self.tokens - other.tokens), max(0, self.blocks - other.blocks))
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """One phase of one request, as the placement policy sees it."""
+
+    prompt_tokens: int
+    max_tokens: int
+    phase: Phase
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
+            raise InvalidArgumentError("prompt_tokens", f"must be >= 1, got {self.prompt_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "phase", Phase(self.phase))
+
+    def claim(self, block_size: int) -> Claim:
+        """What this phase reserves on a worker with ``block_size`` tokens per KV block.
+
+        Prefill holds the prompt's blocks and queues its tokens; decode holds blocks for the
+        prompt plus every token it may generate; colocated does both on one worker.
+        """
+        if self.phase is Phase.PREFILL:
+            return Claim(self.prompt_tokens, math.ceil(self.prompt_tokens / block_size))
+        blocks = math.ceil((self.prompt_tokens + self.max_tokens) / block_size)
+        tokens = self.prompt_tokens if self.phase is Phase.COLOCATED else 0
+        return Claim(tokens, blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker's last heartbeat plus the reservations it has not admitted yet."""
+
+    info: WorkerInfo
+    reserved: Claim = Claim()
+    """Sum of live reservations on the worker that its heartbeat does not include yet."""
+    heartbeat_age_s: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks neither used nor promised to a reservation (may be < 0 if over-committed)."""
+        return self.info.kv_blocks_free - self.reserved.blocks
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens queued on the worker or reserved for it."""
+        return self.info.queued_tokens + self.reserved.tokens
+
+    def with_reserved(self, reserved: Claim) -> WorkerView:
+        return WorkerView(self.info, reserved, self.heartbeat_age_s)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityLimits:
+    """Admission limits on top of the KV block budget."""
+
+    prefill_queue_batches: float = 4.0
+    """A worker's pending prompt tokens may reach this many of its forward batches
+    (``max_batch_tokens``); beyond that a request waits less elsewhere."""
+
+    def __post_init__(self) -> None:
+        if not self.prefill_queue_batches > 0:
+            raise InvalidArgumentError(
+                "prefill_queue_batches", f"must be > 0, got {self.prefill_queue_batches}"
+            )
+
+    def max_pending_tokens(self, info: WorkerInfo) -> int:
+        return int(self.prefill_queue_batches * info.max_batch_tokens)
+
+
+def shortfall(view: WorkerView, claim: Claim, limits: CapacityLimits) -> str | None:
+    """Why ``view`` cannot take ``claim`` on top of what it holds, or None if it can.
+
+    An idle queue always accepts one prompt, however long: otherwise a prompt longer than the
+    queue limit could never be placed (the worker prefills it in chunks).
+    """
+    if claim.blocks > view.free_blocks:
+        return (
+            f"needs {claim.blocks} KV blocks, {max(0, view.free_blocks)} of "
+            f"{view.info.kv_blocks_total} free after reservations"
+        )
+    if claim.tokens and view.pending_tokens > 0:
+        limit = limits.max_pending_tokens(view.info)
+        if view.pending_tokens + claim.tokens > limit:
+            return (
+                f"queue holds {view.pending_tokens} prompt tokens, "
+                f"{claim.tokens} more exceed its limit of {limit}"
+            )
+    return None
+
+
+def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None) -> str | None:
+    """Why ``view`` must not serve ``phase`` regardless of load, or None."""
+    if view.info.role is not phase.role:
+        return f"role is {view.info.role.value}, {phase.role.value} needed"
+    if view.info.draining:
+        return "draining"
+    if model_fingerprint is not None and view.info.model_fingerprint != model_fingerprint:
+        return (
+            f"model fingerprint {view.info.model_fingerprint!r} differs from {model_fingerprint!r}"
+        )
+    return None

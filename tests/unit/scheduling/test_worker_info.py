@@ -1,0 +1,83 @@
+"""WorkerInfo: JSON round trip and validation naming the offending field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.scheduling import WorkerInfo, WorkerRole
+
+from .factories import worker
+
+
+def test_json_round_trip_keeps_every_field() -> None:
+    info = worker(
+        "decode-0",
+        WorkerRole.DECODE,
+        kv_blocks_free=37,
+        queued_tokens=900,
+        running_seqs=5,
+        draining=True,
+        ts=1_700_000_000.25,
+        reservations=("r1", "r2"),
+    )
+    back = WorkerInfo.from_json(info.to_json())
+    assert back == info
+    assert back.role is WorkerRole.DECODE
+    assert back.reservations == ("r1", "r2")
+
+
+def test_json_is_plain_and_readable_by_other_tools() -> None:
+    data = json.loads(worker("p0", WorkerRole.PREFILL).to_json())
+    assert data["role"] == "prefill"
+    assert data["kv_blocks_total"] == 100
+    assert data["reservations"] == []
+
+
+def test_from_json_ignores_unknown_keys_and_fills_defaults() -> None:
+    data = json.loads(worker("m0", WorkerRole.MIXED).to_json())
+    data["added_in_a_later_version"] = {"x": 1}
+    for optional in ("queued_tokens", "running_seqs", "draining", "ts", "reservations"):
+        del data[optional]
+    info = WorkerInfo.from_json(json.dumps(data).encode())
+    assert info.queued_tokens == 0
+    assert info.draining is False
+    assert info.reservations == ()
+
+
+def test_from_json_names_missing_fields() -> None:
+    data = json.loads(worker("d0").to_json())
+    del data["block_size"]
+    del data["address"]
+    with pytest.raises(InvalidArgumentError) as err:
+        WorkerInfo.from_json(json.dumps(data))
+    assert err.value.field == "heartbeat"
+    assert "address" in str(err.value) and "block_size" in str(err.value)
+
+
+@pytest.mark.parametrize("raw", ["not json", "[1, 2]", b"\xff\xfe"])
+def test_from_json_rejects_garbage(raw: str | bytes) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        WorkerInfo.from_json(raw)
+    assert err.value.field == "heartbeat"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"role": "router"}, "role"),
+        ({"kv_blocks_free": -1}, "kv_blocks_free"),
+        ({"kv_blocks_free": 101}, "kv_blocks_free"),
+        ({"block_size": 0}, "block_size"),
+        ({"queued_tokens": 1.5}, "queued_tokens"),
+        ({"draining": "yes"}, "draining"),
+        ({"id": ""}, "id"),
+        ({"id": "a|b"}, "id"),
+    ],
+)
+def test_invalid_values_name_their_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        worker("w", **overrides)
+    assert err.value.field == field
