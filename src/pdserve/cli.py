@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     "up": Command("pdserve.launcher", "main_up", "start a local cluster (Redis + all services)"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
     "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
+    "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),
 }
 
 

@@ -170,8 +170,8 @@ class Engine:
             cache_salt=cache_salt,
         )
         if not params.greedy:
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            seq.generator = torch.Generator(device=self.runner.device)
         req = _Request(seq, TextStream(self.tokenizer, params.stop))
         if kv is None:
             self.scheduler.add(seq)
@@ -270,6 +270,8 @@ class Engine:
             self.block_manager.register_computed_blocks(seq)
             self.scheduler.add_running(seq)
             status = self.scheduler.token_stop(seq, seq.token_ids[-1])
+            if status is None and self._requests[seq.request_id].text.stopped:
+                status = SequenceStatus.FINISHED_STOPPED
             if status is not None:  # the first token already ends it (max_tokens=1, EOS)
                 self.scheduler.finish(seq, status)
                 outputs.append(self._output(self._requests[seq.request_id], [], []))

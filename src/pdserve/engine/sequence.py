@@ -63,6 +63,7 @@ class Sequence:
         "block_table",
         "cache_salt",
         "generator",
+        "seed",
         "hold_kv",
         "layer_hook",
         "num_cached_tokens",
@@ -108,6 +109,9 @@ class Sequence:
         """Leading blocks of ``block_table`` already published to the prefix cache."""
         self.output_logprobs: list[float] = []
         self.generator: torch.Generator | None = None
+        self.seed = 0
+        """Sampling seed; output token ``i`` is drawn from a generator seeded by (seed, i), so
+        the draw does not depend on batch, preemption or which engine samples it."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

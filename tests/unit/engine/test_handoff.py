@@ -83,3 +83,23 @@ def test_mismatched_payload_refused(tiny_llama_dir: Path, tiny_qwen2_dir: Path) 
     blob[len(blob) // 2] ^= 0xFF
     with pytest.raises(KVPayloadMismatchError, match="checksum"):
         KVPayload.from_bytes(bytes(blob))
+
+
+def test_seeded_sampling_continues_across_handoff(tiny_llama_dir: Path) -> None:
+    """Draw i depends on (seed, i) only, so a hand-off mid-request changes nothing."""
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=12, ignore_eos=True)
+    a = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
+    b = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
+    prompt = prompts_of(a, [21], seed=4)[0]
+    alone = a.generate(prompt, params)[0].token_ids
+    a.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True)
+    first = next(o for o in a.step())
+    payload = a.export_kv("p")
+    a.release_kv("p")
+    b.add_request("d", prompt, params, kv=payload, first_token=(first.new_token_ids[0], 0.0))
+    tokens = list(first.new_token_ids)
+    while b.has_unfinished():
+        for o in b.step():
+            tokens += o.new_token_ids
+    assert tokens == alone
+    assert len(set(alone)) > 4

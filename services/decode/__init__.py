@@ -1,0 +1,2 @@
+"""Decode service: continues prefilled requests from their KV; with --role mixed also serves
+colocated generation (the Mixed service)."""

@@ -1,0 +1,62 @@
+"""The Decode and Mixed gRPC services: translate pdserve.v1 messages to ``DecodeWorker`` calls."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any, TypeAlias
+
+from grpc.aio import ServicerContext
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.protocol import chunk_to_proto, handle_from_proto, sampling_from_proto
+
+Context: TypeAlias = ServicerContext[Any, Any]
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """pdserve.v1.Decode on top of one DecodeWorker."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Decode(  # noqa: N802 - gRPC method names
+        self, request: decode_pb2.DecodeRequest, context: Context
+    ) -> AsyncGenerator[decode_pb2.DecodeChunk, None]:
+        if not request.HasField("kv"):
+            raise InvalidArgumentError("kv", "a KV handle is required")
+        stream = self.worker.decode(
+            request.request_id,
+            list(request.prompt_token_ids),
+            (request.first_token_id, request.first_logprob),
+            sampling_from_proto(request.sampling),
+            handle_from_proto(request.kv),
+            tenant=request.tenant,
+            reservation_id=request.reservation_id,
+        )
+        async with aclosing(stream):  # a cancelled RPC aborts the request at once
+            async for delta in stream:
+                yield chunk_to_proto(delta)
+
+
+class MixedServicer(decode_pb2_grpc.MixedServicer):
+    """pdserve.v1.Mixed (colocated prefill + decode) on top of one DecodeWorker."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Generate(  # noqa: N802 - gRPC method names
+        self, request: decode_pb2.ColocatedRequest, context: Context
+    ) -> AsyncGenerator[decode_pb2.DecodeChunk, None]:
+        stream = self.worker.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_from_proto(request.sampling),
+            tenant=request.tenant,
+            reservation_id=request.reservation_id,
+        )
+        async with aclosing(stream):
+            async for delta in stream:
+                yield chunk_to_proto(delta)

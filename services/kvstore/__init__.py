@@ -1,0 +1,1 @@
+"""KVStore service: holds KV payloads in flight between prefill and decode workers."""

@@ -1,0 +1,113 @@
+"""``python -m services.kvstore``: the KVStore gRPC service.
+
+Wiring only: flags (each defaults to a ``PDSERVE_KVSTORE_*`` environment variable) -> KVStore
+-> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT. A task sweeps expired
+leases every ``--sweep-interval-s``. ``--port 0`` binds a free port; ``--port-file`` receives
+the bound port once the server is serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from pdserve.kvstore.store import KVStore
+from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.v1 import kvstore_pb2_grpc
+from services.kvstore.servicer import KVStoreServicer
+
+logger = logging.getLogger("pdserve.kvstore")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"PDSERVE_KVSTORE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind")
+    p.add_argument(
+        "--port", type=int, default=int(_env("PORT", "50060")), help="0 picks a free port"
+    )
+    p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    p.add_argument(
+        "--capacity-bytes", type=int, default=int(_env("CAPACITY_BYTES", str(4 * 1024**3))),
+        help="byte budget; a put beyond it fails with RESOURCE_EXHAUSTED",
+    )  # fmt: skip
+    p.add_argument(
+        "--default-lease-s", type=float, default=float(_env("DEFAULT_LEASE_S", "60")),
+        help="lifetime of a payload whose put asks for lease 0",
+    )  # fmt: skip
+    p.add_argument("--max-lease-s", type=float, default=float(_env("MAX_LEASE_S", "3600")))
+    p.add_argument("--sweep-interval-s", type=float, default=float(_env("SWEEP_INTERVAL_S", "1")))
+    p.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(1024 * 1024))))
+    p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", "5")))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader never sees a half-written file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def _sweep_forever(store: KVStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)  # a periodic timer, not synchronisation
+        expired = store.sweep()
+        if expired:
+            logger.info("dropped %d payloads whose lease ran out", expired)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    store = KVStore(
+        args.capacity_bytes, default_lease_s=args.default_lease_s, max_lease_s=args.max_lease_s
+    )
+    server, port, health = build_server(
+        [
+            (
+                kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+                KVStoreServicer(store, chunk_bytes=args.chunk_bytes),
+            )
+        ],
+        port=args.port,
+        host=args.host,
+    )
+    sweeper = asyncio.create_task(_sweep_forever(store, args.sweep_interval_s), name="kv-sweeper")
+    try:
+        await server.start()
+        await health.set_serving()
+        logger.info(
+            "kvstore serving on %s:%d (capacity %d bytes)", args.host, port, args.capacity_bytes
+        )
+        if args.port_file is not None:
+            _write_port_file(args.port_file, port)
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        stats = store.stats()
+        logger.info(
+            "kvstore stopped: %d entries left, %d bytes in, %d out, %d hits, %d misses, %d expired",
+            stats.num_entries, stats.bytes_in, stats.bytes_out,
+            stats.hits, stats.misses, stats.expired,
+        )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""``python -m services.prefill``: a prefill worker.
+
+Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
+engine thread -> KV store client -> Prefill service -> serve with heartbeats until SIGTERM.
+``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.scheduling import WorkerRole
+from pdserve.v1 import prefill_pb2_grpc
+from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
+from pdserve.worker.prefill import PrefillWorker
+from pdserve.worker.runtime import load_engine, run_worker
+from services.prefill.servicer import PrefillServicer
+
+
+async def serve(options: WorkerOptions) -> None:
+    if options.kvstore is None:  # options_from_args checks it; keeps the types honest
+        raise SystemExit("--kvstore is required")
+    engine = load_engine(options)
+    try:
+        async with KVStoreClient(options.kvstore, timeout_s=options.kv_timeout_s) as store:
+            worker = PrefillWorker(engine, store, lease_s=options.kv_lease_s)
+            servicer = PrefillServicer(worker)
+            await run_worker(
+                options, engine, [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)]
+            )
+    finally:
+        await engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = worker_parser(
+        "python -m services.prefill",
+        __doc__,
+        roles=[WorkerRole.PREFILL],
+        default_max_wait_ms=50.0,
+        env=os.environ,
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(options_from_args(args)))
+
+
+if __name__ == "__main__":
+    main()

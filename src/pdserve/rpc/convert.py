@@ -1,0 +1,224 @@
+"""Conversions between ``pdserve.v1`` messages and the library's domain types, in one place.
+
+Every function that reads a message validates it: a bad value raises
+``InvalidArgumentError`` whose ``field`` is the dotted path of the offending proto field
+(``sampling.max_tokens``), so a gRPC caller learns exactly what to fix. Proto3 enums are open
+(an unknown number survives parsing), so enum readers reject numbers the schema does not name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+from pdserve.engine.outputs import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidArgumentError
+from pdserve.v1 import common_pb2 as pb
+
+_FINISH_TO_PROTO: dict[FinishReason, pb.FinishReason] = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+# Wire value -> the lower-case name clients see ("stop", "length", "abort", "error").
+FINISH_REASON_NAMES: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+MODE_NAMES: dict[pb.Mode, str] = {
+    pb.MODE_UNSPECIFIED: "unspecified",
+    pb.MODE_DISAGGREGATED: "disaggregated",
+    pb.MODE_COLOCATED: "colocated",
+}
+MODES_BY_NAME: dict[str, pb.Mode] = {name: value for value, name in MODE_NAMES.items()}
+
+ROLE_NAMES: dict[pb.WorkerRole, str] = {
+    pb.WORKER_ROLE_UNSPECIFIED: "unspecified",
+    pb.WORKER_ROLE_PREFILL: "prefill",
+    pb.WORKER_ROLE_DECODE: "decode",
+    pb.WORKER_ROLE_MIXED: "mixed",
+}
+ROLES_BY_NAME: dict[str, pb.WorkerRole] = {name: value for value, name in ROLE_NAMES.items()}
+
+_UINT32_MAX = 2**32 - 1
+
+
+# --- SamplingParams ---------------------------------------------------------------------------
+
+
+def sampling_from_proto(msg: pb.SamplingParams, *, field: str = "sampling") -> SamplingParams:
+    """The domain ``SamplingParams`` of ``msg``; unset optional fields take the defaults.
+
+    Raises ``InvalidArgumentError`` naming ``{field}.{name}`` for any out-of-range value.
+    """
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+            top_k=int(msg.top_k),
+            top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_tokens=int(msg.max_tokens) if msg.HasField("max_tokens") else defaults.max_tokens,
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            stop=tuple(msg.stop),
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except InvalidArgumentError as e:
+        raise _prefixed(e, field) from e
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The wire form of ``params``; every optional field is set explicitly."""
+    msg = pb.SamplingParams(
+        temperature=float(params.temperature),
+        top_k=int(params.top_k),
+        top_p=float(params.top_p),
+        max_tokens=int(params.max_tokens),
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop),
+        ignore_eos=bool(params.ignore_eos),
+    )
+    if params.seed is not None:
+        msg.seed = int(params.seed)
+    return msg
+
+
+def check_sampling_against(
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    prompt_len: int,
+    field: str = "sampling",
+) -> None:
+    """``SamplingParams.check_against`` with the field named by its proto path."""
+    try:
+        params.check_against(
+            vocab_size=vocab_size, max_model_len=max_model_len, prompt_len=prompt_len
+        )
+    except InvalidArgumentError as e:
+        raise _prefixed(e, field) from e
+
+
+def _prefixed(err: InvalidArgumentError, prefix: str) -> InvalidArgumentError:
+    message = str(err).removeprefix(f"{err.field}: ")
+    return InvalidArgumentError(f"{prefix}.{err.field}" if prefix else err.field, message)
+
+
+# --- token ids --------------------------------------------------------------------------------
+
+
+def check_token_ids(ids: Sequence[int], *, vocab_size: int, field: str) -> list[int]:
+    """``ids`` as a list of ints, each in ``[0, vocab_size)``; must not be empty."""
+    if not ids:
+        raise InvalidArgumentError(field, "must contain at least one token id")
+    out = [int(t) for t in ids]
+    for i, t in enumerate(out):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgumentError(
+                field, f"token id {t} at position {i} outside [0, {vocab_size})"
+            )
+    return out
+
+
+# --- enums ------------------------------------------------------------------------------------
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> pb.FinishReason:
+    """The wire value of ``reason``; None (not finished) is FINISH_REASON_UNSPECIFIED."""
+    if reason is None:
+        return pb.FINISH_REASON_UNSPECIFIED
+    return _FINISH_TO_PROTO[FinishReason(reason)]
+
+
+def finish_reason_from_proto(value: int, *, field: str = "finish_reason") -> FinishReason | None:
+    """The domain reason of a wire value; None for UNSPECIFIED (still running).
+
+    FINISH_REASON_ERROR has no domain counterpart (a failed request is an exception, not a
+    result), so it is rejected like an unknown value.
+    """
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    reason = _FINISH_FROM_PROTO.get(int(value))
+    if reason is None:
+        raise InvalidArgumentError(
+            field, f"unexpected finish reason {_enum_label(pb.FinishReason, value)}"
+        )
+    return reason
+
+
+def finish_reason_name(value: int, *, field: str = "finish_reason") -> str | None:
+    """Lower-case name of a wire finish reason ("stop", ..., "error"); None for UNSPECIFIED."""
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    name = FINISH_REASON_NAMES.get(int(value))
+    if name is None:
+        raise InvalidArgumentError(field, f"unknown finish reason value {value}")
+    return name
+
+
+def check_enum(enum_type: EnumTypeWrapper, value: int, *, field: str) -> int:
+    """``value`` if ``enum_type`` (a generated enum) names it; else InvalidArgumentError."""
+    if int(value) not in {int(v) for v in enum_type.values()}:
+        raise InvalidArgumentError(field, f"unknown enum value {value}")
+    return int(value)
+
+
+def mode_from_proto(value: int, *, field: str = "mode") -> pb.Mode:
+    """A validated ``Mode`` wire value."""
+    return cast(pb.Mode, check_enum(pb.Mode, value, field=field))
+
+
+def mode_from_name(name: str, *, field: str = "mode") -> pb.Mode:
+    """The ``Mode`` wire value of "disaggregated" / "colocated" / "unspecified"."""
+    value = MODES_BY_NAME.get(name.lower())
+    if value is None:
+        raise InvalidArgumentError(
+            field, f"unknown mode {name!r}; expected one of {sorted(MODES_BY_NAME)}"
+        )
+    return value
+
+
+def role_from_proto(value: int, *, field: str = "role") -> pb.WorkerRole:
+    """A validated ``WorkerRole`` wire value."""
+    return cast(pb.WorkerRole, check_enum(pb.WorkerRole, value, field=field))
+
+
+def _enum_label(enum_type: EnumTypeWrapper, value: int) -> str:
+    try:
+        return str(enum_type.Name(value))
+    except ValueError:
+        return str(value)
+
+
+# --- Usage / Timing ---------------------------------------------------------------------------
+
+
+def usage_to_proto(
+    *, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> pb.Usage:
+    """A ``Usage`` message."""
+    return pb.Usage(
+        prompt_tokens=_u32(prompt_tokens, "usage.prompt_tokens"),
+        completion_tokens=_u32(completion_tokens, "usage.completion_tokens"),
+        cached_tokens=_u32(cached_tokens, "usage.cached_tokens"),
+    )
+
+
+def timing_to_dict(msg: pb.Timing) -> dict[str, float | int | str]:
+    """Every ``Timing`` field by name (unset fields as their zero value)."""
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def _u32(value: int, field: str) -> int:
+    if not 0 <= value <= _UINT32_MAX:
+        raise InvalidArgumentError(field, f"{value} does not fit uint32")
+    return int(value)

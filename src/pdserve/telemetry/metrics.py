@@ -1,0 +1,246 @@
+"""Prometheus metrics of the services, each service with its own registry, and ``/metrics``.
+
+Services use the typed helpers (``RouterMetrics``, ``WorkerMetrics``, ``SchedulerMetrics``)
+and never prometheus-client itself. Each helper owns a fresh ``CollectorRegistry`` unless given
+one, so two services in one process (tests, a colocated launcher) never share or collide in
+prometheus-client's process-wide default registry. Metric names are listed in ``METRICS`` and
+in ``docs/observability.md``; the Grafana dashboard queries them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.process_collector import ProcessCollector
+
+from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+TTFT_SECONDS = "pdserve_ttft_seconds"
+ITL_SECONDS = "pdserve_inter_token_latency_seconds"
+E2E_SECONDS = "pdserve_e2e_latency_seconds"
+REQUESTS_TOTAL = "pdserve_requests"  # a Counter: exposed as pdserve_requests_total
+QUEUE_DEPTH = "pdserve_queue_depth"
+KV_BLOCKS_FREE = "pdserve_kv_blocks_free"
+KV_BLOCKS_TOTAL = "pdserve_kv_blocks_total"
+TRANSFER_BYTES = "pdserve_kv_transfer_bytes"  # Counter: ..._total
+TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
+SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
+SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
+REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
+
+METRICS: tuple[str, ...] = (
+    TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
+    KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
+    SCHEDULER_CONFLICTS, REDIS_ERRORS,
+)  # fmt: skip
+"""Every pdserve metric family name (counters without their ``_total`` suffix)."""
+
+# Bucket upper bounds in seconds. TTFT spans a short prompt on an idle cluster (ms) to a long
+# prompt behind a queue (s); inter-token latency is one decode step (ms).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+TRANSFER_DIRECTIONS = ("send", "recv")
+
+
+def _label(field: str, value: str) -> str:
+    if not value:
+        raise InvalidArgumentError(field, "label value must be non-empty")
+    return value
+
+
+def _non_negative(field: str, value: float) -> float:
+    if not value >= 0:  # also rejects NaN
+        raise InvalidArgumentError(field, f"must be >= 0, got {value}")
+    return value
+
+
+def _registry(registry: CollectorRegistry | None, process: bool) -> CollectorRegistry:
+    if registry is not None:
+        return registry
+    registry = CollectorRegistry()
+    if process:  # CPU seconds, resident memory, open fds of this service's process
+        ProcessCollector(registry=registry)
+    return registry
+
+
+class RouterMetrics:
+    """Client-visible latency, measured by the router: TTFT, inter-token, end to end."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._ttft = Histogram(
+            TTFT_SECONDS,
+            "Time to first token seen by the router.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self._itl = Histogram(
+            ITL_SECONDS,
+            "Time between consecutive streamed tokens.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self._e2e = Histogram(
+            E2E_SECONDS, "Request accepted to last token sent.", buckets=E2E_BUCKETS, registry=r
+        )
+        self._requests = Counter(
+            REQUESTS_TOTAL, "Finished requests by outcome.", ["outcome"], registry=r
+        )
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(_non_negative("seconds", seconds))
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(_non_negative("seconds", seconds))
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(_non_negative("seconds", seconds))
+
+    def count_request(self, outcome: str) -> None:
+        """One finished request; ``outcome`` is a short fixed word (ok, error, cancelled...)."""
+        self._requests.labels(outcome=_label("outcome", outcome)).inc()
+
+
+class WorkerMetrics:
+    """A prefill, decode or colocated worker: queue depth, free KV blocks, KV transfers."""
+
+    def __init__(
+        self, role: str, registry: CollectorRegistry | None = None, *, process: bool = True
+    ) -> None:
+        self.role = _label("role", role)
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._queue = Gauge(
+            QUEUE_DEPTH, "Requests waiting in the engine queue.", ["role"], registry=r
+        )
+        self._free = Gauge(KV_BLOCKS_FREE, "Free paged-KV blocks.", ["role"], registry=r)
+        self._total = Gauge(KV_BLOCKS_TOTAL, "Paged-KV blocks in the pool.", ["role"], registry=r)
+        self._bytes = Counter(
+            TRANSFER_BYTES, "KV bytes moved.", ["transport", "direction"], registry=r
+        )
+        self._seconds = Histogram(
+            TRANSFER_SECONDS,
+            "Duration of one KV transfer.",
+            ["transport", "direction"],
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self._redis_errors = Counter(
+            REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
+        )
+
+    def set_queue_depth(self, depth: int, *, role: str | None = None) -> None:
+        """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""
+        role = self.role if role is None else _label("role", role)
+        self._queue.labels(role=role).set(_non_negative("depth", depth))
+
+    def set_kv_blocks(self, free: int, total: int | None = None) -> None:
+        self._free.labels(role=self.role).set(_non_negative("free", free))
+        if total is not None:
+            if total < free:
+                raise InvalidArgumentError("total", f"{total} is below free {free}")
+            self._total.labels(role=self.role).set(total)
+
+    def observe_transfer(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+        """One finished KV transfer of ``nbytes`` over ``transport`` taking ``seconds``."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise InvalidArgumentError("direction", f"must be one of {TRANSFER_DIRECTIONS}")
+        labels = {"transport": _label("transport", transport), "direction": direction}
+        self._bytes.labels(**labels).inc(_non_negative("nbytes", nbytes))
+        self._seconds.labels(**labels).observe(_non_negative("seconds", seconds))
+
+    def count_redis_error(self, operation: str) -> None:
+        self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+
+class SchedulerMetrics:
+    """The scheduler: placement decisions, optimistic-check conflicts, Redis errors."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._decisions = Counter(
+            SCHEDULER_DECISIONS, "Assign calls by policy and outcome.", ["policy", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self._conflicts = Counter(
+            SCHEDULER_CONFLICTS,
+            "Optimistic re-checks that found the chosen worker changed (then retried).",
+            registry=r,
+        )
+        self._redis_errors = Counter(
+            REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
+        )
+
+    def count_decision(self, policy: str, outcome: str) -> None:
+        """One ``Assign`` answered; ``outcome`` e.g. assigned, no_capacity."""
+        self._decisions.labels(
+            policy=_label("policy", policy), outcome=_label("outcome", outcome)
+        ).inc()
+
+    def count_conflict(self, n: int = 1) -> None:
+        self._conflicts.inc(_non_negative("n", n))
+
+    def count_redis_error(self, operation: str) -> None:
+        self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """A running ``/metrics`` HTTP endpoint; ``close()`` stops it and joins its thread."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def start_metrics_server(
+    registry: CollectorRegistry, port: int, host: str = "127.0.0.1"
+) -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a background thread.
+
+    ``port=0`` binds a free port; ``MetricsServer.port`` is the bound one. Close it on shutdown.
+    """
+    if not 0 <= port <= 65535:
+        raise InvalidArgumentError("port", f"must be in [0, 65535], got {port}")
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise WorkerUnavailableError(f"cannot serve metrics on {host}:{port}: {err}") from err
+    bound = int(server.server_address[1])
+    logger.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsServer(host, bound, server, thread)

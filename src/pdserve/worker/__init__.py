@@ -1,0 +1,28 @@
+"""The worker side: the engine on its own thread, prefill/decode logic, heartbeats, lifecycle."""
+
+from __future__ import annotations
+
+from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
+from pdserve.worker.decode import DecodeDelta, DecodeWorker, StreamTiming
+from pdserve.worker.handoff import StoredKV, store_key
+from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint, worker_info
+from pdserve.worker.prefill import PrefillResult, PrefillWorker, check_request
+from pdserve.worker.timing import RequestTiming
+
+__all__ = [
+    "AsyncEngine",
+    "DecodeDelta",
+    "DecodeWorker",
+    "EngineSnapshot",
+    "PrefillResult",
+    "PrefillWorker",
+    "RequestTiming",
+    "StoredKV",
+    "StreamTiming",
+    "WorkerHeartbeat",
+    "WorkerIdentity",
+    "check_request",
+    "kv_fingerprint",
+    "store_key",
+    "worker_info",
+]

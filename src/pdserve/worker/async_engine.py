@@ -1,0 +1,419 @@
+"""AsyncEngine: one ``Engine`` on its own thread, driven from an asyncio event loop.
+
+The engine is not thread-safe, so exactly one thread (``engine-loop``) touches it. The event
+loop talks to that thread through a thread-safe command queue (add, abort, call) and gets each
+request's outputs back on a per-request ``asyncio.Queue`` fed with ``call_soon_threadsafe``.
+
+The engine thread's loop:
+
+1. If the engine has no work, block on the command queue (no polling, no sleeping).
+2. Prefill batching: when a request arrives at an idle engine and ``batch_window_ms > 0``, keep
+   taking commands for up to that window, or until the queued prompt tokens reach the step's
+   token budget (``max_num_batched_tokens``) or the waiting requests reach ``max_num_seqs``,
+   whichever comes first. Requests arriving together are thus prefilled in one step instead of
+   the first one running alone. While the engine is busy, new requests simply join the next
+   step (continuous batching), so the window costs nothing under load.
+3. Apply every queued command, run one ``Engine.step()``, route its outputs to their queues,
+   publish a stats snapshot, repeat.
+
+Cancellation: when the async iterator returned by ``generate`` is closed or cancelled before its
+request finished, an abort is queued at once, so a cancelled RPC frees its KV blocks on the next
+turn of the engine loop. Close iterators promptly (``contextlib.aclosing``) rather than leaving
+them to the garbage collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pdserve.engine.engine import Engine, EngineStats
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.worker.timing import RequestTiming
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's state after a turn of its loop, readable from any thread."""
+
+    stats: EngineStats
+    tags: tuple[str, ...]
+    """Tags (scheduler reservation ids) of the requests the engine has admitted."""
+    num_steps: int
+    """Engine steps run so far."""
+
+
+# -- commands to the engine thread -----------------------------------------------------------
+@dataclass(eq=False, slots=True)
+class _Stream:
+    """The event-loop side of one request: where its outputs go."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    timing: RequestTiming
+    tag: str
+    hold_kv: bool
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
+            logger.warning("dropping output of %s: its event loop is closed", self.request_id)
+
+
+@dataclass(slots=True)
+class _Add:
+    stream: _Stream
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    cache_salt: str
+    kv: KVPayload | None
+    first_token: tuple[int, float] | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    stream: _Stream | None
+    """Abort only if this stream is still the request's (a failed duplicate must not abort
+    the request it collided with); None aborts whatever runs under the id."""
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
+
+
+class AsyncEngine:
+    """An ``Engine`` on a dedicated thread with an asyncio API (see the module docstring)."""
+
+    def __init__(self, engine: Engine, *, batch_window_ms: float = 0.0) -> None:
+        if not batch_window_ms >= 0:
+            raise InvalidArgumentError("batch_window_ms", f"must be >= 0, got {batch_window_ms}")
+        self._engine = engine
+        self.batch_window_s = batch_window_ms / 1000.0
+        # Immutable after construction, so readable from the event loop without the thread.
+        self.layout: KVLayout = engine.layout
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.max_model_len: int = engine.max_model_len
+        self.max_num_batched_tokens: int = engine.config.max_num_batched_tokens
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Guards "accepting" together with the put, so that no command lands in the queue
+        # after the engine thread's final drain (its sender would wait forever).
+        self._gate = threading.Lock()
+        self._accepting = False
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._unstarted: list[_Stream] = []  # engine thread only: admitted, no step yet
+        self._held: set[str] = set()  # engine thread only: finished hold_kv requests
+        self._num_steps = 0
+        self._snapshot = EngineSnapshot(engine.stats(), (), 0)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, *, batch_window_ms: float = 0.0, **config: Any
+    ) -> AsyncEngine:
+        """Load a checkpoint; ``config`` holds ``EngineConfig`` fields. Call ``start()`` next."""
+        return cls(Engine.from_pretrained(model_dir, **config), batch_window_ms=batch_window_ms)
+
+    @property
+    def engine(self) -> Engine:
+        """The wrapped engine: touch it only before ``start()`` or after ``close()``."""
+        if self.running:
+            raise RuntimeError("the engine belongs to its thread while the AsyncEngine runs")
+        return self._engine
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Stop the thread: abort every request (their iterators raise), free every block."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None:
+            return
+        self._submit(_Stop(), required=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def _submit(self, command: _Command, *, required: bool = True) -> None:
+        """Queue a command for the engine thread.
+
+        When the thread no longer takes commands: raise ``WorkerUnavailableError`` if
+        ``required``, else drop it (an abort or stop has nothing left to do then).
+        """
+        with self._gate:
+            if self._accepting and not (required and self._closed):
+                self._commands.put(command)
+                return
+        if required:
+            if self._failure is not None:
+                raise WorkerUnavailableError(f"the engine failed: {self._failure!r}")
+            raise WorkerUnavailableError("the engine is not running")
+
+    # -- the async API ---------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        hold_kv: bool = False,
+        cache_salt: str = "",
+        kv: KVPayload | None = None,
+        first_token: tuple[int, float] | None = None,
+        tag: str = "",
+        timing: RequestTiming | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Run one request; yields its outputs, the last one ``finished``.
+
+        Errors of ``Engine.add_request`` (``InvalidArgumentError`` and the like) are raised by
+        the first ``__anext__``. Closing the iterator early aborts the request. With
+        ``hold_kv`` the finished request keeps its blocks: call ``export_and_release`` or
+        ``abort``. ``tag`` is listed in ``snapshot().tags`` while the request is admitted;
+        ``timing`` is filled in as the request runs.
+        """
+        stream = _Stream(
+            request_id,
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+            timing or RequestTiming(),
+            tag,
+            hold_kv,
+        )
+        self._submit(
+            _Add(stream, prompt_ids, params or SamplingParams(), cache_salt, kv, first_token)
+        )
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # refused or shut down: nothing left to abort
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(_Abort(request_id, stream), required=False)
+
+    def abort(self, request_id: str) -> None:
+        """Queue an abort (or release of held KV) of ``request_id``; it runs before any later
+        command, so a following ``call`` sees its effect."""
+        self._submit(_Abort(request_id, None), required=False)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; its result or exception."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def export_and_release(self, request_id: str) -> KVPayload:
+        """Copy a finished ``hold_kv`` request's KV and free its blocks, in one engine turn.
+
+        The blocks are freed even if the export fails.
+        """
+
+        def export(engine: Engine) -> KVPayload:
+            try:
+                return engine.export_kv(request_id)
+            finally:
+                engine.abort(request_id)  # frees held blocks; no-op if they are gone
+                self._held.discard(request_id)
+
+        return await self.call(export)
+
+    def stats(self) -> EngineStats:
+        """The stats as of the engine thread's last turn (no lock, no waiting)."""
+        return self._snapshot.stats
+
+    def snapshot(self) -> EngineSnapshot:
+        """Stats, admitted tags and step count as of the engine thread's last turn."""
+        return self._snapshot
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self._engine.has_unfinished()
+                if idle:
+                    self._publish()
+                    if not self._apply(self._commands.get()):  # idle: block for work
+                        return
+                if not self._drain():
+                    return
+                # The window opens whenever work arrives at an idle engine, whichever command
+                # brought it (a request queued behind a call counts as well).
+                gather = idle and self.batch_window_s > 0 and self._engine.has_unfinished()
+                if gather and not self._gather():
+                    return
+                if self._engine.has_unfinished():
+                    self._step()
+        except BaseException as err:  # a failed step leaves the engine in an unknown state
+            logger.exception("engine thread failed; failing every request")
+            self._failure = err
+        finally:
+            self._shutdown()
+
+    def _gather(self) -> bool:
+        """The batching window (step 2 of the module docstring); False on stop."""
+        deadline = time.monotonic() + self.batch_window_s
+        cfg = self._engine.config
+        while True:
+            stats = self._engine.stats()
+            if (
+                stats.queued_tokens >= cfg.max_num_batched_tokens
+                or stats.num_waiting >= cfg.max_num_seqs
+            ):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            try:
+                command = self._commands.get(timeout=remaining)
+            except queue.Empty:
+                return True
+            if not self._apply(command):
+                return False
+
+    def _drain(self) -> bool:
+        """Apply every queued command without blocking; False on stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._apply(command):
+                return False
+
+    def _apply(self, command: _Command) -> bool:
+        if isinstance(command, _Stop):
+            return False
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command)
+        elif command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self._engine))
+            except Exception as err:  # delivered to the awaiting caller
+                command.future.set_exception(err)
+        return True
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            self._engine.add_request(
+                stream.request_id,
+                command.prompt_ids,
+                command.params,
+                hold_kv=stream.hold_kv,
+                cache_salt=command.cache_salt,
+                kv=command.kv,
+                first_token=command.first_token,
+            )
+        except Exception as err:  # delivered to the generate() caller
+            stream.post(err)
+            return
+        self._streams[stream.request_id] = stream
+        self._unstarted.append(stream)
+
+    def _abort(self, command: _Abort) -> None:
+        rid = command.request_id
+        current = self._streams.get(rid)
+        if command.stream is not None and current is not command.stream:
+            return  # finished already, or the id now belongs to another request
+        self._streams.pop(rid, None)
+        self._held.discard(rid)
+        self._engine.abort(rid)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        for admitted in self._unstarted:
+            admitted.timing.first_step_start = started
+        self._unstarted.clear()
+        outputs = self._engine.step()
+        ended = time.perf_counter()
+        self._num_steps += 1
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted after this step was scheduled
+            if stream.timing.first_output is None:
+                stream.timing.first_output = ended
+            stream.timing.last_output = ended
+            if out.finished:
+                del self._streams[out.request_id]
+                if stream.hold_kv:
+                    self._held.add(out.request_id)
+            stream.post(out)
+        self._publish()
+
+    def _publish(self) -> None:
+        tags = tuple(s.tag for s in self._streams.values() if s.tag)
+        self._snapshot = EngineSnapshot(self._engine.stats(), tags, self._num_steps)
+
+    def _shutdown(self) -> None:
+        """Abort everything, fail every waiter, publish the final (empty) state."""
+        closed = WorkerUnavailableError("the engine shut down")
+        with self._gate:
+            self._accepting = False
+        while True:  # commands that arrived after the stop
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                command.stream.post(closed)
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(closed)
+        if self._failure is None:
+            for rid in [*self._streams, *self._held]:
+                self._engine.abort(rid)
+        for stream in self._streams.values():
+            stream.post(closed)
+        self._streams.clear()
+        self._held.clear()
+        self._unstarted.clear()
+        self._closed = True
+        if self._failure is None:
+            self._publish()

@@ -1,0 +1,126 @@
+"""Service metrics, scraped over a real socket and parsed as Prometheus text."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.telemetry.metrics import (
+    RouterMetrics,
+    SchedulerMetrics,
+    WorkerMetrics,
+    start_metrics_server,
+)
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    samples: list[Sample] = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+
+
+def test_router_metrics_over_http() -> None:
+    m = RouterMetrics()
+    ttft = [0.004, 0.02, 0.02, 0.9]
+    for v in ttft:
+        m.observe_ttft(v)
+    for v in (0.003, 0.012):
+        m.observe_itl(v)
+    m.observe_e2e(1.5)
+    m.count_request("ok")
+    m.count_request("ok")
+    m.count_request("error")
+    with start_metrics_server(m.registry, 0) as server:
+        assert server.port > 0
+        got = _scrape(server.url)
+    assert got[("pdserve_ttft_seconds_count", ())] == len(ttft)
+    assert got[("pdserve_ttft_seconds_sum", ())] == pytest.approx(sum(ttft))
+    # Cumulative buckets: count of observations <= le.
+    for le in ("0.005", "0.025", "1.0", "+Inf"):
+        expected = sum(v <= float(le) for v in ttft)
+        assert got[("pdserve_ttft_seconds_bucket", (("le", le),))] == expected
+    assert got[("pdserve_inter_token_latency_seconds_count", ())] == 2
+    assert got[("pdserve_inter_token_latency_seconds_sum", ())] == pytest.approx(0.015)
+    assert got[("pdserve_e2e_latency_seconds_count", ())] == 1
+    assert got[("pdserve_requests_total", (("outcome", "ok"),))] == 2
+    assert got[("pdserve_requests_total", (("outcome", "error"),))] == 1
+    assert ("process_cpu_seconds_total", ()) in got  # the per-service process collector
+
+
+def test_worker_and_scheduler_metrics_over_http() -> None:
+    w = WorkerMetrics("decode")
+    w.set_queue_depth(3)
+    w.set_queue_depth(1, role="prefill")
+    w.set_kv_blocks(free=40, total=128)
+    w.observe_transfer("grpc", "recv", 1_000_000, 0.01)
+    w.observe_transfer("grpc", "recv", 3_000_000, 0.03)
+    w.observe_transfer("shm", "send", 500, 0.0001)
+    w.count_redis_error("heartbeat")
+    s = SchedulerMetrics(process=False)
+    s.count_decision("least_loaded", "assigned")
+    s.count_decision("least_loaded", "no_capacity")
+    s.count_conflict()
+    s.count_conflict(2)
+    s.count_redis_error("claim")
+    with start_metrics_server(w.registry, 0) as ws, start_metrics_server(s.registry, 0) as ss:
+        assert ws.port != ss.port
+        worker, scheduler = _scrape(ws.url), _scrape(ss.url)
+    assert worker[("pdserve_queue_depth", (("role", "decode"),))] == 3
+    assert worker[("pdserve_queue_depth", (("role", "prefill"),))] == 1
+    assert worker[("pdserve_kv_blocks_free", (("role", "decode"),))] == 40
+    assert worker[("pdserve_kv_blocks_total", (("role", "decode"),))] == 128
+    grpc_recv = (("direction", "recv"), ("transport", "grpc"))
+    assert worker[("pdserve_kv_transfer_bytes_total", grpc_recv)] == 4_000_000
+    assert worker[("pdserve_kv_transfer_seconds_count", grpc_recv)] == 2
+    assert worker[("pdserve_kv_transfer_seconds_sum", grpc_recv)] == pytest.approx(0.04)
+    assert (
+        worker[("pdserve_kv_transfer_bytes_total", (("direction", "send"), ("transport", "shm")))]
+        == 500
+    )
+    assert worker[("pdserve_redis_errors_total", (("operation", "heartbeat"),))] == 1
+    assert (
+        scheduler[
+            (
+                "pdserve_scheduler_decisions_total",
+                (("outcome", "assigned"), ("policy", "least_loaded")),
+            )
+        ]
+        == 1
+    )
+    assert scheduler[("pdserve_scheduler_conflicts_total", ())] == 3
+    assert scheduler[("pdserve_redis_errors_total", (("operation", "claim"),))] == 1
+    assert ("process_cpu_seconds_total", ()) not in scheduler
+    # Separate registries: nothing of one service leaks into another's scrape.
+    assert not any(name.startswith("pdserve_scheduler") for name, _ in worker)
+    assert not any(name.startswith("pdserve_queue") for name, _ in scheduler)
+
+
+def test_two_instances_in_one_process_do_not_collide() -> None:
+    a, b = RouterMetrics(), RouterMetrics()
+    a.observe_ttft(0.1)
+    assert b.registry.get_sample_value("pdserve_ttft_seconds_count") == 0
+    assert a.registry.get_sample_value("pdserve_ttft_seconds_count") == 1
+
+
+def test_invalid_observations_are_rejected() -> None:
+    r, w = RouterMetrics(process=False), WorkerMetrics("prefill", process=False)
+    with pytest.raises(InvalidArgumentError):
+        r.observe_ttft(-0.1)
+    with pytest.raises(InvalidArgumentError):
+        r.observe_itl(float("nan"))
+    with pytest.raises(InvalidArgumentError):
+        w.observe_transfer("grpc", "sideways", 1, 0.1)
+    with pytest.raises(InvalidArgumentError):
+        w.observe_transfer("", "send", 1, 0.1)
+    with pytest.raises(InvalidArgumentError):
+        w.set_kv_blocks(free=10, total=5)
+    with pytest.raises(InvalidArgumentError):
+        WorkerMetrics("")
+    with pytest.raises(InvalidArgumentError):
+        start_metrics_server(r.registry, 70000)

@@ -1,0 +1,220 @@
+"""AsyncEngine: same tokens as the engine alone, cancellation frees blocks, prefill batching,
+errors reach the awaiting caller, close aborts everything."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import DuplicateRequestError, InvalidArgumentError, WorkerUnavailableError
+from pdserve.worker.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, lengths: list[int], vocab: int = 2048) -> list[list[int]]:
+    rng = random.Random(n)
+    return [[rng.randrange(vocab) for _ in range(length)] for length in lengths]
+
+
+def load(model_dir: Path, **config: object) -> Engine:
+    return Engine.from_pretrained(model_dir, dtype="float32", num_kv_blocks=128, **config)  # type: ignore[arg-type]
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), timeout=120))
+
+
+async def collect(
+    ae: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    outs = []
+    async with aclosing(ae.generate(rid, prompt, params)) as stream:
+        async for out in stream:
+            outs.append(out)
+    return outs
+
+
+def test_generate_matches_engine_alone(tiny_llama_dir: Path) -> None:
+    ps = prompts(0, [5, 23, 40])
+    reference = load(tiny_llama_dir).generate(ps, GREEDY)
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+
+    async def body() -> None:
+        try:
+            results = await asyncio.gather(
+                *(collect(ae, f"r{i}", p, GREEDY) for i, p in enumerate(ps))
+            )
+        finally:
+            await ae.close()
+        for outs, ref in zip(results, reference, strict=True):
+            assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+            assert [lp for o in outs for lp in o.new_logprobs] == pytest.approx(
+                ref.logprobs, abs=1e-4
+            )
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+
+    run(body)
+    ae.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_cancel_mid_stream_frees_blocks(tiny_llama_dir: Path, how: str) -> None:
+    """``aclose``: the consumer leaves its loop early; ``cancel``: its task is cancelled while
+    it waits for the next output (what a cancelled RPC does to a handler)."""
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    total = ae.stats().num_blocks_total
+
+    async def body() -> None:
+        got_two, leave = asyncio.Event(), asyncio.Event()
+
+        async def consume() -> None:
+            n = 0
+            async with aclosing(ae.generate("long", prompts(1, [30])[0], long)) as stream:
+                async for _ in stream:
+                    n += 1
+                    if n == 2:
+                        got_two.set()
+                        if how == "aclose":
+                            await leave.wait()
+                            return  # leaving the block closes the stream early
+
+        task = asyncio.create_task(consume())
+        await got_two.wait()
+        busy = await ae.call(lambda e: e.stats())
+        assert busy.num_running == 1 and busy.num_blocks_free < total
+        if how == "aclose":
+            leave.set()
+            await task
+        else:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        # The abort was queued before this call, so the engine has run it by now.
+        after = await ae.call(lambda e: e.stats())
+        assert (after.num_running, after.num_waiting, after.num_blocks_free) == (0, 0, total)
+        await ae.close()
+
+    run(body)
+    ae.engine.check_no_leaks()
+    assert ae.stats().num_blocks_free == total  # the final snapshot agrees
+
+
+def test_batch_window_prefills_requests_together(tiny_llama_dir: Path) -> None:
+    first, second = prompts(2, [9, 14])
+    # The window would last an hour; the token budget (both prompts exactly) ends it as soon
+    # as the second request is queued, so this test finishes only if that works.
+    engine = load(tiny_llama_dir, max_num_batched_tokens=len(first) + len(second), max_num_seqs=4)
+    ae = AsyncEngine(engine, batch_window_ms=3_600_000)
+    ae.start()
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def body() -> None:
+        a = asyncio.create_task(collect(ae, "a", first, one))
+        # Commands run in order, so once a call sees "a" waiting, "a" reached the engine;
+        # the window keeps it from running alone.
+        seen = await ae.call(lambda e: e.stats())
+        while seen.num_waiting == seen.num_running == 0 and ae.snapshot().num_steps == 0:
+            seen = await ae.call(lambda e: e.stats())
+        assert (seen.num_waiting, seen.num_running, ae.snapshot().num_steps) == (1, 0, 0)
+        outs_b = await collect(ae, "b", second, one)
+        outs_a = await a
+        assert len(outs_a) == len(outs_b) == 1
+        await ae.call(lambda e: None)
+        assert ae.snapshot().num_steps == 1  # one step prefilled both
+        await ae.close()
+
+    run(body)
+    ae.engine.check_no_leaks()
+
+
+def test_lone_request_runs_when_window_ends(tiny_llama_dir: Path) -> None:
+    ae = AsyncEngine(load(tiny_llama_dir), batch_window_ms=20)
+    ae.start()
+    ref = load(tiny_llama_dir).generate(prompts(3, [7]), GREEDY)[0]
+
+    async def body() -> None:
+        outs = await collect(ae, "solo", prompts(3, [7])[0], GREEDY)
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+        await ae.close()
+
+    run(body)
+
+
+def test_errors_reach_the_caller_and_spare_others(tiny_llama_dir: Path) -> None:
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def body() -> None:
+        with pytest.raises(InvalidArgumentError, match="prompt_token_ids"):
+            await collect(ae, "empty", [], params)
+        with pytest.raises(InvalidArgumentError, match="prompt_token_ids"):
+            await collect(ae, "oov", [1, 10**6], params)
+        # A duplicate id fails without aborting the request that holds the id.
+        stream = ae.generate("dup", prompts(4, [10])[0], params)
+        async with aclosing(stream):
+            first = await anext(stream)
+            with pytest.raises(DuplicateRequestError):
+                await collect(ae, "dup", [1, 2, 3], params)
+            rest = [o async for o in stream]
+        assert len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest) == 8
+        await ae.close()
+        with pytest.raises(WorkerUnavailableError):
+            await collect(ae, "late", [1, 2], params)
+
+    run(body)
+    ae.engine.check_no_leaks()
+
+
+def test_hold_kv_export_and_release(tiny_llama_dir: Path) -> None:
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+    prompt = prompts(5, [37])[0]
+    total = ae.stats().num_blocks_total
+
+    async def body() -> None:
+        outs = [
+            o async for o in ae.generate("h", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+        ]
+        assert outs[-1].finished
+        held = await ae.call(lambda e: e.stats())
+        assert held.num_held == 1 and held.num_blocks_free < total
+        payload = await ae.export_and_release("h")
+        assert payload.num_tokens == len(prompt)
+        after = await ae.call(lambda e: e.stats())
+        assert (after.num_held, after.num_blocks_free) == (0, total)
+        await ae.close()
+
+    run(body)
+    ae.engine.check_no_leaks()
+
+
+def test_close_aborts_in_flight_requests(tiny_llama_dir: Path) -> None:
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+
+    async def body() -> None:
+        stream = ae.generate("long", prompts(6, [12])[0], long)
+        async with aclosing(stream):
+            await anext(stream)
+            await ae.close()
+            with pytest.raises(WorkerUnavailableError):
+                async for _ in stream:
+                    pass
+
+    run(body)
+    ae.engine.check_no_leaks()
