@@ -9,7 +9,9 @@ Lifecycle of one ``assign()``:
    rest: a decode worker (the scarce KV blocks) first, then a prefill worker with the same
    model fingerprint; or a single mixed worker in colocated mode. If nothing fits, the view is
    refreshed once before refusing, so a refusal is never based on data older than the call.
-2. WATCH the chosen workers' heartbeat keys and reservation sets.
+2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
+   assigns queue instead of invalidating each other), then WATCH the chosen workers'
+   heartbeat keys and reservation sets.
 3. Re-check on fresh data read under the WATCH: each worker is alive (its key exists), not
    draining, both workers have the same model fingerprint, and each has room for this request
    on top of the live reservations it has not admitted yet (decode: ceil((prompt + max_tokens)
@@ -36,6 +38,7 @@ replicas can share one Redis without over-committing a worker.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import random
@@ -148,6 +151,10 @@ class ClusterScheduler:
         self._views: dict[str, WorkerView] = {}
         self._refreshed_at = -float("inf")  # time.monotonic() when the refresh started
         self._refresh_lock = asyncio.Lock()
+        # One commit at a time per worker *within this process*: concurrent assigns of one
+        # replica would otherwise invalidate each other's WATCH and burn their retries. WATCH
+        # still arbitrates between replicas.
+        self._commit_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._jitter = random.Random()
 
     # -- cache ---------------------------------------------------------------------------------
@@ -230,9 +237,12 @@ class ClusterScheduler:
                 for ph, view in zip(phases, pick, strict=True)
             ]
             try:
-                committed = await self.ledger.reserve(
-                    parts, functools.partial(self._recheck, parts), request_id=request_id
-                )
+                async with contextlib.AsyncExitStack() as held:
+                    for worker_id in sorted({p.worker_id for p in parts}):  # fixed order
+                        await held.enter_async_context(self._commit_locks[worker_id])
+                    committed = await self.ledger.reserve(
+                        parts, functools.partial(self._recheck, parts), request_id=request_id
+                    )
             except WatchError:
                 self.conflicts += 1
                 # Spread out the retries of schedulers that collided on the same worker.
