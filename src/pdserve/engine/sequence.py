@@ -63,7 +63,6 @@ class Sequence:
         "block_table",
         "cache_salt",
         "generator",
-        "seed",
         "hold_kv",
         "layer_hook",
         "num_cached_tokens",
@@ -73,6 +72,7 @@ class Sequence:
         "output_logprobs",
         "params",
         "request_id",
+        "seed",
         "status",
         "token_ids",
     )

@@ -12,7 +12,10 @@ The engine thread's loop:
    token budget (``max_num_batched_tokens``) or the waiting requests reach ``max_num_seqs``,
    whichever comes first. Requests arriving together are thus prefilled in one step instead of
    the first one running alone. While the engine is busy, new requests simply join the next
-   step (continuous batching), so the window costs nothing under load.
+   step (continuous batching), so the window costs nothing under load. With ``adaptive_window``
+   (the default) the window only opens once requests have been seen arriving together (an
+   moving average of requests per arrival burst above one): one-at-a-time traffic has no
+   companion to wait for, and waiting would be pure added latency.
 3. Apply every queued command, run one ``Engine.step()``, route its outputs to their queues,
    publish a stats snapshot, repeat.
 
@@ -111,11 +114,16 @@ _Command = _Add | _Abort | _Call | _Stop
 class AsyncEngine:
     """An ``Engine`` on a dedicated thread with an asyncio API (see the module docstring)."""
 
-    def __init__(self, engine: Engine, *, batch_window_ms: float = 0.0) -> None:
+    def __init__(
+        self, engine: Engine, *, batch_window_ms: float = 0.0, adaptive_window: bool = True
+    ) -> None:
         if not batch_window_ms >= 0:
             raise InvalidArgumentError("batch_window_ms", f"must be >= 0, got {batch_window_ms}")
         self._engine = engine
         self.batch_window_s = batch_window_ms / 1000.0
+        self.adaptive_window = adaptive_window
+        self._adds_since_step = 0  # engine thread only
+        self._burst_ewma = 1.0  # requests per arrival burst, moving average (engine thread)
         # Immutable after construction, so readable from the event loop without the thread.
         self.layout: KVLayout = engine.layout
         self.vocab_size: int = engine.model_config.vocab_size
@@ -283,7 +291,12 @@ class AsyncEngine:
                     return
                 # The window opens whenever work arrives at an idle engine, whichever command
                 # brought it (a request queued behind a call counts as well).
-                gather = idle and self.batch_window_s > 0 and self._engine.has_unfinished()
+                gather = (
+                    idle
+                    and self.batch_window_s > 0
+                    and (not self.adaptive_window or self._burst_ewma > 1.05)
+                    and self._engine.has_unfinished()
+                )
                 if gather and not self._gather():
                     return
                 if self._engine.has_unfinished():
@@ -329,6 +342,7 @@ class AsyncEngine:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
+            self._adds_since_step += 1
             self._add(command)
         elif isinstance(command, _Abort):
             self._abort(command)
@@ -371,6 +385,9 @@ class AsyncEngine:
         for admitted in self._unstarted:
             admitted.timing.first_step_start = started
         self._unstarted.clear()
+        if self._adds_since_step:
+            self._burst_ewma = 0.7 * self._burst_ewma + 0.3 * self._adds_since_step
+            self._adds_since_step = 0
         outputs = self._engine.step()
         ended = time.perf_counter()
         self._num_steps += 1
