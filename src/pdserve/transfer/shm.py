@@ -1,0 +1,271 @@
+"""Same-host KV hand-off through a POSIX shared-memory segment (a file in ``/dev/shm``).
+
+The segment format is in ``segment.py``; its name, ``pdserve-kv-{owner_pid}-{request_id_hash}``,
+in ``janitor.py``. Ownership: the sender's ``begin`` creates the segment and ``abort`` unlinks
+it; once ``finish`` has sealed it, the receiver owns it and unlinks it after reading, whatever
+the outcome. A segment whose owner died is reclaimed by ``janitor.reclaim_orphans``.
+
+Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
+(``Tensor.copy_`` into a view over it; device-to-host when the engine is on a GPU). The receiver
+reads each layer once, with ``preadv`` into the payload's own buffer, and checks its CRC-32
+there; the engine's import then copies the payload into its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
+from pdserve.errors import (
+    InvalidArgumentError,
+    KVPayloadMismatchError,
+    KVTransferError,
+)
+from pdserve.transfer import segment
+from pdserve.transfer.base import (
+    TransferDescriptor,
+    TransferState,
+    TransferStats,
+    TransportKind,
+    advance,
+)
+from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
+from pdserve.transfer.stream import check_layer, missing_layers
+
+
+class ShmSender:
+    """Prefill side: one segment per hand-off, written layer by layer from the layer hook."""
+
+    kind = TransportKind.SHM
+
+    def __init__(
+        self, *, host: str | None = None, shm_dir: Path = SHM_DIR, prefix: str = SEGMENT_PREFIX
+    ) -> None:
+        self.host = host or socket.gethostname()
+        self.shm_dir = shm_dir
+        self.prefix = prefix
+        self.state = TransferState.PENDING
+        self.stats = TransferStats(TransportKind.SHM)
+        self.name = ""
+        """The segment's name, once ``begin`` created it."""
+        self._mm: mmap.mmap | None = None
+        self._geom = segment.SegmentGeometry(0, 0, 0)
+        self._request_id = ""
+        self._layout: KVLayout | None = None
+        self._num_tokens = 0
+        self._crcs: dict[int, int] = {}
+        self._error: Exception | None = None
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
+        """Create and map the segment, sized for the header and every layer."""
+        if self.state is not TransferState.PENDING:
+            raise KVTransferError(f"begin on a sender that is {self.state.name}")
+        if num_tokens < 1:
+            raise InvalidArgumentError("num_tokens", f"must be >= 1, got {num_tokens}")
+        if layout.dtype not in DTYPES:
+            raise InvalidArgumentError("layout.dtype", f"unknown dtype {layout.dtype!r}")
+        self.stats.send_start_ns = time.monotonic_ns()
+        header = KVPayload(layout, num_tokens, (), ()).header_bytes()
+        geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
+        name = segment_name(request_id, prefix=self.prefix)
+        try:
+            self._mm = segment.create(self.shm_dir / name, header, geom)
+        except BaseException:
+            self.state = advance(self.state, TransferState.FAILED)
+            raise
+        self.name, self._geom, self._request_id = name, geom, request_id
+        self._layout, self._num_tokens = layout, num_tokens
+        self.stats.num_bytes = geom.total
+        self.state = advance(self.state, TransferState.SENDING)
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer at its offset. Never raises: ``finish`` reports a failure."""
+        start = time.monotonic_ns()
+        if self._error is None:
+            try:
+                self._write_layer(layer, k, v)
+            except Exception as err:  # raising here would fail the engine's whole batch
+                # Drop the failed frame's locals: a tensor view over the mapping among them
+                # would keep the mapping from closing.
+                traceback.clear_frames(err.__traceback__)
+                self._error = err
+        end = time.monotonic_ns()
+        self.stats.hook_ns += end - start
+        self.stats.first_layer_ns = self.stats.first_layer_ns or start
+        self.stats.last_layer_ns = end
+
+    def _write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.state is not TransferState.SENDING or self._mm is None or self._layout is None:
+            raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
+        layout = self._layout
+        check_layer(layout, self._num_tokens, layer, k, v, self._crcs)
+        shape = (self._num_tokens, layout.num_kv_heads, layout.head_dim)
+        dtype = DTYPES[layout.dtype]
+        size, off = self._geom.layer_bytes, self._geom.layer_offset(layer)
+        half = size // 2
+        # [layer_bytes] uint8 view over the mapping -> two [num_tokens, kvh, hd] views: the
+        # copy_ below is the only copy (a gather, or device-to-host, straight into shm).
+        dst = torch.frombuffer(self._mm, dtype=torch.uint8, count=size, offset=off)
+        dst[:half].view(dtype).view(shape).copy_(k)
+        dst[half:].view(dtype).view(shape).copy_(v)
+        del dst
+        with memoryview(self._mm) as whole, whole[off : off + size] as part:
+            self._crcs[layer] = zlib.crc32(part)
+
+    def finish(self) -> TransferDescriptor:
+        """Seal the segment and describe it; aborts (and raises) if a layer failed or is missing."""
+        start = time.monotonic_ns()
+        if self.state is not TransferState.SENDING or self._mm is None or self._layout is None:
+            raise KVTransferError(f"finish on a sender that is {self.state.name}")
+        if self._error is not None:
+            err = self._error
+            self.abort()
+            raise KVTransferError(f"shm send of {self._request_id!r} failed: {err}") from err
+        missing = missing_layers(self._layout, self._crcs)
+        if missing:
+            self.abort()
+            raise KVTransferError(f"KV layers {missing} of {self._request_id!r} were never sent")
+        crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
+        segment.seal(self._mm, self._geom, crcs)
+        segment.close_mapping(self._mm)
+        self._mm = None
+        self.state = advance(self.state, TransferState.SENT)
+        end = time.monotonic_ns()
+        self.stats.hook_ns += end - start
+        self.stats.send_end_ns = end
+        return TransferDescriptor(
+            kind=TransportKind.SHM,
+            request_id=self._request_id,
+            num_tokens=self._num_tokens,
+            num_bytes=self._geom.total,
+            model_fingerprint=self._layout.model_fingerprint,
+            name=self.name,
+            host=self.host,
+            offset=0,
+            length=self._geom.total,
+            layout=self._layout,
+            layer_checksums=crcs,
+        )
+
+    def abort(self) -> None:
+        """Unlink the segment (idempotent). After ``finish`` this revokes the hand-off."""
+        if self.state is TransferState.FAILED:
+            return
+        segment.close_mapping(self._mm)
+        self._mm = None
+        if self.name:
+            segment.unlink(self.shm_dir / self.name)
+        self.state = advance(self.state, TransferState.FAILED)
+
+
+class ShmReceiver:
+    """Decode side: reads and checks one sealed segment, then unlinks it (on every outcome)."""
+
+    kind = TransportKind.SHM
+
+    def __init__(
+        self,
+        *,
+        expected_layout: KVLayout | None = None,
+        host: str | None = None,
+        shm_dir: Path = SHM_DIR,
+    ) -> None:
+        self.expected_layout = expected_layout
+        self.host = host or socket.gethostname()
+        self.shm_dir = shm_dir
+        self.state = TransferState.PENDING
+        self.stats = TransferStats(TransportKind.SHM)
+        self._path: Path | None = None
+
+    async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
+        """Read, verify and unlink the segment; ``timeout_s`` bounds the read.
+
+        The read runs in a worker thread (a memory copy of up to GBs must not stall the event
+        loop) and checks the deadline between layers.
+        """
+        if not timeout_s > 0:
+            raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
+        self.state = advance(self.state, TransferState.RECEIVING)
+        self.stats.recv_start_ns = time.monotonic_ns()
+        try:
+            self._path = self._segment_path(descriptor)
+            deadline = time.monotonic() + timeout_s
+            payload = await asyncio.to_thread(self._read, self._path, descriptor, deadline)
+        except BaseException:
+            self.state = advance(self.state, TransferState.FAILED)
+            raise
+        self.stats.recv_end_ns = time.monotonic_ns()
+        self.stats.num_bytes = descriptor.length or descriptor.num_bytes
+        self.state = advance(self.state, TransferState.DONE)
+        return payload
+
+    def cleanup(self) -> None:
+        """Unlink the segment if ``receive`` did not get to (idempotent)."""
+        if self._path is not None:
+            segment.unlink(self._path)
+
+    def _segment_path(self, d: TransferDescriptor) -> Path:
+        if d.kind is not TransportKind.SHM:
+            raise InvalidArgumentError("descriptor.kind", f"expected shm, got {d.kind.value!r}")
+        if d.host and d.host != self.host:
+            raise KVTransferError(
+                f"shm segment {d.name!r} is on host {d.host!r}, not {self.host!r}"
+            )
+        # The name comes off the network: it must name a file directly in shm_dir.
+        if not d.name or "/" in d.name or "\0" in d.name or d.name in (".", ".."):
+            raise InvalidArgumentError("descriptor.name", f"not a segment name: {d.name!r}")
+        return self.shm_dir / d.name
+
+    def _read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise KVTransferError(
+                f"shm segment {d.name!r} is gone (already read, aborted or reclaimed)"
+            ) from None
+        owned = False
+        try:
+            head = segment.read_header(fd, d.offset, d.name)
+            # Sealed, so ours now: single use, unlinked whatever happens from here on. (An
+            # unsealed or foreign file still belongs to its writer and is left alone.)
+            owned = True
+            self._check(d, head)
+            return segment.read_payload(
+                fd, d.offset, head, d.layer_checksums or head.checksums, deadline
+            )
+        finally:
+            os.close(fd)
+            if owned:
+                segment.unlink(path)
+
+    def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:
+        """The segment's own header against the descriptor and this engine's layout."""
+        name, layout = d.name, head.layout
+        if d.length and d.length != head.geom.total:
+            raise KVTransferError(
+                f"shm segment {name!r}: descriptor length {d.length}, layout implies "
+                f"{head.geom.total}"
+            )
+        if head.num_tokens != d.num_tokens:
+            raise KVPayloadMismatchError(
+                f"shm segment {name!r} holds {head.num_tokens} tokens; "
+                f"the descriptor says {d.num_tokens}"
+            )
+        if d.layout is not None and d.layout != layout:
+            raise KVPayloadMismatchError(f"shm segment {name!r}'s layout differs from its handle")
+        if d.model_fingerprint and d.model_fingerprint != layout.model_fingerprint:
+            raise KVPayloadMismatchError(
+                f"KV payload model_fingerprint is {layout.model_fingerprint!r} but the "
+                f"handle says {d.model_fingerprint!r}"
+            )
+        if self.expected_layout is not None:
+            self.expected_layout.check_compatible(layout)
