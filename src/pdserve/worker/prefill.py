@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import zlib
 from collections.abc import Sequence
@@ -24,13 +25,15 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import StoredKV, store_key
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.timing import RequestTiming
+
+logger = logging.getLogger(__name__)
 
 
 def check_request(
@@ -92,7 +95,11 @@ class PrefillWorker:
     ) -> PrefillResult:
         check_request(self.engine, request_id, prompt_ids, params)
         timing = RequestTiming()
-        held = False  # the engine holds the finished request's blocks until released
+        # Until export_and_release returns, the engine may hold this request's blocks (also when
+        # we are cancelled between its finish and our reading of it): abort is a no-op for an
+        # id the engine no longer knows, so always abort unless the release is done.
+        held = True
+        put_key: str | None = None  # set once a put may have reached the store
         try:
             last: RequestOutput | None = None
             stream = self.engine.generate(
@@ -107,7 +114,6 @@ class PrefillWorker:
             async with aclosing(stream):
                 async for out in stream:
                     last = out
-                    held = out.finished
             if last is None or not last.new_token_ids:
                 raise KVTransferError(f"prefill of {request_id!r} produced no first token")
             token, logprob = last.new_token_ids[0], last.new_logprobs[0]
@@ -118,8 +124,9 @@ class PrefillWorker:
                 payload = await self.engine.export_and_release(request_id)
                 held = False
                 blob = await asyncio.to_thread(payload.to_bytes)
-                key = store_key(request_id)
+                key = put_key = store_key(request_id)
                 await self.store.put(key, blob, self.lease_s)
+                put_key = None  # stored: from here the decode side owns the entry
                 stored = StoredKV(
                     request_id=request_id,
                     address=self.store.address,
@@ -143,6 +150,14 @@ class PrefillWorker:
         finally:
             if held:
                 self.engine.abort(request_id)  # releases the held blocks
+            if put_key is not None:  # cancelled or failed mid-put: the entry may exist
+                await asyncio.shield(self._delete_quietly(put_key))
+
+    async def _delete_quietly(self, key: str) -> None:
+        try:
+            await self.store.delete(key)
+        except PdServeError as err:  # the lease reclaims it; say so rather than hide it
+            logger.warning("could not delete %s after a failed put (%s); its lease will", key, err)
 
     def _finish_reason(
         self, out: RequestOutput, params: SamplingParams, prompt_len: int

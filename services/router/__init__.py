@@ -1,0 +1,1 @@
+"""The Router gRPC service: the public entry point of a pdserve cluster."""

@@ -1,0 +1,89 @@
+"""``python -m services.router``: the Router gRPC service, the cluster's public entry point.
+
+Wiring only: flags -> tokenizer and model limits (no weights) -> RequestFlow -> gRPC server
+(+ health, reflection) -> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port;
+``--port-file`` receives the bound port once the server is serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
+from pdserve.rpc.convert import mode_from_name
+from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import router_pb2_grpc
+from services.router.servicer import RouterServicer
+
+logger = logging.getLogger("pdserve.router")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    p.add_argument("--scheduler", required=True, help="host:port of the Scheduler service")
+    p.add_argument("--model", type=Path, required=True, help="checkpoint dir (tokenizer + config)")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
+    p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader never sees a half-written file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    tokenizer = Tokenizer.from_dir(args.model)
+    limits = ModelLimits.from_dir(args.model)
+    flow = RequestFlow(
+        scheduler_address=args.scheduler,
+        tokenizer=tokenizer,
+        channels=ChannelPool(max_size=args.max_channels),
+        config=FlowConfig(mode=mode_from_name(args.mode)),
+    )
+    try:
+        server, port, health = build_server(
+            [
+                (
+                    router_pb2_grpc.add_RouterServicer_to_server,
+                    RouterServicer(flow, tokenizer, limits),
+                )
+            ],
+            port=args.port,
+            host=args.host,
+        )
+        await server.start()
+        await health.set_serving()
+        logger.info(
+            "router serving on %s:%d (scheduler %s, mode %s, model %s)",
+            args.host, port, args.scheduler, args.mode, args.model,
+        )  # fmt: skip
+        if args.port_file is not None:
+            _write_port_file(args.port_file, port)
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        await flow.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The Router gRPC service: translates pdserve.v1 messages to and from ``RequestFlow`` calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+from grpc.aio import ServicerContext
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router import ModelLimits, RequestFlow, RouteChunk, RouteRequest, prepare_request
+from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+TENANT_METADATA_KEY = "x-pdserve-tenant"
+"""gRPC metadata key naming the tenant; takes precedence over GenerateRequest.tenant."""
+
+Context: TypeAlias = ServicerContext[Any, Any]
+
+
+def _tenant(request: router_pb2.GenerateRequest, context: Context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return request.tenant
+
+
+def _usage(chunk: RouteChunk) -> common_pb2.Usage | None:
+    u = chunk.usage
+    if u is None:
+        return None
+    return common_pb2.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
+    )
+
+
+def _timing(chunk: RouteChunk) -> common_pb2.Timing | None:
+    t = chunk.timing
+    if t is None:
+        return None
+    return common_pb2.Timing(
+        queue_ms=t.queue_ms,
+        prefill_ms=t.prefill_ms,
+        transfer_ms=t.transfer_ms,
+        decode_ms=t.decode_ms,
+        ttft_ms=t.ttft_ms,
+        e2e_ms=t.e2e_ms,
+        transfer_bytes=t.transfer_bytes,
+        transport=t.transport,
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """pdserve.v1.Router on top of one RequestFlow."""
+
+    def __init__(self, flow: RequestFlow, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+        self.flow = flow
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def _route(self, request: router_pb2.GenerateRequest, context: Context) -> RouteRequest:
+        which = request.WhichOneof("prompt")
+        params = (
+            sampling_from_proto(request.sampling)
+            if request.HasField("sampling")
+            else SamplingParams()
+        )
+        return prepare_request(
+            text=request.text if which == "text" else None,
+            token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+            params=params,
+            tokenizer=self.tokenizer,
+            limits=self.limits,
+            request_id=request.request_id if request.HasField("request_id") else None,
+            tenant=_tenant(request, context),
+            skip_special_tokens=request.skip_special_tokens,
+        )
+
+    async def Generate(  # noqa: N802 - gRPC method names
+        self, request: router_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        route = self._route(request, context)
+        stream = self.flow.generate(route, timeout_s=context.time_remaining())
+        first = True
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                yield router_pb2.GenerateChunk(
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    logprobs=chunk.logprobs,
+                    finish_reason=finish_reason_to_proto(chunk.finish_reason),
+                    usage=_usage(chunk),
+                    timing=_timing(chunk),
+                    request_id=chunk.request_id if first else "",
+                )
+                first = False
+
+    async def GenerateUnary(  # noqa: N802
+        self, request: router_pb2.GenerateRequest, context: Context
+    ) -> router_pb2.GenerateResponse:
+        route = self._route(request, context)
+        total = await self.flow.collect(route, timeout_s=context.time_remaining())
+        return router_pb2.GenerateResponse(
+            text=total.text,
+            token_ids=total.token_ids,
+            logprobs=total.logprobs,
+            finish_reason=finish_reason_to_proto(total.finish_reason),
+            usage=_usage(total),
+            timing=_timing(total),
+            request_id=total.request_id,
+        )

@@ -1,0 +1,46 @@
+"""Benchmarks: ``pdserve bench SUBCOMMAND``.
+
+A sub-dispatcher like the top-level CLI: each subcommand's module is imported only when it
+runs. To add one, add an entry to ``SUBCOMMANDS`` (its handler takes the arguments after the
+subcommand name and returns the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+
+from pdserve.cli import Command
+
+SUBCOMMANDS: dict[str, Command] = {
+    "engine": Command(
+        "pdserve.bench.engine_bench", "main", "engine throughput beside HF transformers and vLLM"
+    ),
+    "overhead": Command(
+        "pdserve.bench.overhead", "main", "latency the service path adds over the engine alone"
+    ),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {name:<10} {cmd.help}" for name, cmd in SUBCOMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description="Benchmarks.",
+        epilog=f"benchmarks:\n{listing}\n\nrun 'pdserve bench NAME --help' for its options",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=sorted(SUBCOMMANDS), metavar="NAME")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main_bench(argv: Sequence[str]) -> int:
+    """Entry of ``pdserve bench``: ``argv`` is what follows ``bench`` on the command line."""
+    ns = _parser().parse_args(list(argv))
+    cmd = SUBCOMMANDS[ns.name]
+    handler: Callable[[Sequence[str]], int] = getattr(
+        importlib.import_module(cmd.module), cmd.function
+    )
+    return int(handler(ns.args))

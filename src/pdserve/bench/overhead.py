@@ -1,0 +1,153 @@
+"""``pdserve bench overhead``: what the service path adds on top of the engine.
+
+The same requests run through the full disaggregated path (client -> router -> scheduler ->
+prefill worker -> KV store -> decode worker -> client, real processes on real sockets) and
+through one in-process engine, alternately, one at a time, so neither competes with the other
+for the CPU. Per request:
+
+    added = e2e(service path) - e2e(engine alone)
+    overhead = added - transfer_ms   (the KV bytes' own time, measured by the workers)
+
+``overhead`` is what router + scheduler + Redis + the hand-off's bookkeeping cost; the
+transfer itself is reported beside it, never folded in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadResult:
+    prompt_tokens: int
+    max_tokens: int
+    requests: int
+    engine_ms: list[float]
+    service_ms: list[float]
+    transfer_ms: list[float]
+    transfer_bytes: int
+
+    @property
+    def added_ms(self) -> list[float]:
+        return [s - e for s, e in zip(self.service_ms, self.engine_ms, strict=True)]
+
+    @property
+    def overhead_ms(self) -> list[float]:
+        return [a - t for a, t in zip(self.added_ms, self.transfer_ms, strict=True)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def measure(
+    model_dir: Path,
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    requests: int,
+    dtype: str,
+    threads: int | None,
+) -> OverheadResult:
+    import torch
+
+    from pdserve.client import Client
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.launcher import Cluster
+
+    worker_args = ["--dtype", dtype]
+    if threads is not None:
+        worker_args += ["--threads", str(threads)]
+    engine = Engine.from_pretrained(
+        model_dir, dtype=dtype, num_threads=threads, enable_prefix_caching=False
+    )
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(requests + 2)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    eng_ms: list[float] = []
+    svc_ms: list[float] = []
+    xfer_ms: list[float] = []
+    xfer_bytes = 0
+    with (
+        Cluster(model_dir, num_prefill=1, num_decode=1, worker_args=worker_args) as cluster,
+        Client(cluster.router_address) as client,
+    ):
+        for i, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            done = client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            t1 = time.perf_counter()
+            ref = engine.generate(prompt, params)[0]
+            t2 = time.perf_counter()
+            if done.token_ids != ref.token_ids:
+                raise RuntimeError(f"request {i}: the service path and the engine disagree")
+            if done.timing is None:
+                raise RuntimeError(f"request {i}: the router sent no timing breakdown")
+            if i < 2:  # warm-up: first requests pay for channel set-up and allocator growth
+                continue
+            svc_ms.append((t1 - t0) * 1e3)
+            eng_ms.append((t2 - t1) * 1e3)
+            xfer_ms.append(done.timing.transfer_ms)
+            xfer_bytes = done.timing.transfer_bytes
+    return OverheadResult(prompt_tokens, max_tokens, requests, eng_ms, svc_ms, xfer_ms, xfer_bytes)
+
+
+def format_result(r: OverheadResult) -> str:
+    def row(name: str, values: Sequence[float]) -> str:
+        return (
+            f"{name:<34}{statistics.median(values):>10.2f}{percentile(values, 99):>10.2f}"
+            f"{statistics.mean(values):>10.2f}"
+        )
+
+    lines = [
+        f"{r.requests} sequential requests, prompt {r.prompt_tokens} tokens, "
+        f"{r.max_tokens} output tokens, KV payload {r.transfer_bytes / 1e6:.2f} MB",
+        f"{'(ms)':<34}{'p50':>10}{'p99':>10}{'mean':>10}",
+        row("engine alone, end to end", r.engine_ms),
+        row("service path, end to end", r.service_ms),
+        row("added by the service path", r.added_ms),
+        row("  of which KV transfer", r.transfer_ms),
+        row("  overhead beyond the transfer", r.overhead_ms),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--preset", default="small", help="demo preset when --model is absent")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads per engine")
+    args = p.parse_args(list(argv))
+    # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
+    # cluster's workers are using (the launcher sets the same for them).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.launcher import default_model
+
+    model = args.model or default_model(args.preset)
+    result = measure(
+        model,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        requests=args.requests,
+        dtype=args.dtype,
+        threads=args.threads,
+    )
+    print(format_result(result))
+    return 0

@@ -1,0 +1,41 @@
+"""Client SDK of a pdserve cluster: ``Client`` and ``AsyncClient`` talk to the Router service.
+
+Imports grpc and the generated messages only (no torch), so it is cheap to use anywhere.
+"""
+
+from __future__ import annotations
+
+from pdserve.client.client import AsyncClient, Client
+from pdserve.client.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PdServeClientError,
+    ServerError,
+    Unavailable,
+)
+from pdserve.client.request import RetryPolicy
+from pdserve.client.results import Completion, Delta, Timing, Usage
+from pdserve.client.stream import AsyncCompletionStream, CompletionStream
+
+__all__ = [
+    "AsyncClient",
+    "AsyncCompletionStream",
+    "Cancelled",
+    "Client",
+    "Completion",
+    "CompletionStream",
+    "DeadlineExceeded",
+    "Delta",
+    "InvalidRequest",
+    "NotFound",
+    "Overloaded",
+    "PdServeClientError",
+    "RetryPolicy",
+    "ServerError",
+    "Timing",
+    "Unavailable",
+    "Usage",
+]

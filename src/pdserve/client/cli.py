@@ -1,0 +1,52 @@
+"""``pdserve generate``: stream a completion from a router to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from pdserve.client.client import Client
+from pdserve.client.errors import PdServeClientError
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve generate", description="stream a completion")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--router", default=os.environ.get("PDSERVE_ROUTER", "127.0.0.1:50051"),
+                   help="router host:port (default: $PDSERVE_ROUTER, else port 50051)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (server default 1)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--tenant", default=None)
+    p.add_argument("--stats", action="store_true", help="print usage and timing at the end")
+    return p
+
+
+def main_generate(argv: Sequence[str]) -> int:
+    """Entry of ``pdserve generate``; returns the exit status."""
+    args = generate_parser().parse_args(list(argv))
+    with Client(args.router, timeout=args.timeout, tenant=args.tenant) as client:
+        try:
+            with client.stream(
+                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos,
+            ) as stream:  # fmt: skip
+                for delta in stream:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                result = stream.completion()
+        except PdServeClientError as e:
+            print(f"\npdserve generate: {e}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if args.stats:
+        print(f"[finish: {result.finish_reason}; usage: {result.usage}; timing: {result.timing}]")
+    return 0

@@ -1,0 +1,282 @@
+"""The client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for the Router service.
+
+::
+
+    from pdserve.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
+        for delta in client.stream("Once upon a time", max_tokens=32):
+            print(delta.text, end="", flush=True)
+
+Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
+all ``PdServeClientError``), each with the gRPC ``code`` and ``message``. UNAVAILABLE is retried
+(bounded, with backoff) as long as no token has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from pdserve.client.errors import error_from_rpc
+from pdserve.client.request import RetryPolicy, build_request, metadata
+from pdserve.client.results import Completion
+from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+class _Base:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        """Default per-request timeout in seconds (None: no limit)."""
+        self.tenant = tenant
+        """Default tenant, sent as the ``x-pdserve-tenant`` metadata."""
+        self.retry = retry or RetryPolicy()
+
+    def _prepare(
+        self,
+        prompt: str | Sequence[int],
+        timeout: float | None,
+        tenant: str | None,
+        options: dict[str, Any],
+    ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
+        request = build_request(prompt, **options)
+        deadline = Deadline(self.timeout if timeout is None else timeout)
+        return request, deadline, metadata(tenant if tenant is not None else self.tenant)
+
+
+class Client(_Base):
+    """A blocking client of one router; thread-safe, reuse it (one channel for all calls)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(address, timeout=timeout, tenant=tenant, retry=retry)
+        self._channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        skip_special_tokens: bool = True,
+    ) -> Completion:
+        """Generate a completion of ``prompt`` (text, or token ids) and wait for all of it.
+
+        Unset sampling parameters take the server's defaults (temperature 1, max_tokens 16);
+        ``temperature=0`` is greedy.
+        """
+        request, deadline, md = self._prepare(
+            prompt, timeout, tenant,
+            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                 request_id=request_id, skip_special_tokens=skip_special_tokens),
+        )  # fmt: skip
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self._stub.GenerateUnary(
+                    request, timeout=deadline.remaining(), metadata=md
+                )
+                return Completion.from_proto(response)
+            except grpc.RpcError as err:
+                delay = self.retry.should_retry(
+                    err.code(), attempt, started=False, time_left_s=deadline.remaining()
+                )
+                if delay is None:
+                    raise error_from_rpc(err) from err
+            time.sleep(delay)  # retry backoff
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        skip_special_tokens: bool = True,
+    ) -> CompletionStream:
+        """Like ``generate``, but yields ``Delta``s as tokens are produced."""
+        request, deadline, md = self._prepare(
+            prompt, timeout, tenant,
+            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                 request_id=request_id, skip_special_tokens=skip_special_tokens),
+        )  # fmt: skip
+        return CompletionStream(
+            lambda left: self._stub.Generate(request, timeout=left, metadata=md),
+            self.retry,
+            deadline,
+        )
+
+    def close(self) -> None:
+        """Close the channel; calls still running are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """An asyncio client of one router. Use it from one event loop; ``await close()`` at the end
+    (or ``async with``)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(address, timeout=timeout, tenant=tenant, retry=retry)
+        # Created on first use, inside the event loop that will drive it.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: router_pb2_grpc.RouterStub | None = None
+
+    def _get_stub(self) -> router_pb2_grpc.RouterStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=list(CHANNEL_OPTIONS))
+            self._stub = router_pb2_grpc.RouterStub(self._channel)
+        return self._stub
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        skip_special_tokens: bool = True,
+    ) -> Completion:
+        """See ``Client.generate``."""
+        request, deadline, md = self._prepare(
+            prompt, timeout, tenant,
+            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                 request_id=request_id, skip_special_tokens=skip_special_tokens),
+        )  # fmt: skip
+        stub = self._get_stub()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await stub.GenerateUnary(
+                    request, timeout=deadline.remaining(), metadata=md
+                )
+                return Completion.from_proto(response)
+            except grpc.RpcError as err:
+                delay = self.retry.should_retry(
+                    err.code(), attempt, started=False, time_left_s=deadline.remaining()
+                )
+                if delay is None:
+                    raise error_from_rpc(err) from err
+            await asyncio.sleep(delay)  # retry backoff
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        skip_special_tokens: bool = True,
+    ) -> AsyncCompletionStream:
+        """See ``Client.stream``: ``async for delta in client.stream(...)``."""
+        request, deadline, md = self._prepare(
+            prompt, timeout, tenant,
+            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                 request_id=request_id, skip_special_tokens=skip_special_tokens),
+        )  # fmt: skip
+        stub = self._get_stub()
+        return AsyncCompletionStream(
+            lambda left: stub.Generate(request, timeout=left, metadata=md),
+            self.retry,
+            deadline,
+        )
+
+    async def close(self) -> None:
+        """Close the channel; calls still running are cancelled."""
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,78 @@
+"""Typed errors of the client SDK, one class per gRPC status a caller handles differently.
+
+The names read as what happened (``except Overloaded:``); ``PdServeClientError`` is the base.
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+class PdServeClientError(Exception):
+    """A request failed; ``code`` is the gRPC status code and ``message`` its details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidRequest(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """The request is malformed (INVALID_ARGUMENT); ``field`` names the offending field."""
+
+    @property
+    def field(self) -> str | None:
+        """The field named at the start of the message (``sampling.max_tokens``), if any."""
+        match = _FIELD.match(self.message)
+        return match.group(1) if match else None
+
+
+class Overloaded(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """No worker has room right now (RESOURCE_EXHAUSTED); retry later or with less work."""
+
+
+class DeadlineExceeded(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """The request's timeout passed (DEADLINE_EXCEEDED)."""
+
+
+class Unavailable(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """The router or a worker cannot be reached (UNAVAILABLE)."""
+
+
+class Cancelled(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """The call was cancelled (CANCELLED)."""
+
+
+class NotFound(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """Something the request refers to does not exist (NOT_FOUND)."""
+
+
+class ServerError(PdServeClientError):
+    """The server failed (INTERNAL, UNKNOWN, FAILED_PRECONDITION, ...)."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PdServeClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+}
+
+
+def error_from_code(code: grpc.StatusCode, message: str) -> PdServeClientError:
+    """The typed error for a status code."""
+    return _BY_CODE.get(code, ServerError)(code, message)
+
+
+def error_from_rpc(err: grpc.RpcError) -> PdServeClientError:
+    """The typed error for a failed call (sync or asyncio)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return error_from_code(code, details or "")

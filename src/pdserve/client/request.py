@@ -1,0 +1,113 @@
+"""Building a GenerateRequest from keyword arguments, and the retry policy of the clients."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import grpc
+
+from pdserve.client.errors import InvalidRequest
+from pdserve.v1 import common_pb2, router_pb2
+
+TENANT_METADATA_KEY = "x-pdserve-tenant"
+
+_UINT32 = 2**32
+_UINT64 = 2**64
+
+
+def _in_range(value: int, upper: int, field: str) -> int:
+    # Values the wire type cannot carry fail here with the field's name; everything else is
+    # validated by the router, which knows the model's limits.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < upper:
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field}: must be an integer in [0, {upper}), got {value!r}",
+        )
+    return value
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    request_id: str | None = None,
+    skip_special_tokens: bool = True,
+) -> router_pb2.GenerateRequest:
+    """The wire request; ``None`` leaves a parameter to the server's default."""
+    sampling = common_pb2.SamplingParams(
+        stop=list(stop),
+        stop_token_ids=[_in_range(t, _UINT32, "sampling.stop_token_ids") for t in stop_token_ids],
+        ignore_eos=ignore_eos,
+    )
+    if max_tokens is not None:
+        sampling.max_tokens = _in_range(max_tokens, _UINT32, "sampling.max_tokens")
+    if top_k is not None:
+        sampling.top_k = _in_range(top_k, _UINT32, "sampling.top_k")
+    if seed is not None:
+        sampling.seed = _in_range(seed, _UINT64, "sampling.seed")
+    if temperature is not None:
+        sampling.temperature = float(temperature)
+    if top_p is not None:
+        sampling.top_p = float(top_p)
+    request = router_pb2.GenerateRequest(sampling=sampling, skip_special_tokens=skip_special_tokens)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, Sequence):
+        ids = cast(Sequence[int], prompt)
+        request.token_ids.ids.extend(_in_range(t, _UINT32, "token_ids") for t in ids)
+    else:
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}",
+        )
+    if request_id is not None:
+        request.request_id = request_id
+    return request
+
+
+def metadata(tenant: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata: the tenant, when given."""
+    return ((TENANT_METADATA_KEY, tenant),) if tenant else ()
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Retries of UNAVAILABLE before the first token: bounded, with jittered exponential backoff.
+
+    Only UNAVAILABLE is retried, and only while no token has reached the caller: then the
+    router has not produced anything yet (and has released what it reserved), so a retry is
+    safe. Once a token has arrived, an error is the caller's to handle.
+    """
+
+    max_attempts: int = 3
+    """Tries in total, the first included (1 disables retries)."""
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    multiplier: float = 2.0
+
+    def backoff_s(self, attempt: int) -> float:
+        """Sleep before try number ``attempt + 1`` (``attempt`` counts from 1)."""
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+        # Full jitter: clients that failed together do not all come back together.
+        return random.uniform(0.0, base)
+
+    def should_retry(
+        self, code: grpc.StatusCode, attempt: int, *, started: bool, time_left_s: float | None
+    ) -> float | None:
+        """The backoff before retrying, or None when the error must be raised."""
+        if code is not grpc.StatusCode.UNAVAILABLE or started or attempt >= self.max_attempts:
+            return None
+        delay = self.backoff_s(attempt)
+        if time_left_s is not None and delay >= time_left_s:
+            return None
+        return delay

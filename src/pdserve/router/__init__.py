@@ -1,0 +1,24 @@
+"""The router's request flow: validate, place, prefill, hand over, decode, stream.
+
+``RequestFlow`` is the library behind the Router gRPC service (``services/router``), which
+only translates messages. See ``flow.py`` for the order of calls and the clean-up guarantees.
+"""
+
+from __future__ import annotations
+
+from pdserve.router.channels import ChannelPool
+from pdserve.router.flow import FlowConfig, RequestFlow
+from pdserve.router.output import RouteChunk, RouteTiming, RouteUsage
+from pdserve.router.request import ModelLimits, RouteRequest, prepare_request
+
+__all__ = [
+    "ChannelPool",
+    "FlowConfig",
+    "ModelLimits",
+    "RequestFlow",
+    "RouteChunk",
+    "RouteRequest",
+    "RouteTiming",
+    "RouteUsage",
+    "prepare_request",
+]

@@ -1,0 +1,45 @@
+"""Errors of calls the router makes to other services, turned into precise caller errors.
+
+A failed downstream call must reach the client with the same status code (a worker that is
+gone is UNAVAILABLE, a full cluster is RESOURCE_EXHAUSTED) but with a message that says which
+step and which worker failed, so that the caller does not see an anonymous INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc.aio import AioRpcError
+
+from pdserve.errors import PdServeError
+
+
+class DeadlineExceededError(PdServeError):
+    """The caller's deadline passed before the request finished."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class DownstreamError(PdServeError):
+    """A call to the scheduler, a worker or the KV store failed; keeps that call's status code."""
+
+    def __init__(self, step: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{step} failed ({code.name}): {details}")
+        self.step = step
+        self.code = code
+        # Instance attribute: the rpc error mapping reads grpc_code to pick the status.
+        self.grpc_code = code.name
+
+
+def downstream_error(step: str, err: AioRpcError) -> PdServeError:
+    """The caller-facing error for ``err``, raised by the call named ``step``."""
+    code = err.code()
+    details = err.details() or "no details"
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"deadline exceeded during {step}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return DownstreamError(step, code, f"{details}; the request may be retried")
+    if code is grpc.StatusCode.CANCELLED:
+        # The router cancels downstream calls only on its own way out; a CANCELLED seen here
+        # means the other side gave up (a worker shutting down): retryable, like UNAVAILABLE.
+        return DownstreamError(step, grpc.StatusCode.UNAVAILABLE, f"cancelled by peer: {details}")
+    return DownstreamError(step, code, details)

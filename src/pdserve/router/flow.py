@@ -1,0 +1,391 @@
+"""The life of one request in the router.
+
+Disaggregated mode::
+
+    Scheduler.Assign --> Prefill.Prefill --> first chunk to the client at once
+                                         \\-> Scheduler.Release(prefill_only) (in the background)
+                     --> Decode.Decode(KV handle) --> chunks --> last chunk (usage, timing)
+
+Colocated mode: ``Scheduler.Assign`` picks one mixed worker and ``Mixed.Generate`` streams.
+
+Whatever happens (success, error, client cancel, deadline) the clean-up runs: downstream calls
+still open are cancelled (a cancelled Decode frees its KV blocks on the worker), a KV payload
+that no decode worker has picked up is deleted from its store, and the reservation is released.
+The clean-up runs shielded from a second cancellation and is tracked, so ``close()`` can wait
+for it. Every downstream call gets the caller's remaining deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc.aio import AioRpcError
+
+from pdserve.engine.outputs import FinishReason
+from pdserve.errors import PdServeError
+from pdserve.router.channels import ChannelPool
+from pdserve.router.downstream import DeadlineExceededError, DownstreamError, downstream_error
+from pdserve.router.housekeeping import Housekeeper
+from pdserve.router.output import RouteChunk, RouteUsage
+from pdserve.router.request import RouteRequest
+from pdserve.router.state import Clock, RequestState
+from pdserve.router.text import ResponseText
+from pdserve.rpc.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowConfig:
+    """How the router places and cleans up requests."""
+
+    mode: common_pb2.Mode = common_pb2.MODE_DISAGGREGATED
+    """``pdserve.v1.Mode`` asked of the scheduler for every request."""
+    cleanup_timeout_s: float = 5.0
+    """Bound on each clean-up call (Release, KV delete); a stuck call must not pin the request."""
+    assign_timeout_s: float = 10.0
+    """Bound on Scheduler.Assign, independent of the caller's deadline (see ``_assign``)."""
+    renew_fraction: float = 0.5
+    """Renew a reservation after this fraction of its TTL (long decodes outlive the TTL)."""
+
+
+class RequestFlow:
+    """Serves requests end to end against the scheduler and the workers it assigns."""
+
+    def __init__(
+        self,
+        *,
+        scheduler_address: str,
+        tokenizer: Tokenizer,
+        channels: ChannelPool | None = None,
+        config: FlowConfig | None = None,
+    ) -> None:
+        self.scheduler_address = scheduler_address
+        self.tokenizer = tokenizer
+        self.channels = channels or ChannelPool()
+        self.config = config or FlowConfig()
+        self.housekeeper = Housekeeper(
+            self.channels,
+            scheduler_address,
+            timeout_s=self.config.cleanup_timeout_s,
+            renew_fraction=self.config.renew_fraction,
+        )
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    @property
+    def _scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
+        return scheduler_pb2_grpc.SchedulerStub(self.channels.get(self.scheduler_address))
+
+    async def generate(
+        self, request: RouteRequest, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[RouteChunk, None]:
+        """Stream the response; the first chunk carries the first token, the last one
+        ``finish_reason``, usage and timing. ``timeout_s`` is the caller's remaining deadline."""
+        params = request.params
+        run = RequestState(
+            request,
+            Clock(timeout_s),
+            ResponseText(
+                self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
+            ),
+        )
+        try:
+            assignment = await self._assign(run)
+            if assignment.mode == common_pb2.MODE_COLOCATED:
+                stream = self._colocated(run, assignment)
+            else:
+                stream = self._disaggregated(run, assignment)
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            task = self._track(self._cleanup(run))
+            # Shielded: a second cancellation (server shutdown) must not cut the clean-up short;
+            # the task stays tracked and close() waits for it.
+            await asyncio.shield(task)
+
+    async def collect(self, request: RouteRequest, *, timeout_s: float | None = None) -> RouteChunk:
+        """The whole response as one chunk (for unary calls)."""
+        total = RouteChunk(request.request_id)
+        async with contextlib.aclosing(self.generate(request, timeout_s=timeout_s)) as stream:
+            async for chunk in stream:
+                total.token_ids += chunk.token_ids
+                total.logprobs += chunk.logprobs
+                total.text += chunk.text
+                total.finish_reason = chunk.finish_reason
+                total.usage = chunk.usage
+                total.timing = chunk.timing
+        return total
+
+    async def close(self) -> None:
+        """Wait for clean-ups still running, then close the channels."""
+        while self._cleanups:  # a clean-up may start another (a late Assign's release)
+            await asyncio.gather(*list(self._cleanups))
+        await self.channels.close()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    async def _assign(self, run: RequestState) -> scheduler_pb2.Assignment:
+        req = run.request
+        step = "Scheduler.Assign"
+        remaining = run.clock.remaining(step)
+        # The call runs to completion even when the caller's deadline or a cancellation cuts the
+        # wait short: a reservation committed after we stopped waiting would otherwise stay
+        # orphaned until its TTL. The clean-up releases what the task reserves, however late.
+        call = self._scheduler.Assign(
+            scheduler_pb2.AssignRequest(
+                request_id=req.request_id,
+                prompt_tokens=len(req.prompt_token_ids),
+                max_tokens=req.params.max_tokens,
+                mode=self.config.mode,
+                tenant=req.tenant,
+            ),
+            timeout=self.config.assign_timeout_s,
+        )
+        run.assign_task = asyncio.create_task(_unary(step, call), name="assign")
+        try:
+            assignment: scheduler_pb2.Assignment = await asyncio.wait_for(
+                asyncio.shield(run.assign_task), remaining
+            )
+        except TimeoutError:
+            raise DeadlineExceededError(f"deadline exceeded during {step}") from None
+        except PdServeError:
+            run.assign_task = None  # Assign itself failed: nothing was reserved
+            raise
+        run.reservation_id = assignment.reservation_id
+        run.timing.queue_ms = run.clock.elapsed_ms()
+        if assignment.ttl_s > 0:
+            run.renewer = asyncio.create_task(
+                self.housekeeper.renew_forever(assignment.reservation_id, assignment.ttl_s),
+                name="renew",
+            )
+        return assignment
+
+    async def _disaggregated(
+        self, run: RequestState, assignment: scheduler_pb2.Assignment
+    ) -> AsyncGenerator[RouteChunk, None]:
+        req = run.request
+        worker = assignment.prefill
+        step = f"Prefill on {worker.id} ({worker.address})"
+        prefill = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
+        call = prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=sampling_to_proto(req.params),
+                tenant=req.tenant,
+                reservation_id=run.reservation_id,
+            ),
+            timeout=run.clock.remaining(step),
+        )
+        run.calls.append(call)
+        run.prefill_call = call
+        resp: prefill_pb2.PrefillResponse = await _unary(step, call)
+        if resp.HasField("kv"):
+            run.kv = resp.kv
+        t = run.timing
+        t.queue_ms += resp.queue_ms
+        t.prefill_ms = resp.compute_ms
+        t.transfer_ms = resp.transfer_ms
+        t.transfer_bytes = resp.transfer_bytes
+        t.transport = (resp.kv.WhichOneof("location") or "") if run.kv is not None else ""
+        run.cached_tokens = resp.num_cached_tokens
+
+        finish = finish_reason_from_proto(resp.finish_reason, field="PrefillResponse.finish_reason")
+        first = self._tokens(run, [resp.first_token_id], [resp.first_logprob], finish)
+        yield first
+        if first.finished:
+            return
+        if run.kv is None:
+            raise DownstreamError(
+                step, grpc.StatusCode.INTERNAL, "no KV handle and no finish reason"
+            )
+        # The prefill worker is done with this request: give its share back right away.
+        run.tasks.append(
+            asyncio.create_task(self.housekeeper.release(run.reservation_id, prefill_only=True))
+        )
+
+        worker = assignment.decode
+        step = f"Decode on {worker.id} ({worker.address})"
+        decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+        stream = decode.Decode(
+            decode_pb2.DecodeRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                first_token_id=resp.first_token_id,
+                first_logprob=resp.first_logprob,
+                sampling=sampling_to_proto(req.params),
+                kv=run.kv,
+                reservation_id=run.reservation_id,
+                tenant=req.tenant,
+            ),
+            timeout=run.clock.remaining(step),
+        )
+        run.calls.append(stream)
+
+        def absorb(last: decode_pb2.DecodeChunk) -> None:
+            t.queue_ms += last.timing.queue_ms
+            t.transfer_ms += last.timing.transfer_ms
+            t.decode_ms = last.timing.decode_ms
+
+        async for chunk in self._relay(run, step, stream, absorb):
+            yield chunk
+
+    async def _colocated(
+        self, run: RequestState, assignment: scheduler_pb2.Assignment
+    ) -> AsyncGenerator[RouteChunk, None]:
+        req = run.request
+        worker = assignment.prefill
+        step = f"Mixed.Generate on {worker.id} ({worker.address})"
+        mixed = decode_pb2_grpc.MixedStub(self.channels.get(worker.address))
+        stream = mixed.Generate(
+            decode_pb2.ColocatedRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=sampling_to_proto(req.params),
+                tenant=req.tenant,
+                reservation_id=run.reservation_id,
+            ),
+            timeout=run.clock.remaining(step),
+        )
+        run.calls.append(stream)
+        t = run.timing
+
+        def absorb(last: decode_pb2.DecodeChunk) -> None:
+            t.queue_ms += last.timing.queue_ms
+            t.prefill_ms = last.timing.prefill_ms
+            t.decode_ms = last.timing.decode_ms
+            run.cached_tokens = last.num_cached_tokens
+
+        async for chunk in self._relay(run, step, stream, absorb):
+            yield chunk
+
+    async def _relay(
+        self,
+        run: RequestState,
+        step: str,
+        stream: Any,
+        absorb: Callable[[decode_pb2.DecodeChunk], None],
+    ) -> AsyncGenerator[RouteChunk, None]:
+        """Forward a DecodeChunk stream until its last chunk (or a stop string seen here)."""
+        try:
+            async for msg in stream:
+                run.kv_consumed = True
+                finish = finish_reason_from_proto(
+                    msg.finish_reason, field="DecodeChunk.finish_reason"
+                )
+                if finish is not None:
+                    absorb(msg)
+                chunk = self._tokens(run, list(msg.token_ids), list(msg.logprobs), finish)
+                if chunk.token_ids or chunk.text or chunk.finished:
+                    yield chunk
+                if chunk.finished:
+                    return
+        except AioRpcError as err:
+            raise downstream_error(step, err) from err
+        raise DownstreamError(
+            step, grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason"
+        )
+
+    def _tokens(
+        self,
+        run: RequestState,
+        tokens: list[int],
+        logprobs: list[float],
+        finish: FinishReason | None,
+    ) -> RouteChunk:
+        """A chunk for new tokens; cut after a stop string, final when ``finish`` is set."""
+        kept = 0
+        for token in tokens:
+            kept += 1
+            if run.text.add(token):
+                # The text completed a stop string: whatever the worker sent after it is dropped.
+                finish = finish if finish is not None else FinishReason.STOP
+                break
+        run.completion_tokens += kept
+        chunk = RouteChunk(
+            run.request.request_id,
+            token_ids=tokens[:kept],
+            logprobs=logprobs[:kept],
+            text=run.text.take(final=finish is not None),
+            finish_reason=finish,
+        )
+        if not run.first_sent and chunk.token_ids:
+            run.first_sent = True
+            run.timing.ttft_ms = run.clock.elapsed_ms()
+        if finish is not None:
+            run.timing.e2e_ms = run.clock.elapsed_ms()
+            chunk.timing = run.timing
+            chunk.usage = RouteUsage(
+                prompt_tokens=len(run.request.prompt_token_ids),
+                completion_tokens=run.completion_tokens,
+                cached_tokens=run.cached_tokens,
+            )
+        return chunk
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    async def _cleanup(self, run: RequestState) -> None:
+        for call in run.calls:
+            if not call.done():
+                call.cancel()
+        if run.kv is None and run.prefill_call is not None:
+            # The prefill may have answered just as we left: its KV then needs deleting too.
+            run.kv = await _late_kv(run.prefill_call)
+        if run.renewer is not None:
+            run.renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run.renewer
+        # These log their own failures (a failed release only means waiting for the TTL).
+        await asyncio.gather(*run.tasks)
+        if run.kv is not None and not run.kv_consumed:
+            await self.housekeeper.delete_kv(run.kv)
+        if not run.reservation_id and run.assign_task is not None:
+            # The caller stopped waiting for Assign, which may still commit a reservation: wait
+            # for it in the background (close() waits too), not on the caller's time.
+            self._track(
+                self.housekeeper.release_when_assigned(run.request.request_id, run.assign_task)
+            )
+        if run.reservation_id:
+            await self.housekeeper.release(run.reservation_id)
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
+
+
+async def _late_kv(call: Any) -> common_pb2.KVHandle | None:
+    """The KV handle of a Prefill call that completed although nobody read its answer."""
+    if not call.done() or call.cancelled():
+        return None
+    try:
+        resp: prefill_pb2.PrefillResponse = await call  # done: returns at once
+    except AioRpcError:
+        return None  # it failed: nothing was stored
+    return resp.kv if resp.HasField("kv") else None
+
+
+async def _unary(step: str, call: Any) -> Any:
+    """Await a unary call, turning its failure into a caller-facing error naming ``step``."""
+    try:
+        return await call
+    except AioRpcError as err:
+        raise downstream_error(step, err) from err

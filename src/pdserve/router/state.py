@@ -1,0 +1,61 @@
+"""The state of one request in the router: its clock, and everything it has opened."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.router.downstream import DeadlineExceededError
+from pdserve.router.output import RouteTiming
+from pdserve.router.request import RouteRequest
+from pdserve.router.text import ResponseText
+from pdserve.v1 import common_pb2, scheduler_pb2
+
+
+class Clock:
+    """The request's start time and the caller's deadline, on the monotonic clock."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.start = time.monotonic()
+        self.deadline = None if timeout_s is None else self.start + timeout_s
+
+    def elapsed_ms(self) -> float:
+        return (time.monotonic() - self.start) * 1000.0
+
+    def remaining(self, step: str) -> float | None:
+        """Seconds left for the call named ``step``; DeadlineExceededError if none are."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"deadline exceeded before {step}")
+        return left
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Everything one request has opened, so that the clean-up can close it."""
+
+    request: RouteRequest
+    clock: Clock
+    text: ResponseText
+    reservation_id: str = ""
+    calls: list[grpc.aio.Call] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    """Background calls the clean-up waits for (the prefill-only release)."""
+    renewer: asyncio.Task[None] | None = None
+    """Keeps the reservation alive; cancelled by the clean-up."""
+    assign_task: asyncio.Task[scheduler_pb2.Assignment] | None = None
+    """The Assign call; never cancelled, so that a late reservation can still be released."""
+    prefill_call: grpc.aio.UnaryUnaryCall[Any, Any] | None = None
+    kv: common_pb2.KVHandle | None = None
+    kv_consumed: bool = False
+    """True once a decode worker has streamed from the KV (it then owns the payload)."""
+    timing: RouteTiming = field(default_factory=RouteTiming)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_sent: bool = False

@@ -1,0 +1,55 @@
+"""``pdserve status``: the live workers of a cluster, read from their Redis heartbeats."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from pdserve.errors import WorkerUnavailableError
+from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect
+
+_ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}"
+
+
+async def fetch_workers(redis_url: str, namespace: str = "pdserve") -> list[WorkerInfo]:
+    """Every worker whose heartbeat is alive, sorted by id."""
+    redis = connect(redis_url)
+    try:
+        return await RedisWorkerRegistry(redis, keys=KeySpace(namespace)).list_workers()
+    finally:
+        await redis.aclose()
+
+
+def format_workers(workers: Sequence[WorkerInfo], now: float) -> list[str]:
+    """A table: id, role, address, load (running sequences, queued tokens), free KV blocks,
+    heartbeat age."""
+    lines = [_ROW.format("ID", "ROLE", "ADDRESS", "RUN", "QUEUED", "FREE BLOCKS", "AGE")]
+    for w in workers:
+        row = _ROW.format(
+            w.id, w.role.value, w.address, w.running_seqs, w.queued_tokens,
+            f"{w.kv_blocks_free}/{w.kv_blocks_total}", f"{now - w.ts:.1f}s",
+        )  # fmt: skip
+        lines.append(row + (" draining" if w.draining else ""))
+    return lines
+
+
+def main_status(argv: Sequence[str]) -> int:
+    """Entry of ``pdserve status``; exit status 1 when no worker is alive."""
+    p = argparse.ArgumentParser(prog="pdserve status", description="list live workers")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--namespace", default="pdserve")
+    args = p.parse_args(list(argv))
+    try:
+        workers = asyncio.run(fetch_workers(args.redis_url, args.namespace))
+    except (OSError, RedisError) as e:
+        raise WorkerUnavailableError(f"cannot read {args.redis_url}: {e}") from e
+    if not workers:
+        print(f"no live workers in {args.redis_url} (namespace {args.namespace})")
+        return 1
+    print("\n".join(format_workers(workers, time.time())))
+    return 0

@@ -1,0 +1,343 @@
+"""The client SDK against a scripted in-process Router server.
+
+The fake server answers each call as its script says (fail with a status before any chunk,
+stream chunks, fail mid-stream, hang until cancelled), so that retries, error types, metadata
+and cancellation are checked exactly, without workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.client import (
+    AsyncClient,
+    Cancelled,
+    Client,
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PdServeClientError,
+    RetryPolicy,
+    ServerError,
+    Unavailable,
+)
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002)
+TOKENS = [11, 12, 13]
+TEXTS = ["a", "bc", "d"]
+
+
+@dataclass
+class Step:
+    """What the fake server does on one call."""
+
+    fail: grpc.StatusCode | None = None
+    message: str = "scripted failure"
+    chunks_before_fail: int = 0
+    hang: bool = False
+    """Send one chunk, then wait until the client cancels (or 10 s pass)."""
+
+
+@dataclass
+class FakeRouter(router_pb2_grpc.RouterServicer):
+    script: deque[Step] = field(default_factory=deque)
+    requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _record(self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext) -> Step:
+        with self.lock:
+            self.requests.append(request)
+            self.metadata.append({k: v for k, v in context.invocation_metadata()})
+            return self.script.popleft() if self.script else Step()
+
+    def _chunks(self) -> list[router_pb2.GenerateChunk]:
+        chunks = [
+            router_pb2.GenerateChunk(token_ids=[t], text=s, logprobs=[-0.5])
+            for t, s in zip(TOKENS, TEXTS, strict=True)
+        ]
+        chunks[0].request_id = "rid-1"
+        last = chunks[-1]
+        last.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        last.usage.CopyFrom(common_pb2.Usage(prompt_tokens=4, completion_tokens=3, cached_tokens=1))
+        last.timing.CopyFrom(common_pb2.Timing(ttft_ms=1.0, e2e_ms=2.0, transport="store"))
+        return chunks
+
+    def Generate(  # noqa: N802
+        self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[router_pb2.GenerateChunk]:
+        step = self._record(request, context)
+        chunks = self._chunks()
+        if step.hang:
+            context.add_callback(self.cancelled.set)
+            yield chunks[0]
+            self.cancelled.wait(10)
+            return
+        if step.fail is not None:
+            yield from chunks[: step.chunks_before_fail]
+            context.abort(step.fail, step.message)
+        yield from chunks
+
+    def GenerateUnary(  # noqa: N802
+        self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> router_pb2.GenerateResponse:
+        step = self._record(request, context)
+        if step.hang:
+            context.add_callback(self.cancelled.set)
+            self.cancelled.wait(10)
+            return router_pb2.GenerateResponse()
+        if step.fail is not None:
+            context.abort(step.fail, step.message)
+        last = self._chunks()[-1]
+        return router_pb2.GenerateResponse(
+            text="".join(TEXTS),
+            token_ids=TOKENS,
+            logprobs=[-0.5] * 3,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            timing=last.timing,
+            request_id="rid-1",
+        )
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeRouter, str]]:
+    servicer = FakeRouter()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        servicer.cancelled.set()  # release a handler still waiting
+        server.stop(None)
+
+
+def test_generate_builds_the_request_and_reads_the_response(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    with Client(address, tenant="team-a") as client:
+        done = client.generate(
+            [5, 6, 7], max_tokens=3, temperature=0, top_k=4, seed=9, stop=["x"],
+            stop_token_ids=[2], ignore_eos=True, request_id="mine", tenant="team-b",
+        )  # fmt: skip
+    assert done.text == "abcd" and done.token_ids == TOKENS and done.finish_reason == "length"
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.cached_tokens) == (4, 1)
+    assert done.timing is not None and done.timing.transport == "store"
+    (request,) = servicer.requests
+    assert list(request.token_ids.ids) == [5, 6, 7] and request.request_id == "mine"
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.seed) == (3, 0.0, 4, 9)
+    assert list(s.stop) == ["x"] and list(s.stop_token_ids) == [2] and s.ignore_eos
+    assert not s.HasField("top_p")  # unset: the server's default applies
+    assert request.skip_special_tokens
+    assert servicer.metadata[0]["x-pdserve-tenant"] == "team-b"  # per call beats the default
+
+
+def test_unset_options_stay_unset(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    with Client(address) as client:
+        client.generate("hi")
+    (request,) = servicer.requests
+    assert request.text == "hi" and not request.HasField("request_id")
+    for name in ("temperature", "top_p", "seed", "max_tokens"):
+        assert not request.sampling.HasField(name)
+    assert "x-pdserve-tenant" not in servicer.metadata[0]
+
+
+def test_stream_yields_deltas_and_sums_them(fake: tuple[FakeRouter, str]) -> None:
+    _, address = fake
+    with Client(address) as client, client.stream("hi") as stream:
+        deltas = list(stream)
+        done = stream.completion()
+    assert [d.text for d in deltas] == TEXTS
+    assert deltas[0].request_id == "rid-1" and not deltas[0].finished
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage is not None
+    assert done.text == "".join(TEXTS) and done.token_ids == TOKENS and done.request_id == "rid-1"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_unavailable_before_the_first_token_is_retried(
+    fake: tuple[FakeRouter, str], streaming: bool
+) -> None:
+    servicer, address = fake
+    servicer.script.extend([Step(grpc.StatusCode.UNAVAILABLE), Step(grpc.StatusCode.UNAVAILABLE)])
+    with Client(address, retry=FAST_RETRY) as client:
+        if streaming:
+            tokens = [t for d in client.stream("hi") for t in d.token_ids]
+        else:
+            tokens = client.generate("hi").token_ids
+    assert tokens == TOKENS
+    assert len(servicer.requests) == 3
+
+
+def test_retries_are_bounded(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.extend([Step(grpc.StatusCode.UNAVAILABLE, "worker gone")] * 5)
+    with Client(address, retry=FAST_RETRY) as client, pytest.raises(Unavailable) as info:
+        client.generate("hi")
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and info.value.message == "worker gone"
+    assert len(servicer.requests) == FAST_RETRY.max_attempts
+
+
+def test_no_retry_once_a_token_has_arrived(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(grpc.StatusCode.UNAVAILABLE, chunks_before_fail=1))
+    received = []
+    with Client(address, retry=FAST_RETRY) as client, pytest.raises(Unavailable):
+        for delta in client.stream("hi"):
+            received.append(delta)
+    assert [d.token_ids for d in received] == [TOKENS[:1]]
+    assert len(servicer.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "error_type"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
+        (grpc.StatusCode.NOT_FOUND, NotFound),
+        (grpc.StatusCode.INTERNAL, ServerError),
+        (grpc.StatusCode.FAILED_PRECONDITION, ServerError),
+    ],
+)
+def test_status_codes_map_to_typed_errors_without_retry(
+    fake: tuple[FakeRouter, str], code: grpc.StatusCode, error_type: type[PdServeClientError]
+) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(code, "sampling.top_p: must be in (0, 1], got 0"))
+    with Client(address, retry=FAST_RETRY) as client, pytest.raises(error_type) as info:
+        client.generate("hi")
+    assert isinstance(info.value, PdServeClientError)
+    assert info.value.code is code
+    assert info.value.message == "sampling.top_p: must be in (0, 1], got 0"
+    if isinstance(info.value, InvalidRequest):
+        assert info.value.field == "sampling.top_p"
+    assert len(servicer.requests) == 1
+
+
+def test_client_side_checks_send_nothing(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    with Client(address) as client:
+        for kwargs, field_name in [
+            ({"max_tokens": -1}, "sampling.max_tokens"),
+            ({"top_k": 2**32}, "sampling.top_k"),
+            ({"seed": -3}, "sampling.seed"),
+            ({"stop_token_ids": [1, -1]}, "sampling.stop_token_ids"),
+        ]:
+            with pytest.raises(InvalidRequest) as info:
+                client.generate("hi", **kwargs)  # type: ignore[arg-type]
+            assert info.value.field == field_name
+        with pytest.raises(InvalidRequest) as info:
+            client.generate([1, -2])
+        assert info.value.field == "token_ids"
+        with pytest.raises(InvalidRequest) as info:
+            client.generate(3.5)  # type: ignore[arg-type]
+        assert info.value.field == "prompt"
+    assert servicer.requests == []
+
+
+def test_deadline_applies_to_the_whole_call(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client, pytest.raises(DeadlineExceeded):
+        client.generate("hi", timeout=0.2)
+    assert servicer.cancelled.wait(10)
+
+
+def test_unreachable_router_is_unavailable_after_bounded_retries() -> None:
+    # A port nobody listens on: the connection is refused at once.
+    with Client("127.0.0.1:1", retry=FAST_RETRY) as client, pytest.raises(Unavailable):
+        client.generate("hi", timeout=10)
+
+
+def test_async_client_generate_stream_and_retry(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(grpc.StatusCode.UNAVAILABLE))
+
+    async def run() -> tuple[Any, list[Any]]:
+        async with AsyncClient(address, retry=FAST_RETRY, tenant="t1") as client:
+            done = await client.generate("hi", max_tokens=3)
+            deltas = [d async for d in client.stream("hi")]
+        return done, deltas
+
+    done, deltas = asyncio.run(run())
+    assert done.token_ids == TOKENS and [d.text for d in deltas] == TEXTS
+    assert len(servicer.requests) == 3  # one retried unary call, then the stream
+    assert all(md["x-pdserve-tenant"] == "t1" for md in servicer.metadata)
+
+
+def test_async_errors_are_typed(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.extend(
+        [
+            Step(grpc.StatusCode.RESOURCE_EXHAUSTED),
+            Step(grpc.StatusCode.INVALID_ARGUMENT, "text: empty"),
+        ]
+    )
+
+    async def run() -> None:
+        async with AsyncClient(address, retry=FAST_RETRY) as client:
+            with pytest.raises(Overloaded):
+                await client.generate("hi")
+            with pytest.raises(InvalidRequest) as info:
+                async for _ in client.stream("hi"):
+                    pass
+            assert info.value.field == "text"
+
+    asyncio.run(run())
+    assert len(servicer.requests) == 2
+
+
+@pytest.mark.parametrize("how", ["exit", "cancel"])
+def test_async_stream_cancel_reaches_the_server(fake: tuple[FakeRouter, str], how: str) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+
+    async def run() -> list[Any]:
+        got = []
+        async with AsyncClient(address) as client:
+            if how == "exit":
+                async with client.stream("hi") as stream:
+                    async for delta in stream:
+                        got.append(delta)
+                        break
+            else:
+                stream = client.stream("hi")
+                with pytest.raises(Cancelled):
+                    async for delta in stream:
+                        got.append(delta)
+                        stream.cancel()
+        return got
+
+    got = asyncio.run(run())
+    assert [d.token_ids for d in got] == [TOKENS[:1]]
+    assert servicer.cancelled.wait(10), "the server never saw the cancellation"
+
+
+def test_sync_stream_cancel_reaches_the_server(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client:
+        stream = client.stream("hi")
+        first = next(iter(stream))
+        assert first.token_ids == TOKENS[:1]
+        stream.cancel()
+        with pytest.raises(Cancelled):
+            next(stream)
+    assert servicer.cancelled.wait(10)

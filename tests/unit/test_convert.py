@@ -1,0 +1,145 @@
+"""Proto <-> domain conversions: defaults, round trips, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.outputs import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidArgumentError
+from pdserve.rpc import convert
+from pdserve.v1 import common_pb2 as pb
+
+
+def test_unset_fields_take_the_engine_defaults() -> None:
+    assert convert.sampling_from_proto(pb.SamplingParams()) == SamplingParams()
+
+
+def test_sampling_round_trip_keeps_every_field() -> None:
+    params = SamplingParams(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        seed=123,
+        max_tokens=33,
+        stop_token_ids=(3, 9),
+        stop=("\n\n", "END"),
+        ignore_eos=True,
+    )
+    msg = convert.sampling_to_proto(params)
+    back = convert.sampling_from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
+    assert back == params
+    assert back.seed == 123 and back.stop == ("\n\n", "END")
+
+
+def test_explicit_zero_temperature_is_greedy_not_default() -> None:
+    # temperature is `optional`: 0 set on purpose must differ from "unset" (default 1.0).
+    params = convert.sampling_from_proto(pb.SamplingParams(temperature=0.0))
+    assert params.greedy
+
+
+def test_seed_absent_stays_none() -> None:
+    msg = convert.sampling_to_proto(SamplingParams(seed=None))
+    assert not msg.HasField("seed")
+    assert convert.sampling_from_proto(msg).seed is None
+
+
+@pytest.mark.parametrize(
+    ("msg", "field"),
+    [
+        (pb.SamplingParams(max_tokens=0), "sampling.max_tokens"),
+        (pb.SamplingParams(temperature=-1.0), "sampling.temperature"),
+        (pb.SamplingParams(temperature=float("nan")), "sampling.temperature"),
+        (pb.SamplingParams(top_p=0.0), "sampling.top_p"),
+        (pb.SamplingParams(top_p=1.5), "sampling.top_p"),
+        (pb.SamplingParams(seed=2**63), "sampling.seed"),
+        (pb.SamplingParams(stop=["ok", ""]), "sampling.stop"),
+    ],
+)
+def test_invalid_sampling_names_the_field(msg: pb.SamplingParams, field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.sampling_from_proto(msg)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_prefix_is_configurable() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.sampling_from_proto(pb.SamplingParams(max_tokens=0), field="params")
+    assert info.value.field == "params.max_tokens"
+
+
+def test_check_against_model_limits_names_the_field() -> None:
+    params = SamplingParams(max_tokens=100, stop_token_ids=(7,))
+    convert.check_sampling_against(params, vocab_size=10, max_model_len=200, prompt_len=100)
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.check_sampling_against(params, vocab_size=10, max_model_len=200, prompt_len=101)
+    assert info.value.field == "sampling.max_tokens"
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.check_sampling_against(params, vocab_size=7, max_model_len=200, prompt_len=1)
+    assert info.value.field == "sampling.stop_token_ids"
+
+
+def test_check_token_ids() -> None:
+    assert convert.check_token_ids((1, 2, 3), vocab_size=4, field="ids") == [1, 2, 3]
+    with pytest.raises(InvalidArgumentError, match="ids: must contain"):
+        convert.check_token_ids([], vocab_size=4, field="ids")
+    with pytest.raises(InvalidArgumentError, match="token id 4 at position 1") as info:
+        convert.check_token_ids([0, 4], vocab_size=4, field="prompt.ids")
+    assert info.value.field == "prompt.ids"
+
+
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_finish_reason_round_trip(reason: FinishReason) -> None:
+    wire = convert.finish_reason_to_proto(reason)
+    assert wire != pb.FINISH_REASON_UNSPECIFIED
+    assert convert.finish_reason_from_proto(wire) is reason
+    assert convert.finish_reason_name(wire) == reason.value
+
+
+def test_finish_reason_unspecified_means_running() -> None:
+    assert convert.finish_reason_to_proto(None) == pb.FINISH_REASON_UNSPECIFIED
+    assert convert.finish_reason_from_proto(pb.FINISH_REASON_UNSPECIFIED) is None
+    assert convert.finish_reason_name(pb.FINISH_REASON_UNSPECIFIED) is None
+
+
+def test_finish_reason_error_and_unknown_values() -> None:
+    assert convert.finish_reason_name(pb.FINISH_REASON_ERROR) == "error"
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.finish_reason_from_proto(pb.FINISH_REASON_ERROR, field="chunk.finish_reason")
+    assert info.value.field == "chunk.finish_reason"
+    for convert_fn in (convert.finish_reason_from_proto, convert.finish_reason_name):
+        with pytest.raises(InvalidArgumentError, match="finish_reason"):
+            convert_fn(99)
+
+
+def test_enums_reject_values_the_schema_does_not_name() -> None:
+    # Proto3 enums are open: an unknown number parses, so readers must check it.
+    assert convert.mode_from_proto(pb.MODE_COLOCATED) == pb.MODE_COLOCATED
+    assert convert.role_from_proto(pb.WORKER_ROLE_MIXED) == pb.WORKER_ROLE_MIXED
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.mode_from_proto(7, field="request.mode")
+    assert info.value.field == "request.mode"
+    with pytest.raises(InvalidArgumentError):
+        convert.role_from_proto(-1)
+
+
+def test_mode_names() -> None:
+    assert convert.mode_from_name("Colocated") == pb.MODE_COLOCATED
+    assert convert.mode_from_name("disaggregated") == pb.MODE_DISAGGREGATED
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        convert.mode_from_name("both")
+
+
+def test_usage_fits_uint32() -> None:
+    u = convert.usage_to_proto(prompt_tokens=3, completion_tokens=4, cached_tokens=1)
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (3, 4, 1)
+    with pytest.raises(InvalidArgumentError) as info:
+        convert.usage_to_proto(prompt_tokens=-1, completion_tokens=0)
+    assert info.value.field == "usage.prompt_tokens"
+
+
+def test_timing_to_dict_lists_every_field() -> None:
+    d = convert.timing_to_dict(pb.Timing(ttft_ms=1.5, transport="store"))
+    assert d["ttft_ms"] == 1.5 and d["transport"] == "store" and d["e2e_ms"] == 0.0
+    assert set(d) == {f.name for f in pb.Timing.DESCRIPTOR.fields}

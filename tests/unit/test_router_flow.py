@@ -1,0 +1,311 @@
+"""RequestFlow against scripted in-process Scheduler, Prefill, Decode and KVStore services.
+
+Checks the order of calls and, above all, the clean-up on every way out: the reservation is
+released, downstream calls are cancelled, and a KV payload no decode worker took is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.engine.outputs import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import PdServeError
+from pdserve.router import RequestFlow, RouteChunk, RouteRequest
+from pdserve.router.downstream import DeadlineExceededError, DownstreamError
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+FIRST = 7
+DECODED = [8, 9, 10]
+
+
+@dataclass
+class Fakes(
+    scheduler_pb2_grpc.SchedulerServicer,
+    prefill_pb2_grpc.PrefillServicer,
+    decode_pb2_grpc.DecodeServicer,
+    kvstore_pb2_grpc.KVStoreServicer,
+):
+    """All four downstream services in one object; ``address`` is where they listen."""
+
+    address: str = ""
+    assign_error: grpc.StatusCode | None = None
+    assign_gate: asyncio.Event | None = None
+    prefill_finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    decode_error: grpc.StatusCode | None = None
+    decode_hang: bool = False
+    decode_tokens: list[int] = field(default_factory=lambda: list(DECODED))
+    assigned: list[str] = field(default_factory=list)
+    released: list[tuple[str, bool]] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    prefill_time_left: list[float | None] = field(default_factory=list)
+    decode_calls: int = 0
+    decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Assign(self, request: Any, context: Any) -> scheduler_pb2.Assignment:  # noqa: N802
+        if self.assign_gate is not None:
+            await self.assign_gate.wait()
+        if self.assign_error is not None:
+            await context.abort(self.assign_error, "no room")
+        rid = f"res-{len(self.assigned)}"
+        self.assigned.append(rid)
+        worker = scheduler_pb2.WorkerRef(id="w", address=self.address, host="h")
+        return scheduler_pb2.Assignment(
+            reservation_id=rid, prefill=worker, decode=worker,
+            mode=common_pb2.MODE_DISAGGREGATED, ttl_s=60.0,
+        )  # fmt: skip
+
+    async def Release(self, request: Any, context: Any) -> scheduler_pb2.ReleaseResponse:  # noqa: N802
+        self.released.append((request.reservation_id, request.prefill_only))
+        return scheduler_pb2.ReleaseResponse(released=True)
+
+    async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
+        self.prefill_time_left.append(context.time_remaining())
+        resp = prefill_pb2.PrefillResponse(
+            first_token_id=FIRST, first_logprob=-1.0, finish_reason=self.prefill_finish,  # type: ignore[arg-type]
+            queue_ms=1.0, compute_ms=2.0, transfer_ms=3.0, transfer_bytes=100,
+        )  # fmt: skip
+        if self.prefill_finish == common_pb2.FINISH_REASON_UNSPECIFIED:
+            resp.kv.CopyFrom(
+                common_pb2.KVHandle(
+                    request_id=request.request_id,
+                    num_tokens=len(request.prompt_token_ids),
+                    store=common_pb2.StoreLocation(
+                        address=self.address, key=f"kv-{request.request_id}"
+                    ),
+                )
+            )
+        return resp
+
+    async def Decode(self, request: Any, context: Any) -> AsyncIterator[decode_pb2.DecodeChunk]:  # noqa: N802
+        self.decode_calls += 1
+        if self.decode_error is not None:
+            await context.abort(self.decode_error, "worker went away")
+        try:
+            for i, token in enumerate(self.decode_tokens):
+                last = i == len(self.decode_tokens) - 1 and not self.decode_hang
+                chunk = decode_pb2.DecodeChunk(token_ids=[token], logprobs=[-0.5])
+                if last:
+                    chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    chunk.timing.CopyFrom(
+                        common_pb2.Timing(queue_ms=4.0, transfer_ms=5.0, decode_ms=6.0)
+                    )
+                yield chunk
+            if self.decode_hang:
+                await asyncio.Event().wait()  # until cancelled
+        except asyncio.CancelledError:
+            self.decode_cancelled.set()
+            raise
+
+    async def Delete(self, request: Any, context: Any) -> kvstore_pb2.DeleteResponse:  # noqa: N802
+        self.deleted.append(request.key)
+        return kvstore_pb2.DeleteResponse(deleted=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_llama_dir)
+
+
+def run_with_fakes(
+    tokenizer: Tokenizer,
+    configure: Callable[[Fakes], None],
+    body: Callable[[RequestFlow, Fakes], Awaitable[Any]],
+) -> Fakes:
+    """Serve the fakes, run ``body`` with a flow pointed at them, wait for its clean-ups."""
+
+    async def main() -> Fakes:
+        fakes = Fakes()
+        configure(fakes)
+        server = grpc.aio.server()
+        for add in (
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+            prefill_pb2_grpc.add_PrefillServicer_to_server,
+            decode_pb2_grpc.add_DecodeServicer_to_server,
+            kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+        ):
+            add(fakes, server)  # type: ignore[operator]
+        fakes.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        flow = RequestFlow(scheduler_address=fakes.address, tokenizer=tokenizer)
+        try:
+            await body(flow, fakes)
+        finally:
+            await flow.close()  # waits for every clean-up
+            await server.stop(None)
+        return fakes
+
+    return asyncio.run(main())
+
+
+def _request(tokenizer: Tokenizer, *, stop: tuple[str, ...] = ()) -> RouteRequest:
+    return RouteRequest(
+        "r1", tuple(tokenizer.encode("hello")), SamplingParams(max_tokens=4, stop=stop)
+    )
+
+
+async def _collect(flow: RequestFlow, req: RouteRequest, **kw: Any) -> list[RouteChunk]:
+    return [c async for c in flow.generate(req, **kw)]
+
+
+def test_happy_path_streams_first_token_alone_then_decode(tokenizer: Tokenizer) -> None:
+    got: list[RouteChunk] = []
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, _request(tokenizer), timeout_s=30))
+
+    fakes = run_with_fakes(tokenizer, lambda f: None, body)
+    assert [c.token_ids for c in got] == [[FIRST], *([t] for t in DECODED)]
+    assert [c.finish_reason for c in got] == [None, None, None, FinishReason.LENGTH]
+    assert "".join(c.text for c in got) == tokenizer.decode([FIRST, *DECODED])
+    last = got[-1]
+    assert last.usage is not None and last.usage.completion_tokens == 4
+    assert last.usage.prompt_tokens == len(tokenizer.encode("hello"))
+    assert last.timing is not None
+    assert (last.timing.prefill_ms, last.timing.transfer_ms, last.timing.decode_ms) == (
+        2.0,
+        8.0,
+        6.0,
+    )
+    assert last.timing.transport == "store" and last.timing.transfer_bytes == 100
+    assert sorted(fakes.released) == [("res-0", False), ("res-0", True)]
+    assert fakes.deleted == []  # the decode worker took the payload
+    (left,) = fakes.prefill_time_left
+    assert left is not None and 0 < left <= 30  # the caller's deadline went downstream
+
+
+def test_first_token_that_finishes_skips_decode(tokenizer: Tokenizer) -> None:
+    got: list[RouteChunk] = []
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, _request(tokenizer)))
+
+    def configure(f: Fakes) -> None:
+        f.prefill_finish = common_pb2.FINISH_REASON_STOP
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert (
+        len(got) == 1 and got[0].token_ids == [FIRST] and got[0].finish_reason is FinishReason.STOP
+    )
+    assert fakes.decode_calls == 0 and fakes.released == [("res-0", False)]
+
+
+def test_assign_refusal_passes_through(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        with pytest.raises(DownstreamError) as info:
+            await _collect(flow, _request(tokenizer))
+        assert info.value.grpc_code == "RESOURCE_EXHAUSTED" and "no room" in str(info.value)
+
+    def configure(f: Fakes) -> None:
+        f.assign_error = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert fakes.released == []
+
+
+def test_decode_failure_is_reported_and_cleaned_up(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        with pytest.raises(DownstreamError) as info:
+            await _collect(flow, _request(tokenizer))
+        assert info.value.grpc_code == "UNAVAILABLE"
+        assert "Decode on w" in str(info.value) and "worker went away" in str(info.value)
+
+    def configure(f: Fakes) -> None:
+        f.decode_error = grpc.StatusCode.UNAVAILABLE
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert ("res-0", False) in fakes.released
+    assert fakes.deleted == ["kv-r1"]  # nobody consumed the payload
+
+
+def test_leaving_after_the_first_token_deletes_the_payload(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        stream = flow.generate(_request(tokenizer))
+        first = await anext(stream)
+        assert first.token_ids == [FIRST]
+        await stream.aclose()
+
+    fakes = run_with_fakes(tokenizer, lambda f: None, body)
+    assert fakes.decode_calls == 0
+    assert fakes.deleted == ["kv-r1"]
+    assert fakes.released == [("res-0", False)]
+
+
+def test_cancel_mid_decode_cancels_the_decode_call(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        async def consume() -> None:
+            async for chunk in flow.generate(_request(tokenizer)):
+                if chunk.token_ids == [DECODED[-1]]:
+                    task.cancel()  # what grpc does to a handler whose client went away
+
+        task = asyncio.ensure_future(consume())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(fakes.decode_cancelled.wait(), 10)
+
+    def configure(f: Fakes) -> None:
+        f.decode_hang = True
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert ("res-0", False) in fakes.released
+    assert fakes.deleted == []  # the decode worker had it
+
+
+def test_assign_that_outlives_the_deadline_is_released(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        with pytest.raises(DeadlineExceededError):
+            await _collect(flow, _request(tokenizer), timeout_s=0.05)
+        assert fakes.assign_gate is not None
+        fakes.assign_gate.set()  # the scheduler commits after the caller gave up
+
+    def configure(f: Fakes) -> None:
+        f.assign_gate = asyncio.Event()
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert fakes.assigned == ["res-0"] and fakes.released == [("res-0", False)]
+
+
+def test_a_stop_string_seen_by_the_router_ends_the_stream(tokenizer: Tokenizer) -> None:
+    got: list[RouteChunk] = []
+    stop = tokenizer.decode([DECODED[0]]).strip()
+    if not stop:
+        pytest.skip("the decoded token renders as whitespace only")
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, _request(tokenizer, stop=(stop,))))
+
+    def configure(f: Fakes) -> None:
+        f.decode_hang = True  # the worker would go on; the router must stop on its own
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    tokens = [t for c in got for t in c.token_ids]
+    assert tokens == [FIRST, DECODED[0]] and got[-1].finish_reason is FinishReason.STOP
+    full = tokenizer.decode(tokens)
+    assert "".join(c.text for c in got) == full[: full.index(stop)]
+    assert ("res-0", False) in fakes.released
+
+
+def test_errors_are_pdserve_errors() -> None:
+    # The rpc error mapping turns these into statuses by their grpc_code.
+    assert issubclass(DownstreamError, PdServeError) and issubclass(
+        DeadlineExceededError, PdServeError
+    )
+    assert DeadlineExceededError.grpc_code == "DEADLINE_EXCEEDED"
