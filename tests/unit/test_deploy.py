@@ -28,8 +28,11 @@ def argv_of(command: list[str]) -> list[str]:
     return list(command)
 
 
-@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if s.get("image") == "pdserve:latest"])
-def test_service_command_parses(name: str, tmp_path: Path) -> None:
+PDSERVE_SERVICES = [n for n, s in SERVICES.items() if s.get("image") == "pdserve:latest"]
+
+
+@pytest.mark.parametrize("name", PDSERVE_SERVICES)
+def test_service_command_parses(name: str) -> None:
     argv = argv_of(SERVICES[name]["command"])
     if argv[:2] == ["python", "-m"]:
         module, args = argv[2], argv[3:]
