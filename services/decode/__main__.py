@@ -1,9 +1,11 @@
 """``python -m services.decode``: a decode worker, or with ``--role mixed`` a colocated one.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine thread -> Decode service (role mixed: also Mixed, and Prefill when ``--kvstore`` is
-given) -> serve with heartbeats until SIGTERM. ``--port 0`` binds a free port; ``--port-file``
-receives the bound port once serving.
+engine thread -> Decode service, plus the worker's own KVStore endpoint into which prefill
+workers stream ``direct`` hand-offs, assembled as they land (``services.decode.inbox``;
+``--inbox-bytes`` of RAM, leases swept every second);
+role mixed: also Mixed, and Prefill when ``--kvstore`` is given -> serve with heartbeats until
+SIGTERM. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 """
 
 from __future__ import annotations
@@ -14,36 +16,72 @@ import logging
 import os
 
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.store import KVStore
 from pdserve.rpc.server import AddServicerFn
 from pdserve.scheduling import WorkerRole
-from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.worker.decode import DecodeWorker
+from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
+from pdserve.telemetry.spans import SERVICE_DECODE
+from pdserve.v1 import decode_pb2_grpc, kvstore_pb2_grpc, prefill_pb2_grpc
+from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
-from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.runtime import load_engine, run_worker
+from pdserve.worker.runtime import load_engine, prefill_worker, run_worker
+from pdserve.worker.traced import TracedDecodeWorker
+from services.decode.inbox import InboxServicer
 from services.decode.servicer import DecodeServicer, MixedServicer
 from services.prefill.servicer import PrefillServicer
 
 
-async def serve(options: WorkerOptions) -> None:
+async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
     engine = load_engine(options)
-    worker = DecodeWorker(engine, store_timeout_s=options.kv_timeout_s)
+    telemetry = WorkerTelemetry.start(
+        SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint
+    )
+    inbox = KVStore(options.inbox_bytes, default_lease_s=options.kv_lease_s)
+    worker = TracedDecodeWorker(
+        engine,
+        telemetry=telemetry,
+        store_timeout_s=options.kv_timeout_s,
+        inbox=inbox,
+        host=options.host_name,
+        transfer_timeout_s=options.kv_transfer_timeout_s,
+    )
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(telemetry.close)
         stack.push_async_callback(engine.close)
         stack.push_async_callback(worker.close)
+        stack.callback(inbox.close)
         servicers: list[tuple[AddServicerFn, object]] = [
-            (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker))
+            (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker)),
+            (
+                kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+                InboxServicer(inbox, expected_layout=engine.layout),
+            ),
         ]
         if options.role is WorkerRole.MIXED:
             servicers.append((decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker)))
             if options.kvstore:
                 store = KVStoreClient(options.kvstore, timeout_s=options.kv_timeout_s)
                 stack.push_async_callback(store.close)
-                prefill = PrefillWorker(engine, store, lease_s=options.kv_lease_s)
+                prefill = prefill_worker(options, engine, store, telemetry)
+                stack.push_async_callback(prefill.close)
                 servicers.append(
                     (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(prefill))
                 )
-        await run_worker(options, engine, servicers)
+
+        def bound(address: str) -> None:
+            worker.address = address  # direct hand-offs naming it are read in-process
+
+        async def sweep() -> None:
+            inbox.sweep()
+
+        await run_worker(
+            options,
+            engine,
+            servicers,
+            on_bound=bound,
+            sweeps=[("inbox sweep", sweep)],
+            telemetry=telemetry,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,11 +92,12 @@ def main(argv: list[str] | None = None) -> None:
         default_max_wait_ms=0.0,
         env=os.environ,
     )
+    add_telemetry_args(parser, os.environ)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(options_from_args(args)))
+    asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Wiring only: flags (each defaults to a ``PDSERVE_KVSTORE_*`` environment variabl
 -> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT. A task sweeps expired
 leases every ``--sweep-interval-s``. ``--port 0`` binds a free port; ``--port-file`` receives
 the bound port once the server is serving.
+
+Tiers: ``--capacity-bytes`` of RAM; with ``--disk-dir`` the least recently used entries that
+nobody reads spill there, up to ``--disk-bytes`` (see ``pdserve.kvstore.store``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from pathlib import Path
 
 from pdserve.kvstore.store import KVStore
 from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
+from pdserve.telemetry.spans import SERVICE_KVSTORE
 from pdserve.v1 import kvstore_pb2_grpc
-from services.kvstore.servicer import KVStoreServicer
+from pdserve.worker.observability import WorkerTelemetry
+from services.kvstore.observed import ObservedKVStoreServicer
 
 logger = logging.getLogger("pdserve.kvstore")
 
@@ -36,7 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     p.add_argument(
         "--capacity-bytes", type=int, default=int(_env("CAPACITY_BYTES", str(4 * 1024**3))),
-        help="byte budget; a put beyond it fails with RESOURCE_EXHAUSTED",
+        help="RAM budget; a put that cannot fit (nothing left to spill) fails RESOURCE_EXHAUSTED",
+    )  # fmt: skip
+    p.add_argument(
+        "--disk-dir", type=Path, default=_env("DISK_DIR", "") or None,
+        help="spill directory (a subdirectory per store process); unset: RAM only",
+    )  # fmt: skip
+    p.add_argument(
+        "--disk-bytes", type=int, default=int(_env("DISK_BYTES", str(16 * 1024**3))),
+        help="budget of the spill directory",
     )  # fmt: skip
     p.add_argument(
         "--default-lease-s", type=float, default=float(_env("DEFAULT_LEASE_S", "60")),
@@ -47,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(1024 * 1024))))
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", "5")))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    add_telemetry_args(p, os.environ)
     return p.parse_args(argv)
 
 
@@ -66,18 +81,26 @@ async def _sweep_forever(store: KVStore, interval_s: float) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    telemetry = WorkerTelemetry.start(
+        SERVICE_KVSTORE, "kvstore", host=args.host, endpoint=MetricsEndpoint.from_args(args)
+    )
     store = KVStore(
-        args.capacity_bytes, default_lease_s=args.default_lease_s, max_lease_s=args.max_lease_s
+        args.capacity_bytes,
+        disk_dir=args.disk_dir,
+        disk_bytes=args.disk_bytes,
+        default_lease_s=args.default_lease_s,
+        max_lease_s=args.max_lease_s,
     )
     server, port, health = build_server(
         [
             (
                 kvstore_pb2_grpc.add_KVStoreServicer_to_server,
-                KVStoreServicer(store, chunk_bytes=args.chunk_bytes),
+                ObservedKVStoreServicer(store, chunk_bytes=args.chunk_bytes, telemetry=telemetry),
             )
         ],
         port=args.port,
         host=args.host,
+        interceptors=telemetry.server_interceptors(),
     )
     sweeper = asyncio.create_task(_sweep_forever(store, args.sweep_interval_s), name="kv-sweeper")
     try:
@@ -90,14 +113,17 @@ async def serve(args: argparse.Namespace) -> None:
             _write_port_file(args.port_file, port)
         await serve_until_signal(server, health, args.grace_s)
     finally:
+        telemetry.close()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
         stats = store.stats()
+        store.close()
         logger.info(
-            "kvstore stopped: %d entries left, %d bytes in, %d out, %d hits, %d misses, %d expired",
-            stats.num_entries, stats.bytes_in, stats.bytes_out,
-            stats.hits, stats.misses, stats.expired,
+            "kvstore stopped: %d entries left, %d bytes in, %d out, %d hits, %d misses, "
+            "%d expired, %d spilled, %d reloaded, %d evicted",
+            stats.num_entries, stats.bytes_in, stats.bytes_out, stats.hits, stats.misses,
+            stats.expired, stats.spills, stats.reloads, stats.evictions,
         )  # fmt: skip
 
 

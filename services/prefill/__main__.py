@@ -3,6 +3,8 @@
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
 engine thread -> KV store client -> Prefill service -> serve with heartbeats until SIGTERM.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
+The KV hand-off flags (``--transport``, ``--prefix-reuse``, ...) are in
+``docs/kv-transfer.md``.
 """
 
 from __future__ import annotations
@@ -13,26 +15,38 @@ import os
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.scheduling import WorkerRole
+from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
+from pdserve.telemetry.spans import SERVICE_PREFILL
 from pdserve.v1 import prefill_pb2_grpc
+from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
-from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.runtime import load_engine, run_worker
+from pdserve.worker.runtime import load_engine, prefill_worker, run_worker
 from services.prefill.servicer import PrefillServicer
 
 
-async def serve(options: WorkerOptions) -> None:
+async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
     if options.kvstore is None:  # options_from_args checks it; keeps the types honest
         raise SystemExit("--kvstore is required")
     engine = load_engine(options)
+    telemetry = WorkerTelemetry.start(
+        SERVICE_PREFILL, options.role.value, engine, host=options.host, endpoint=endpoint
+    )
     try:
         async with KVStoreClient(options.kvstore, timeout_s=options.kv_timeout_s) as store:
-            worker = PrefillWorker(engine, store, lease_s=options.kv_lease_s)
-            servicer = PrefillServicer(worker)
-            await run_worker(
-                options, engine, [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)]
-            )
+            worker = prefill_worker(options, engine, store, telemetry)
+            try:
+                servicer = PrefillServicer(worker)
+                await run_worker(
+                    options,
+                    engine,
+                    [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+                    telemetry=telemetry,
+                )
+            finally:
+                await worker.close()
     finally:
         await engine.close()
+        telemetry.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,11 +57,12 @@ def main(argv: list[str] | None = None) -> None:
         default_max_wait_ms=50.0,
         env=os.environ,
     )
+    add_telemetry_args(parser, os.environ)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(options_from_args(args)))
+    asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
 
 
 if __name__ == "__main__":

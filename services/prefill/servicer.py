@@ -8,7 +8,12 @@ from grpc.aio import ServicerContext
 
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.protocol import finish_reason_to_proto, handle_to_proto, sampling_from_proto
+from pdserve.worker.protocol import (
+    finish_reason_to_proto,
+    handle_to_proto,
+    sampling_from_proto,
+    transfer_to_proto,
+)
 
 Context: TypeAlias = ServicerContext[Any, Any]
 
@@ -28,6 +33,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sampling_from_proto(request.sampling),
             tenant=request.tenant,
             reservation_id=request.reservation_id,
+            decode_address=request.decode_address,
+            decode_host=request.decode_host,
+            transport=request.transport,
         )
         response = prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id,
@@ -41,4 +49,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if result.kv is not None:
             response.kv.CopyFrom(handle_to_proto(result.kv))
+        if result.transfer is not None:
+            response.transfer.CopyFrom(transfer_to_proto(result.transfer))
         return response

@@ -1,21 +1,31 @@
 """``python -m services.router``: the Router gRPC service, the cluster's public entry point.
 
-Wiring only: flags -> tokenizer and model limits (no weights) -> RequestFlow -> gRPC server
-(+ health, reflection) -> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port;
-``--port-file`` receives the bound port once the server is serving.
+Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> tokenizer and model
+limits (no weights) -> RequestFlow -> gRPC server (+ health, reflection) -> serve until
+SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once
+the server is serving (``--metrics-port-file`` the metrics port, before it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
 
 from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
+from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.telemetry.metrics import RouterMetrics
+from pdserve.telemetry.service import (
+    MetricsEndpoint,
+    ServiceTelemetry,
+    add_telemetry_args,
+)
+from pdserve.telemetry.spans import SERVICE_ROUTER
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import router_pb2_grpc
 from services.router.servicer import RouterServicer
@@ -34,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    add_telemetry_args(p, os.environ)
     return p.parse_args(argv)
 
 
@@ -47,34 +58,42 @@ def _write_port_file(path: Path, port: int) -> None:
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_dir(args.model)
     limits = ModelLimits.from_dir(args.model)
-    flow = RequestFlow(
-        scheduler_address=args.scheduler,
-        tokenizer=tokenizer,
-        channels=ChannelPool(max_size=args.max_channels),
-        config=FlowConfig(mode=mode_from_name(args.mode)),
+    metrics = RouterMetrics()
+    telemetry = ServiceTelemetry.start(
+        SERVICE_ROUTER, metrics.registry, host=args.host, endpoint=MetricsEndpoint.from_args(args)
     )
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(telemetry.close)  # last: flushes the spans of the final requests
+        flow = RequestFlow(
+            scheduler_address=args.scheduler,
+            tokenizer=tokenizer,
+            channels=ChannelPool(
+                max_size=args.max_channels, interceptors=telemetry.client_interceptors()
+            ),
+            config=FlowConfig(mode=mode_from_name(args.mode)),
+        )
+        stack.push_async_callback(flow.close)
+        servicer = RouterServicer(
+            flow,
+            tokenizer,
+            limits,
+            RouterTelemetry(metrics, tracer_provider=telemetry.tracer_provider),
+        )
         server, port, health = build_server(
-            [
-                (
-                    router_pb2_grpc.add_RouterServicer_to_server,
-                    RouterServicer(flow, tokenizer, limits),
-                )
-            ],
+            [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
             port=args.port,
             host=args.host,
+            interceptors=telemetry.server_interceptors(),
         )
         await server.start()
         await health.set_serving()
         logger.info(
-            "router serving on %s:%d (scheduler %s, mode %s, model %s)",
-            args.host, port, args.scheduler, args.mode, args.model,
+            "router serving on %s:%d (scheduler %s, mode %s, model %s, metrics %s)",
+            args.host, port, args.scheduler, args.mode, args.model, telemetry.metrics_url or "off",
         )  # fmt: skip
         if args.port_file is not None:
             _write_port_file(args.port_file, port)
         await serve_until_signal(server, health, args.grace_s)
-    finally:
-        await flow.close()
 
 
 def main(argv: list[str] | None = None) -> None:

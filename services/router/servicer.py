@@ -1,4 +1,11 @@
-"""The Router gRPC service: translates pdserve.v1 messages to and from ``RequestFlow`` calls."""
+"""The Router gRPC service: translates pdserve.v1 messages to and from ``RequestFlow`` calls.
+
+Each call is one ``router.request`` span with the router's latency metrics
+(``pdserve.router.telemetry``): it starts when the call arrives, before the prompt is
+validated and tokenized, and ends as the last chunk is handed to gRPC; the flow's clean-up
+(releasing the reservation) runs after it, as the client already has its answer. A unary
+call's answer leaves only when the handler returns, so its span includes the clean-up.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from grpc.aio import ServicerContext
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import ModelLimits, RequestFlow, RouteChunk, RouteRequest, prepare_request
+from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -57,10 +65,17 @@ def _timing(chunk: RouteChunk) -> common_pb2.Timing | None:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """pdserve.v1.Router on top of one RequestFlow."""
 
-    def __init__(self, flow: RequestFlow, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+    def __init__(
+        self,
+        flow: RequestFlow,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        telemetry: RouterTelemetry | None = None,
+    ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
         self.limits = limits
+        self.telemetry = telemetry or RouterTelemetry()
 
     def _route(self, request: router_pb2.GenerateRequest, context: Context) -> RouteRequest:
         which = request.WhichOneof("prompt")
@@ -83,27 +98,44 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(  # noqa: N802 - gRPC method names
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
-        route = self._route(request, context)
-        stream = self.flow.generate(route, timeout_s=context.time_remaining())
-        first = True
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                yield router_pb2.GenerateChunk(
-                    token_ids=chunk.token_ids,
-                    text=chunk.text,
-                    logprobs=chunk.logprobs,
-                    finish_reason=finish_reason_to_proto(chunk.finish_reason),
-                    usage=_usage(chunk),
-                    timing=_timing(chunk),
-                    request_id=chunk.request_id if first else "",
+        async with contextlib.AsyncExitStack() as cleanup:
+            with self.telemetry.request(_tenant(request, context)) as observed:
+                route = self._route(request, context)
+                observed.prepared(route)
+                stream = self.flow.generate(
+                    route, timeout_s=context.time_remaining(), observed=observed
                 )
-                first = False
+                # Closed after the span: the clean-up is not part of the client's latency.
+                cleanup.push_async_callback(stream.aclose)
+                first = True
+                async for chunk in stream:
+                    observed.chunk(chunk)
+                    message = router_pb2.GenerateChunk(
+                        token_ids=chunk.token_ids,
+                        text=chunk.text,
+                        logprobs=chunk.logprobs,
+                        finish_reason=finish_reason_to_proto(chunk.finish_reason),
+                        usage=_usage(chunk),
+                        timing=_timing(chunk),
+                        request_id=chunk.request_id if first else "",
+                    )
+                    first = False
+                    if chunk.finished:
+                        observed.finish()  # the last chunk goes out now
+                    yield message
+                    if chunk.finished:
+                        break
 
     async def GenerateUnary(  # noqa: N802
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> router_pb2.GenerateResponse:
-        route = self._route(request, context)
-        total = await self.flow.collect(route, timeout_s=context.time_remaining())
+        with self.telemetry.request(_tenant(request, context)) as observed:
+            route = self._route(request, context)
+            observed.prepared(route)
+            # The answer leaves only when the handler returns, clean-up included.
+            total = await self.flow.collect(
+                route, timeout_s=context.time_remaining(), observed=observed
+            )
         return router_pb2.GenerateResponse(
             text=total.text,
             token_ids=total.token_ids,

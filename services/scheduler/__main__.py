@@ -1,8 +1,9 @@
 """``python -m services.scheduler``: the Scheduler gRPC service.
 
-Wiring only: flags -> Redis client -> ClusterScheduler -> gRPC server (+ health, reflection)
--> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the
-bound port once the server is serving, so a launcher can wait for that file.
+Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> Redis client ->
+ClusterScheduler -> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT.
+``--port 0`` binds a free port; ``--port-file`` receives the bound port once the server is
+serving, so a launcher can wait for that file (``--metrics-port-file`` is written before it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from pathlib import Path
 
 from pdserve.rpc.server import build_server, serve_until_signal
 from pdserve.scheduling import POLICIES, CapacityLimits, ClusterScheduler, KeySpace, Mode, connect
+from pdserve.telemetry.metrics import SchedulerMetrics
+from pdserve.telemetry.service import (
+    MetricsEndpoint,
+    ServiceTelemetry,
+    add_telemetry_args,
+)
+from pdserve.telemetry.spans import SERVICE_SCHEDULER
 from pdserve.v1 import scheduler_pb2_grpc
 from services.scheduler.servicer import SchedulerServicer
 
@@ -38,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-queue-batches", type=float, default=4.0)
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    add_telemetry_args(p, os.environ)
     return p.parse_args(argv)
 
 
@@ -49,6 +58,13 @@ def _write_port_file(path: Path, port: int) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    metrics = SchedulerMetrics()
+    telemetry = ServiceTelemetry.start(
+        SERVICE_SCHEDULER,
+        metrics.registry,
+        host=args.host,
+        endpoint=MetricsEndpoint.from_args(args),
+    )
     redis = connect(args.redis_url)
     try:
         scheduler = ClusterScheduler(
@@ -62,21 +78,29 @@ async def serve(args: argparse.Namespace) -> None:
             default_mode=Mode(args.default_mode),
         )
         server, port, health = build_server(
-            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(scheduler))],
+            [
+                (
+                    scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+                    SchedulerServicer(scheduler, metrics),
+                )
+            ],
             port=args.port,
             host=args.host,
+            interceptors=telemetry.server_interceptors(),
         )
         await server.start()
         await health.set_serving()
         logger.info(
-            "scheduler serving on %s:%d (redis %s, namespace %s, policy %s)",
+            "scheduler serving on %s:%d (redis %s, namespace %s, policy %s, metrics %s)",
             args.host, port, args.redis_url, args.namespace, args.policy,
+            telemetry.metrics_url or "off",
         )  # fmt: skip
         if args.port_file is not None:
             _write_port_file(args.port_file, port)
         await serve_until_signal(server, health, args.grace_s)
     finally:
         await redis.aclose()
+        telemetry.close()
 
 
 def main(argv: list[str] | None = None) -> None:

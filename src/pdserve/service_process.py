@@ -6,37 +6,20 @@ started them dies, so no service outlives a launcher that is killed outright.
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
 
 HOST = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
-
-
-def pdeathsig_hook() -> Callable[[], None] | None:
-    """preexec_fn asking the kernel for SIGTERM when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-    return hook
 
 
 @dataclass(slots=True)
@@ -72,7 +55,7 @@ class ServiceProcess:
         ]
         with self.log_file.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*argv, *self.args],
+                deathsig.wrap([*argv, *self.args]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -80,7 +63,6 @@ class ServiceProcess:
                 # Own process group: a Ctrl-C in the terminal reaches the launcher only, which
                 # then stops the services in order.
                 process_group=0,
-                preexec_fn=pdeathsig_hook(),
             )
 
     def log_tail(self, lines: int = 30) -> str:

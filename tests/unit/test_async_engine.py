@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import FinishReason, RequestOutput
@@ -231,6 +234,68 @@ def test_adaptive_window_does_not_hold_a_lone_request(tiny_llama_dir: Path) -> N
         for i in range(3):
             outs = await collect(ae, f"solo{i}", prompts(5 + i, [6])[0], GREEDY)
             assert outs[-1].finished
+        await ae.close()
+
+    run(body)
+    ae.engine.check_no_leaks()
+
+
+def test_layer_hook_sees_each_layer_of_the_whole_prompt_once(tiny_llama_dir: Path) -> None:
+    """The hook runs on the engine thread, once per layer, with the prompt's K and V: the same
+    values ``export_kv`` reads afterwards (chunked prefill: earlier chunks included)."""
+    ae = AsyncEngine(load(tiny_llama_dir, max_num_batched_tokens=16, max_num_seqs=4))
+    ae.start()
+    prompt = prompts(7, [37])[0]
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    threads: set[str] = set()
+
+    def hook(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        threads.add(threading.current_thread().name)
+        assert layer not in seen
+        seen[layer] = (keys.clone(), values.clone())  # views: valid only during the call
+
+    async def body() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        stream = ae.generate("hooked", prompt, params, hold_kv=True, layer_hook=hook)
+        async with aclosing(stream):
+            async for _ in stream:
+                pass
+        payload = await ae.export_and_release("hooked")
+        assert sorted(seen) == list(range(payload.layout.num_layers))
+        for layer, (k, v) in seen.items():
+            assert torch.equal(k, payload.keys[layer]) and torch.equal(v, payload.values[layer])
+        await ae.close()
+
+    run(body)
+    assert threads == {"engine-loop"}
+    ae.engine.check_no_leaks()
+
+
+def test_held_kv_is_released_when_its_consumer_leaves_before_the_end(tiny_llama_dir: Path) -> None:
+    """A hold_kv request finishes on the engine thread while its consumer is being cancelled
+    (it never reads the last output): the abort must still release the held blocks."""
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+    total = ae.stats().num_blocks_total
+
+    async def body() -> None:
+        stream = ae.generate(
+            "held", prompts(8, [40])[0], SamplingParams(max_tokens=1), hold_kv=True
+        )
+        task = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0)  # let the task submit the request (one loop turn, no waiting)
+        # Block this loop (bounded) until the engine has finished and holds the request, so
+        # that the task cannot have read the final output when it is cancelled.
+        deadline = time.monotonic() + 30
+        while ae.snapshot().stats.num_held == 0:
+            assert time.monotonic() < deadline, "the request never finished"
+            time.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        after = await ae.call(lambda e: e.stats())  # queued after the abort
+        assert (after.num_held, after.num_blocks_free) == (0, total)
         await ae.close()
 
     run(body)

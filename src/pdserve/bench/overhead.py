@@ -32,6 +32,12 @@ class OverheadResult:
     service_ms: list[float]
     transfer_ms: list[float]
     transfer_bytes: int
+    engine_ttft_ms: list[float]
+    service_ttft_ms: list[float]
+
+    @property
+    def added_ttft_ms(self) -> list[float]:
+        return [s - e for s, e in zip(self.service_ttft_ms, self.engine_ttft_ms, strict=True)]
 
     @property
     def added_ms(self) -> list[float]:
@@ -79,19 +85,40 @@ def measure(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng_ms: list[float] = []
     svc_ms: list[float] = []
+    eng_ttft: list[float] = []
+    svc_ttft: list[float] = []
     xfer_ms: list[float] = []
     xfer_bytes = 0
+
+    def run_engine(rid: str, prompt: list[int]) -> tuple[list[int], float]:
+        """Greedy tokens and the time to the first one, on the in-process engine."""
+        t0 = time.perf_counter()
+        engine.add_request(rid, prompt, params)
+        tokens: list[int] = []
+        first = 0.0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if not tokens and out.new_token_ids:
+                    first = time.perf_counter() - t0
+                tokens += out.new_token_ids
+        return tokens, first
+
     with (
         Cluster(model_dir, num_prefill=1, num_decode=1, worker_args=worker_args) as cluster,
         Client(cluster.router_address) as client,
     ):
         for i, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            done = client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            stream = client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            first_at = 0.0
+            for delta in stream:
+                if not first_at and delta.token_ids:
+                    first_at = time.perf_counter()
+            done = stream.completion()
             t1 = time.perf_counter()
-            ref = engine.generate(prompt, params)[0]
+            ref_tokens, ref_first = run_engine(f"ref{i}", prompt)
             t2 = time.perf_counter()
-            if done.token_ids != ref.token_ids:
+            if done.token_ids != ref_tokens:
                 raise RuntimeError(f"request {i}: the service path and the engine disagree")
             if done.timing is None:
                 raise RuntimeError(f"request {i}: the router sent no timing breakdown")
@@ -99,9 +126,13 @@ def measure(
                 continue
             svc_ms.append((t1 - t0) * 1e3)
             eng_ms.append((t2 - t1) * 1e3)
+            svc_ttft.append((first_at - t0) * 1e3)
+            eng_ttft.append(ref_first * 1e3)
             xfer_ms.append(done.timing.transfer_ms)
             xfer_bytes = done.timing.transfer_bytes
-    return OverheadResult(prompt_tokens, max_tokens, requests, eng_ms, svc_ms, xfer_ms, xfer_bytes)
+    return OverheadResult(
+        prompt_tokens, max_tokens, requests, eng_ms, svc_ms, xfer_ms, xfer_bytes, eng_ttft, svc_ttft
+    )
 
 
 def format_result(r: OverheadResult) -> str:
@@ -120,6 +151,9 @@ def format_result(r: OverheadResult) -> str:
         row("added by the service path", r.added_ms),
         row("  of which KV transfer", r.transfer_ms),
         row("  overhead beyond the transfer", r.overhead_ms),
+        row("engine alone, first token", r.engine_ttft_ms),
+        row("service path, first token", r.service_ttft_ms),
+        row("added to the first token", r.added_ttft_ms),
     ]
     return "\n".join(lines)
 

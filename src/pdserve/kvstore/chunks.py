@@ -2,14 +2,17 @@
 
 A payload travels as chunks ``seq = 0, 1, 2, ...``, each with the CRC-32 of its data; the first
 carries the key, the header and the total size, the last has ``last = true``. ``split`` writes
-such a stream and ``ChunkAssembler`` reads one back, refusing gaps, repeats, bad checksums,
-oversize streams and streams that end without their last chunk.
+such a stream and ``ChunkAssembler`` reads one back (``ChunkReader`` checks one piece by piece
+without keeping it), refusing gaps, repeats, bad checksums, oversize streams and streams that
+end without their last chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import zlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
 from pdserve.v1 import kvstore_pb2
@@ -18,73 +21,119 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 
 def split(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     *,
     key: str = "",
     header: bytes = b"",
     lease_s: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    cache: bool = False,
 ) -> Iterator[kvstore_pb2.KVChunk]:
     """``data`` as a chunk stream; always at least one chunk (the last), even for no data."""
     if chunk_bytes < 1:
         raise InvalidArgumentError("chunk_bytes", f"must be >= 1, got {chunk_bytes}")
-    view = memoryview(data)
-    total = len(header) + len(data)
-    starts = range(0, len(data), chunk_bytes) if data else range(1)
+    view = memoryview(data).cast("B")
+    total = len(header) + len(view)
+    starts = range(0, len(view), chunk_bytes) if len(view) else range(1)
     for seq, start in enumerate(starts):
-        piece = bytes(view[start : start + chunk_bytes])
-        chunk = kvstore_pb2.KVChunk(
-            seq=seq,
-            data=piece,
-            crc32=zlib.crc32(piece),
-            last=start + chunk_bytes >= len(data),
-        )
+        chunk = data_chunk(seq, view[start : start + chunk_bytes], start + chunk_bytes >= len(view))
         if seq == 0:
-            chunk.key = key
-            chunk.header = header
-            chunk.lease_s = lease_s
-            chunk.total_bytes = total
+            first_chunk_fields(chunk, key, header, lease_s, total, cache)
         yield chunk
 
 
-class ChunkAssembler:
-    """Checks and concatenates a chunk stream; ``limit_bytes`` bounds what it accepts.
+def split_parts(
+    parts: Sequence[tuple[bytes | bytearray, int | None]],
+    *,
+    key: str = "",
+    header: bytes = b"",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[kvstore_pb2.KVChunk]:
+    """Data kept in pieces as a chunk stream: a piece whose CRC-32 is known and that fits a
+    chunk goes out as it is (no copy, no second checksum); others are split."""
+    pieces: list[tuple[bytes | memoryview, int | None]] = []
+    for data, crc in parts:
+        if crc is not None and len(data) <= chunk_bytes and isinstance(data, bytes):
+            pieces.append((data, crc))
+            continue
+        view = memoryview(data)
+        pieces += [(view[i : i + chunk_bytes], None) for i in range(0, len(view), chunk_bytes)]
+    pieces = [p for p in pieces if len(p[0])] or [(b"", None)]
+    total = len(header) + sum(len(p) for p, _ in pieces)
+    for seq, (piece, crc) in enumerate(pieces):
+        chunk = data_chunk(seq, piece, seq == len(pieces) - 1, crc)
+        if seq == 0:
+            first_chunk_fields(chunk, key, header, 0.0, total)
+        yield chunk
 
-    ``feed`` every chunk in arrival order, then ``finish()`` returns the data. The first
-    chunk's ``key``, ``header``, ``lease_s`` and ``total_bytes`` are kept as attributes.
+
+def data_chunk(
+    seq: int, piece: bytes | bytearray | memoryview, last: bool, crc32: int | None = None
+) -> kvstore_pb2.KVChunk:
+    """One chunk carrying ``piece`` (copied into the message unless it is ``bytes``) and its
+    CRC-32 (``crc32`` if the caller computed it already)."""
+    data = piece if isinstance(piece, bytes) else bytes(piece)
+    crc = zlib.crc32(data) if crc32 is None else crc32
+    return kvstore_pb2.KVChunk(seq=seq, data=data, crc32=crc, last=last)
+
+
+def first_chunk_fields(
+    chunk: kvstore_pb2.KVChunk,
+    key: str,
+    header: bytes,
+    lease_s: float,
+    total_bytes: int,
+    cache: bool = False,
+) -> None:
+    """Set what only the first chunk of a stream carries."""
+    chunk.key = key
+    chunk.header = header
+    chunk.lease_s = lease_s
+    chunk.total_bytes = total_bytes
+    chunk.cache = cache
+
+
+class ChunkReader:
+    """Checks a chunk stream piece by piece without keeping it; ``limit_bytes`` bounds it.
+
+    ``feed`` every chunk in arrival order: it returns the chunk's data once seq and CRC-32
+    check out. The first chunk's ``key``, ``header``, ``lease_s``, ``total_bytes`` and
+    ``cache`` are kept as attributes; ``done`` turns true with the last chunk.
     """
 
-    def __init__(self, *, limit_bytes: int | None = None) -> None:
+    def __init__(self, *, limit_bytes: int | None = None, verify: bool = True) -> None:
         self.limit_bytes = limit_bytes
+        self.verify = verify
+        """False: the caller checks the CRCs itself (``CrcPipeline``)."""
         self.key = ""
         self.header = b""
         self.lease_s = 0.0
         self.total_bytes = 0
+        self.cache = False
         self.num_chunks = 0
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._done = False
+        self.num_data_bytes = 0
+        self.done = False
 
     @property
     def num_bytes(self) -> int:
         """Header + data bytes received so far."""
-        return len(self.header) + self._size
+        return len(self.header) + self.num_data_bytes
 
-    def feed(self, chunk: kvstore_pb2.KVChunk) -> None:
-        if self._done:
+    def feed(self, chunk: kvstore_pb2.KVChunk) -> bytes:
+        if self.done:
             raise InvalidArgumentError("seq", f"chunk {chunk.seq} arrived after the last chunk")
         if chunk.seq != self.num_chunks:
             raise InvalidArgumentError("seq", f"expected chunk {self.num_chunks}, got {chunk.seq}")
-        if zlib.crc32(chunk.data) != chunk.crc32:
+        if self.verify and zlib.crc32(chunk.data) != chunk.crc32:
             raise KVTransferError(f"chunk {chunk.seq} of {self.key!r} failed its CRC-32 check")
         if self.num_chunks == 0:
             self.key = chunk.key
             self.header = chunk.header
             self.lease_s = chunk.lease_s
             self.total_bytes = chunk.total_bytes
+            self.cache = chunk.cache
         self.num_chunks += 1
-        self._parts.append(chunk.data)
-        self._size += len(chunk.data)
+        self.num_data_bytes += len(chunk.data)
         if self.total_bytes and self.num_bytes > self.total_bytes:
             raise InvalidArgumentError(
                 "total_bytes", f"stream carries more than the announced {self.total_bytes} bytes"
@@ -93,11 +142,12 @@ class ChunkAssembler:
             raise CapacityError(
                 f"stream exceeds the {self.limit_bytes}-byte limit of this receiver"
             )
-        self._done = chunk.last
+        self.done = chunk.last
+        return chunk.data
 
-    def finish(self) -> bytes:
-        """The data, once the last chunk arrived and the size matches the announced one."""
-        if not self._done:
+    def check_complete(self) -> None:
+        """``KVTransferError`` unless the last chunk came and the size is the announced one."""
+        if not self.done:
             raise KVTransferError(
                 f"chunk stream of {self.key!r} ended after {self.num_chunks} chunks without the "
                 "last one"
@@ -107,6 +157,68 @@ class ChunkAssembler:
                 f"chunk stream of {self.key!r} carried {self.num_bytes} bytes, "
                 f"announced {self.total_bytes}"
             )
+
+
+class CrcPipeline:
+    """Checks chunks' CRC-32s in worker threads while the stream goes on.
+
+    ``zlib.crc32`` releases the GIL on large buffers, so the event loop keeps receiving (and
+    gRPC keeps its socket busy) while up to ``depth`` chunks are checked beside it; small
+    chunks are checked at once. The data must not be trusted before ``drain()`` returned;
+    ``cancel()`` drops what is still pending (the stream failed anyway).
+    """
+
+    INLINE_BYTES = 64 * 1024
+
+    def __init__(self, key: str = "", *, depth: int = 4) -> None:
+        self.key = key
+        self.depth = depth
+        self._pending: deque[tuple[int, asyncio.Future[int], int]] = deque()
+
+    async def check(self, chunk: kvstore_pb2.KVChunk) -> None:
+        """Check ``chunk`` (now, or in a thread); raises for an earlier one that failed."""
+        if len(chunk.data) < self.INLINE_BYTES:
+            self._compare(chunk.seq, zlib.crc32(chunk.data), chunk.crc32)
+            return
+        while len(self._pending) >= self.depth:
+            await self._next()
+        future = asyncio.get_running_loop().run_in_executor(None, zlib.crc32, chunk.data)
+        self._pending.append((chunk.seq, future, chunk.crc32))
+
+    async def drain(self) -> None:
+        """Wait for every pending check; ``KVTransferError`` if one failed."""
+        while self._pending:
+            await self._next()
+
+    def cancel(self) -> None:
+        for _, future, _ in self._pending:
+            future.cancel()  # a check already running finishes in its thread, unread
+        self._pending.clear()
+
+    async def _next(self) -> None:
+        seq, future, expected = self._pending.popleft()
+        self._compare(seq, await future, expected)
+
+    def _compare(self, seq: int, got: int, expected: int) -> None:
+        if got != expected:
+            raise KVTransferError(f"chunk {seq} of {self.key!r} failed its CRC-32 check")
+
+
+class ChunkAssembler(ChunkReader):
+    """A ``ChunkReader`` that also keeps the data: ``finish()`` returns it."""
+
+    def __init__(self, *, limit_bytes: int | None = None) -> None:
+        super().__init__(limit_bytes=limit_bytes)
+        self._parts: list[bytes] = []
+
+    def feed(self, chunk: kvstore_pb2.KVChunk) -> bytes:
+        data = super().feed(chunk)
+        self._parts.append(data)
+        return data
+
+    def finish(self) -> bytes:
+        """The data, once the last chunk arrived and the size matches the announced one."""
+        self.check_complete()
         data = b"".join(self._parts)
         self._parts = [data]
         return data

@@ -14,6 +14,8 @@ the channel.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -27,8 +29,22 @@ from pdserve.errors import (
     PdServeError,
     UnknownRequestError,
 )
-from pdserve.kvstore.chunks import DEFAULT_CHUNK_BYTES, ChunkAssembler, split
+from pdserve.kvstore.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    ChunkReader,
+    CrcPipeline,
+    data_chunk,
+    first_chunk_fields,
+    split,
+)
+from pdserve.kvstore.stats import StoreStats
+from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+Bytes = bytes | bytearray | memoryview
+Piece = tuple[bytes, int]
+"""A chunk's data with its CRC-32 already computed by the caller (sent as one chunk)."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -47,7 +63,8 @@ class PutResult:
 
 @dataclass(frozen=True, slots=True)
 class StoreStat:
-    """``Stat`` of one key (``exists``, ``num_bytes``, ``lease_remaining_s``) or the totals."""
+    """``Stat`` of one key (``exists``, ``num_bytes``, ``lease_remaining_s``, ``tier``,
+    ``refs``) or the totals (``used_bytes``, ``capacity_bytes``, ``num_entries``, ``totals``)."""
 
     exists: bool
     num_bytes: int
@@ -55,6 +72,10 @@ class StoreStat:
     used_bytes: int
     capacity_bytes: int
     num_entries: int
+    tier: str = ""
+    refs: int = 0
+    totals: StoreStats | None = None
+    """Every total and counter; None for a key's stat."""
 
 
 def _translate(err: AioRpcError, what: str) -> PdServeError:
@@ -75,7 +96,9 @@ class KVStoreClient:
         *,
         timeout_s: float = 10.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     ) -> None:
+        """``interceptors`` None: the process-wide tracing's (CLIENT spans, ``traceparent``)."""
         if not address:
             raise InvalidArgumentError("address", "must be host:port")
         if not timeout_s > 0:
@@ -85,18 +108,23 @@ class KVStoreClient:
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
-        self._channel = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        if interceptors is None:
+            interceptors = tracing.client_interceptors()
+        self._channel = grpc.aio.insecure_channel(
+            address, options=list(CHANNEL_OPTIONS), interceptors=list(interceptors) or None
+        )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def put(
         self,
         key: str,
-        payload: bytes,
+        payload: Bytes,
         lease_s: float = 0.0,
         *,
         header: bytes = b"",
         chunk_bytes: int | None = None,
         timeout_s: float | None = None,
+        cache: bool = False,
     ) -> PutResult:
         """Store ``header`` + ``payload`` under ``key`` for ``lease_s`` seconds (0: default)."""
         chunks = split(
@@ -105,6 +133,7 @@ class KVStoreClient:
             header=header,
             lease_s=lease_s,
             chunk_bytes=chunk_bytes or self.chunk_bytes,
+            cache=cache,
         )
         try:
             resp: kvstore_pb2.PutResponse = await self._stub.Put(
@@ -113,6 +142,114 @@ class KVStoreClient:
         except AioRpcError as err:
             raise _translate(err, f"put {key!r} to {self.address}") from err
         return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
+
+    async def put_stream(
+        self,
+        key: str,
+        pieces: AsyncIterable[Bytes | Piece],
+        *,
+        header: bytes = b"",
+        total_bytes: int = 0,
+        lease_s: float = 0.0,
+        cache: bool = False,
+        timeout_s: float | None = None,
+    ) -> PutResult:
+        """Store the pieces as they come (each sent at once, in chunks of ``chunk_bytes``; a
+        ``Piece`` with its CRC-32 as one chunk, however long).
+
+        ``total_bytes`` (header + data, 0 = unknown) lets the store reserve the room, or refuse
+        the payload, before the data arrives. If ``pieces`` raises, the stream is cut off and
+        the store keeps nothing; the error propagates. Unlike the other calls, the stream has
+        no deadline unless ``timeout_s`` is given: it lasts as long as its producer (a prefill
+        of any length), so bound the wait from the caller and cancel to cut it off.
+        """
+
+        failure: list[Exception] = []
+
+        async def chunks() -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
+            try:
+                async for chunk in _chunks():
+                    yield chunk
+            except Exception as err:  # gRPC turns it into a cancelled call: keep the cause
+                failure.append(err)
+                raise
+
+        async def _chunks() -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
+            seq = 0
+            async for piece in pieces:
+                if isinstance(piece, tuple):
+                    chunk = data_chunk(seq, piece[0], False, piece[1])
+                    if seq == 0:
+                        first_chunk_fields(chunk, key, header, lease_s, total_bytes, cache)
+                    seq += 1
+                    yield chunk
+                    continue
+                view = memoryview(piece).cast("B")
+                for start in range(0, len(view), self.chunk_bytes):
+                    chunk = data_chunk(seq, view[start : start + self.chunk_bytes], False)
+                    if seq == 0:
+                        first_chunk_fields(chunk, key, header, lease_s, total_bytes, cache)
+                    seq += 1
+                    yield chunk
+            last = data_chunk(seq, b"", True)  # an empty last chunk: nothing is held back
+            if seq == 0:
+                first_chunk_fields(last, key, header, lease_s, total_bytes, cache)
+            yield last
+
+        try:
+            resp: kvstore_pb2.PutResponse = await self._stub.Put(chunks(), timeout=timeout_s)
+        except AioRpcError as err:
+            raise _translate(err, f"put {key!r} to {self.address}") from err
+        except asyncio.CancelledError:
+            if failure:  # the data source failed, not the caller who cancelled
+                raise KVTransferError(
+                    f"put {key!r} to {self.address}: its data failed: {failure[0]}"
+                ) from failure[0]
+            raise
+        return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
+
+    async def stream(
+        self, key: str, *, delete_after_read: bool = False, timeout_s: float | None = None
+    ) -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
+        """The chunks of ``key`` as they arrive; the first one carries the header.
+
+        Seq is checked at once, CRC-32s beside the loop (``CrcPipeline``): a chunk may come
+        out before its check is done, and the stream raises before it ends if one fails, or if
+        it stopped short of its last chunk. Act on the data only once the stream has ended.
+        """
+        reader = ChunkReader(verify=False)
+        crcs = CrcPipeline(key)
+        call = self._stub.Get(
+            kvstore_pb2.GetRequest(key=key, delete_after_read=delete_after_read),
+            timeout=timeout_s or self.timeout_s,
+        )
+        try:
+            async for chunk in call:
+                try:
+                    reader.feed(chunk)
+                except InvalidArgumentError as err:  # gaps or repeats: a broken stream
+                    raise KVTransferError(
+                        f"get {key!r} from {self.address}: bad chunk stream: {err}"
+                    ) from err
+                await crcs.check(chunk)
+                yield chunk
+            reader.check_complete()
+            await crcs.drain()
+        except AioRpcError as err:
+            raise _translate(err, f"get {key!r} from {self.address}") from err
+        finally:
+            crcs.cancel()
+            call.cancel()  # a no-op once the stream ended; stops it on any early exit
+
+    async def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> int:
+        """How many of ``keys``, from the first on, the store holds."""
+        try:
+            resp: kvstore_pb2.LookupResponse = await self._stub.Lookup(
+                kvstore_pb2.LookupRequest(keys=list(keys)), timeout=timeout_s or self.timeout_s
+            )
+        except AioRpcError as err:
+            raise _translate(err, f"lookup on {self.address}") from err
+        return int(resp.num_leading)
 
     async def get(
         self, key: str, *, delete_after_read: bool = False, timeout_s: float | None = None
@@ -159,6 +296,31 @@ class KVStoreClient:
             )
         except AioRpcError as err:
             raise _translate(err, f"stat {key!r} on {self.address}") from err
+        totals = None
+        if not key:
+            totals = StoreStats(
+                used_bytes=r.used_bytes,
+                capacity_bytes=r.capacity_bytes,
+                num_entries=r.num_entries,
+                bytes_in=r.bytes_in,
+                bytes_out=r.bytes_out,
+                hits=r.hits,
+                misses=r.misses,
+                expired=r.expired,
+                disk_used_bytes=r.disk_used_bytes,
+                disk_capacity_bytes=r.disk_capacity_bytes,
+                num_disk_entries=r.num_disk_entries,
+                num_pinned=r.num_pinned,
+                num_writing=r.num_writing,
+                reserved_bytes=r.reserved_bytes,
+                spills=r.spills,
+                reloads=r.reloads,
+                evictions=r.evictions,
+                lookups=r.lookups,
+                lookup_hits=r.lookup_hits,
+                uptime_s=r.uptime_s,
+                num_cache_entries=r.num_cache_entries,
+            )
         return StoreStat(
             r.exists,
             r.num_bytes,
@@ -166,6 +328,9 @@ class KVStoreClient:
             r.used_bytes,
             r.capacity_bytes,
             r.num_entries,
+            tier=r.tier,
+            refs=r.refs,
+            totals=totals,
         )
 
     async def close(self) -> None:

@@ -4,18 +4,24 @@ A channel multiplexes any number of concurrent calls over one HTTP/2 connection,
 one per request would only add connection set-up latency and file descriptors. The pool is
 bounded: when a new address would exceed ``max_size``, the least recently used channel is
 closed after a grace period that lets its in-flight calls finish.
+
+Every channel gets the pool's client interceptors: by default those of the process-wide
+tracing (``pdserve.telemetry.tracing.client_interceptors``), so that each call carries the
+request's trace context as ``traceparent`` metadata; none when tracing is off.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.server import DEFAULT_OPTIONS
+from pdserve.telemetry import tracing
 
 
 class ChannelPool:
@@ -27,12 +33,17 @@ class ChannelPool:
         max_size: int = 64,
         evict_grace_s: float = 30.0,
         options: tuple[tuple[str, Any], ...] = DEFAULT_OPTIONS,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     ) -> None:
+        """``interceptors`` None: the process-wide tracing's (read once, here)."""
         if max_size < 1:
             raise InvalidArgumentError("max_size", f"must be >= 1, got {max_size}")
         self.max_size = max_size
         self.evict_grace_s = evict_grace_s
         self._options = list(options)
+        self._interceptors = list(
+            tracing.client_interceptors() if interceptors is None else interceptors
+        )
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         # Evicted channels still draining; kept so that close() can wait for them.
         self._closing: set[asyncio.Task[None]] = set()
@@ -44,7 +55,9 @@ class ChannelPool:
         if channel is not None:
             self._channels.move_to_end(address)
             return channel
-        channel = grpc.aio.insecure_channel(address, options=self._options)
+        channel = grpc.aio.insecure_channel(
+            address, options=self._options, interceptors=self._interceptors or None
+        )
         self._channels[address] = channel
         self.created += 1
         while len(self._channels) > self.max_size:

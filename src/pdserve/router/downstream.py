@@ -7,10 +7,13 @@ step and which worker failed, so that the caller does not see an anonymous INTER
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from grpc.aio import AioRpcError
 
 from pdserve.errors import PdServeError
+from pdserve.v1 import common_pb2, prefill_pb2
 
 
 class DeadlineExceededError(PdServeError):
@@ -43,3 +46,22 @@ def downstream_error(step: str, err: AioRpcError) -> PdServeError:
         # means the other side gave up (a worker shutting down): retryable, like UNAVAILABLE.
         return DownstreamError(step, grpc.StatusCode.UNAVAILABLE, f"cancelled by peer: {details}")
     return DownstreamError(step, code, details)
+
+
+async def unary_call(step: str, call: Any) -> Any:
+    """Await a unary call, turning its failure into a caller-facing error naming ``step``."""
+    try:
+        return await call
+    except AioRpcError as err:
+        raise downstream_error(step, err) from err
+
+
+async def late_kv(call: Any) -> common_pb2.KVHandle | None:
+    """The KV handle of a Prefill call that completed although nobody read its answer."""
+    if not call.done() or call.cancelled():
+        return None
+    try:
+        resp: prefill_pb2.PrefillResponse = await call  # done: returns at once
+    except AioRpcError:
+        return None  # it failed: nothing was stored
+    return resp.kv if resp.HasField("kv") else None

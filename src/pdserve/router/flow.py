@@ -13,6 +13,10 @@ still open are cancelled (a cancelled Decode frees its KV blocks on the worker),
 that no decode worker has picked up is deleted from its store, and the reservation is released.
 The clean-up runs shielded from a second cancellation and is tracked, so ``close()`` can wait
 for it. Every downstream call gets the caller's remaining deadline.
+
+Tracing (``observed``): the flow records ``router.mode_decision``, names the mode on
+``router.request`` and hands it, with the last stage's end, to every call (``handover``), so
+the stages tile the request. A stream that sent its last chunk is read to its end, not cancelled.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +35,21 @@ from grpc.aio import AioRpcError
 from pdserve.engine.outputs import FinishReason
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
-from pdserve.router.downstream import DeadlineExceededError, DownstreamError, downstream_error
+from pdserve.router.downstream import (
+    DeadlineExceededError,
+    DownstreamError,
+    downstream_error,
+    late_kv,
+    unary_call,
+)
 from pdserve.router.housekeeping import Housekeeper
 from pdserve.router.output import RouteChunk, RouteUsage
 from pdserve.router.request import RouteRequest
 from pdserve.router.state import Clock, RequestState
+from pdserve.router.telemetry import ObservedRequest, name_mode, record_mode_decision
 from pdserve.router.text import ResponseText
 from pdserve.rpc.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve.telemetry.handover import handing_over, stage_end_of
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
     common_pb2,
@@ -93,10 +106,15 @@ class RequestFlow:
         return scheduler_pb2_grpc.SchedulerStub(self.channels.get(self.scheduler_address))
 
     async def generate(
-        self, request: RouteRequest, *, timeout_s: float | None = None
+        self,
+        request: RouteRequest,
+        *,
+        timeout_s: float | None = None,
+        observed: ObservedRequest | None = None,
     ) -> AsyncGenerator[RouteChunk, None]:
         """Stream the response; the first chunk carries the first token, the last one
-        ``finish_reason``, usage and timing. ``timeout_s`` is the caller's remaining deadline."""
+        ``finish_reason``, usage and timing. ``timeout_s`` is the caller's remaining deadline;
+        ``observed`` the request's root span and arrival (see the module docstring)."""
         params = request.params
         run = RequestState(
             request,
@@ -105,8 +123,11 @@ class RequestFlow:
                 self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
             ),
         )
+        if observed is not None:
+            run.root, run.stage_end_ns = observed.span, observed.accepted_ns
         try:
-            assignment = await self._assign(run)
+            assignment = await self._assign(run, self.config.mode)
+            name_mode(run.root, assignment.mode)  # the scheduler has the last word
             if assignment.mode == common_pb2.MODE_COLOCATED:
                 stream = self._colocated(run, assignment)
             else:
@@ -120,11 +141,21 @@ class RequestFlow:
             # the task stays tracked and close() waits for it.
             await asyncio.shield(task)
 
-    async def collect(self, request: RouteRequest, *, timeout_s: float | None = None) -> RouteChunk:
-        """The whole response as one chunk (for unary calls)."""
+    async def collect(
+        self,
+        request: RouteRequest,
+        *,
+        timeout_s: float | None = None,
+        observed: ObservedRequest | None = None,
+    ) -> RouteChunk:
+        """The whole response as one chunk (for unary calls); ``observed`` sees each piece
+        as it arrives."""
         total = RouteChunk(request.request_id)
-        async with contextlib.aclosing(self.generate(request, timeout_s=timeout_s)) as stream:
+        stream = self.generate(request, timeout_s=timeout_s, observed=observed)
+        async with contextlib.aclosing(stream):
             async for chunk in stream:
+                if observed is not None:
+                    observed.chunk(chunk)
                 total.token_ids += chunk.token_ids
                 total.logprobs += chunk.logprobs
                 total.text += chunk.text
@@ -141,24 +172,31 @@ class RequestFlow:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _assign(self, run: RequestState) -> scheduler_pb2.Assignment:
+    async def _assign(self, run: RequestState, mode: common_pb2.Mode) -> scheduler_pb2.Assignment:
         req = run.request
         step = "Scheduler.Assign"
         remaining = run.clock.remaining(step)
+        # The router's own part ends here: validation and tokenization (by the caller, since
+        # the request arrived), and the mode, today always the configured one.
+        asked_ns = time.time_ns()
+        record_mode_decision(
+            run.root, run.stage_end_ns or asked_ns, asked_ns, mode, len(req.prompt_token_ids)
+        )
         # The call runs to completion even when the caller's deadline or a cancellation cuts the
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
-        call = self._scheduler.Assign(
-            scheduler_pb2.AssignRequest(
-                request_id=req.request_id,
-                prompt_tokens=len(req.prompt_token_ids),
-                max_tokens=req.params.max_tokens,
-                mode=self.config.mode,
-                tenant=req.tenant,
-            ),
-            timeout=self.config.assign_timeout_s,
-        )
-        run.assign_task = asyncio.create_task(_unary(step, call), name="assign")
+        with handing_over(asked_ns, run.root):
+            call = self._scheduler.Assign(
+                scheduler_pb2.AssignRequest(
+                    request_id=req.request_id,
+                    prompt_tokens=len(req.prompt_token_ids),
+                    max_tokens=req.params.max_tokens,
+                    mode=mode,
+                    tenant=req.tenant,
+                ),
+                timeout=self.config.assign_timeout_s,
+            )
+        run.assign_task = asyncio.create_task(unary_call(step, call), name="assign")
         try:
             assignment: scheduler_pb2.Assignment = await asyncio.wait_for(
                 asyncio.shield(run.assign_task), remaining
@@ -169,6 +207,7 @@ class RequestFlow:
             run.assign_task = None  # Assign itself failed: nothing was reserved
             raise
         run.reservation_id = assignment.reservation_id
+        run.stage_end_ns = await stage_end_of(call)
         run.timing.queue_ms = run.clock.elapsed_ms()
         if assignment.ttl_s > 0:
             run.renewer = asyncio.create_task(
@@ -184,19 +223,25 @@ class RequestFlow:
         worker = assignment.prefill
         step = f"Prefill on {worker.id} ({worker.address})"
         prefill = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
-        call = prefill.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=sampling_to_proto(req.params),
-                tenant=req.tenant,
-                reservation_id=run.reservation_id,
-            ),
-            timeout=run.clock.remaining(step),
-        )
+        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+            call = prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=sampling_to_proto(req.params),
+                    tenant=req.tenant,
+                    reservation_id=run.reservation_id,
+                    # The decode worker, so that the prefill worker can choose the KV
+                    # transport (same host: shm) and stream straight to it (direct).
+                    decode_address=assignment.decode.address,
+                    decode_host=assignment.decode.host,
+                ),
+                timeout=run.clock.remaining(step),
+            )
         run.calls.append(call)
         run.prefill_call = call
-        resp: prefill_pb2.PrefillResponse = await _unary(step, call)
+        resp: prefill_pb2.PrefillResponse = await unary_call(step, call)
+        run.stage_end_ns = await stage_end_of(call)
         if resp.HasField("kv"):
             run.kv = resp.kv
         t = run.timing
@@ -224,19 +269,20 @@ class RequestFlow:
         worker = assignment.decode
         step = f"Decode on {worker.id} ({worker.address})"
         decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
-        stream = decode.Decode(
-            decode_pb2.DecodeRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                first_token_id=resp.first_token_id,
-                first_logprob=resp.first_logprob,
-                sampling=sampling_to_proto(req.params),
-                kv=run.kv,
-                reservation_id=run.reservation_id,
-                tenant=req.tenant,
-            ),
-            timeout=run.clock.remaining(step),
-        )
+        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+            stream = decode.Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    first_token_id=resp.first_token_id,
+                    first_logprob=resp.first_logprob,
+                    sampling=sampling_to_proto(req.params),
+                    kv=run.kv,
+                    reservation_id=run.reservation_id,
+                    tenant=req.tenant,
+                ),
+                timeout=run.clock.remaining(step),
+            )
         run.calls.append(stream)
 
         def absorb(last: decode_pb2.DecodeChunk) -> None:
@@ -254,16 +300,17 @@ class RequestFlow:
         worker = assignment.prefill
         step = f"Mixed.Generate on {worker.id} ({worker.address})"
         mixed = decode_pb2_grpc.MixedStub(self.channels.get(worker.address))
-        stream = mixed.Generate(
-            decode_pb2.ColocatedRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=sampling_to_proto(req.params),
-                tenant=req.tenant,
-                reservation_id=run.reservation_id,
-            ),
-            timeout=run.clock.remaining(step),
-        )
+        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+            stream = mixed.Generate(
+                decode_pb2.ColocatedRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=sampling_to_proto(req.params),
+                    tenant=req.tenant,
+                    reservation_id=run.reservation_id,
+                ),
+                timeout=run.clock.remaining(step),
+            )
         run.calls.append(stream)
         t = run.timing
 
@@ -292,6 +339,7 @@ class RequestFlow:
                 )
                 if finish is not None:
                     absorb(msg)
+                    run.finished_stream = stream  # the worker is done: read, don't cancel
                 chunk = self._tokens(run, list(msg.token_ids), list(msg.logprobs), finish)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
@@ -342,18 +390,19 @@ class RequestFlow:
     # -- housekeeping --------------------------------------------------------------------------
 
     async def _cleanup(self, run: RequestState) -> None:
+        drains = [self.housekeeper.drain(c) for c in run.calls if c is run.finished_stream]
         for call in run.calls:
-            if not call.done():
+            if call is not run.finished_stream and not call.done():
                 call.cancel()
         if run.kv is None and run.prefill_call is not None:
             # The prefill may have answered just as we left: its KV then needs deleting too.
-            run.kv = await _late_kv(run.prefill_call)
+            run.kv = await late_kv(run.prefill_call)
         if run.renewer is not None:
             run.renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run.renewer
         # These log their own failures (a failed release only means waiting for the TTL).
-        await asyncio.gather(*run.tasks)
+        await asyncio.gather(*run.tasks, *drains)
         if run.kv is not None and not run.kv_consumed:
             await self.housekeeper.delete_kv(run.kv)
         if not run.reservation_id and run.assign_task is not None:
@@ -370,22 +419,3 @@ class RequestFlow:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         return task
-
-
-async def _late_kv(call: Any) -> common_pb2.KVHandle | None:
-    """The KV handle of a Prefill call that completed although nobody read its answer."""
-    if not call.done() or call.cancelled():
-        return None
-    try:
-        resp: prefill_pb2.PrefillResponse = await call  # done: returns at once
-    except AioRpcError:
-        return None  # it failed: nothing was stored
-    return resp.kv if resp.HasField("kv") else None
-
-
-async def _unary(step: str, call: Any) -> Any:
-    """Await a unary call, turning its failure into a caller-facing error naming ``step``."""
-    try:
-        return await call
-    except AioRpcError as err:
-        raise downstream_error(step, err) from err

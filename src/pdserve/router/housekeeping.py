@@ -1,4 +1,4 @@
-"""The calls that tidy up after a request: releases, renewals and KV deletions.
+"""The calls that tidy up after a request: releases, renewals, KV deletions, stream ends.
 
 Each is best effort by design: a failure is logged and the state it concerns expires on its
 own (a reservation by its TTL, a KV payload by its lease), so it never fails a request.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import grpc
 from grpc.aio import AioRpcError
@@ -100,3 +101,14 @@ class Housekeeper:
         except AioRpcError as err:
             if err.code() is not grpc.StatusCode.NOT_FOUND:
                 logger.warning("KV delete of %s at %s failed: %s", key, address, err.details())
+
+    async def drain(self, stream: Any) -> None:
+        """Read a worker stream that sent its last chunk to its end (its status), so that the
+        worker's handler and the CLIENT span end normally; cancel it if that takes long."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async for _ in stream:
+                    pass  # nothing follows a last chunk
+        except (TimeoutError, AioRpcError) as err:
+            logger.debug("stream after its last chunk: %s", err)
+            stream.cancel()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from pdserve.router.downstream import DeadlineExceededError
 from pdserve.router.output import RouteTiming
@@ -59,3 +60,9 @@ class RequestState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_sent: bool = False
+    root: trace.Span | None = None
+    """``router.request``: the parent of every stage, handed to each call (tracing)."""
+    stage_end_ns: int | None = None
+    """Unix ns where the last stage so far ended, handed to the next call (tracing)."""
+    finished_stream: Any = None
+    """The worker stream that sent its last chunk: the clean-up reads it to its end."""

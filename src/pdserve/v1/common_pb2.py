@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe5\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa2\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12\x11\n\ttransport\x18\x08 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"-\n\rStoreLocation\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\".\n\x0e\x44irectLocation\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"I\n\x0bShmLocation\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\",\n\x14\x45ngineNativeLocation\x12\x14\n\x0copaque_state\x18\x01 \x01(\x0c\"\xcd\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x01\x88\x01\x01\x12*\n\x05store\x18\n \x01(\x0b\x32\x19.pdserve.v1.StoreLocationH\x00\x12,\n\x06\x64irect\x18\x0b \x01(\x0b\x32\x1a.pdserve.v1.DirectLocationH\x00\x12&\n\x03shm\x18\x0c \x01(\x0b\x32\x17.pdserve.v1.ShmLocationH\x00\x12\x39\n\rengine_native\x18\r \x01(\x0b\x32 .pdserve.v1.EngineNativeLocationH\x00\x42\n\n\x08locationB\x0b\n\t_checksum*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*H\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12MODE_DISAGGREGATED\x10\x01\x12\x12\n\x0eMODE_COLOCATED\x10\x02*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe5\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12\x11\n\ttransport\x18\x08 \x01(\t\x12,\n\x08transfer\x18\t \x01(\x0b\x32\x1a.pdserve.v1.TransferTiming\"\xf5\x02\n\x0eTransferTiming\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x15\n\rsend_start_ns\x18\x03 \x01(\x03\x12\x16\n\x0e\x66irst_layer_ns\x18\x04 \x01(\x03\x12\x15\n\rlast_layer_ns\x18\x05 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x06 \x01(\x03\x12\x13\n\x0bsend_end_ns\x18\x07 \x01(\x03\x12\x15\n\rrecv_start_ns\x18\x08 \x01(\x03\x12\x13\n\x0brecv_end_ns\x18\t \x01(\x03\x12\x13\n\x0b\x62ytes_per_s\x18\n \x01(\x01\x12\x12\n\noverlap_ms\x18\x0b \x01(\x01\x12\x12\n\nexposed_ms\x18\x0c \x01(\x01\x12\x0f\n\x07hook_ms\x18\r \x01(\x01\x12\x0f\n\x07recv_ms\x18\x0e \x01(\x01\x12\x13\n\x0b\x63ompression\x18\x0f \x01(\t\x12\x11\n\tlayerwise\x18\x10 \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x11 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"-\n\rStoreLocation\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\".\n\x0e\x44irectLocation\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"I\n\x0bShmLocation\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\",\n\x14\x45ngineNativeLocation\x12\x14\n\x0copaque_state\x18\x01 \x01(\x0c\"#\n\x11RecomputeLocation\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x81\x03\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x01\x88\x01\x01\x12*\n\x05store\x18\n \x01(\x0b\x32\x19.pdserve.v1.StoreLocationH\x00\x12,\n\x06\x64irect\x18\x0b \x01(\x0b\x32\x1a.pdserve.v1.DirectLocationH\x00\x12&\n\x03shm\x18\x0c \x01(\x0b\x32\x17.pdserve.v1.ShmLocationH\x00\x12\x39\n\rengine_native\x18\r \x01(\x0b\x32 .pdserve.v1.EngineNativeLocationH\x00\x12\x32\n\trecompute\x18\x0e \x01(\x0b\x32\x1d.pdserve.v1.RecomputeLocationH\x00\x42\n\n\x08locationB\x0b\n\t_checksum*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*H\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12MODE_DISAGGREGATED\x10\x01\x12\x12\n\x0eMODE_COLOCATED\x10\x02*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1096
-  _globals['_FINISHREASON']._serialized_end=1241
-  _globals['_MODE']._serialized_start=1243
-  _globals['_MODE']._serialized_end=1315
-  _globals['_WORKERROLE']._serialized_start=1317
-  _globals['_WORKERROLE']._serialized_end=1430
+  _globals['_FINISHREASON']._serialized_start=1607
+  _globals['_FINISHREASON']._serialized_end=1752
+  _globals['_MODE']._serialized_start=1754
+  _globals['_MODE']._serialized_end=1826
+  _globals['_WORKERROLE']._serialized_start=1828
+  _globals['_WORKERROLE']._serialized_end=1941
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=269
   _globals['_USAGE']._serialized_start=271
   _globals['_USAGE']._serialized_end=351
   _globals['_TIMING']._serialized_start=354
-  _globals['_TIMING']._serialized_end=516
-  _globals['_TOKENIDS']._serialized_start=518
-  _globals['_TOKENIDS']._serialized_end=541
-  _globals['_STORELOCATION']._serialized_start=543
-  _globals['_STORELOCATION']._serialized_end=588
-  _globals['_DIRECTLOCATION']._serialized_start=590
-  _globals['_DIRECTLOCATION']._serialized_end=636
-  _globals['_SHMLOCATION']._serialized_start=638
-  _globals['_SHMLOCATION']._serialized_end=711
-  _globals['_ENGINENATIVELOCATION']._serialized_start=713
-  _globals['_ENGINENATIVELOCATION']._serialized_end=757
-  _globals['_KVHANDLE']._serialized_start=760
-  _globals['_KVHANDLE']._serialized_end=1093
+  _globals['_TIMING']._serialized_end=562
+  _globals['_TRANSFERTIMING']._serialized_start=565
+  _globals['_TRANSFERTIMING']._serialized_end=938
+  _globals['_TOKENIDS']._serialized_start=940
+  _globals['_TOKENIDS']._serialized_end=963
+  _globals['_STORELOCATION']._serialized_start=965
+  _globals['_STORELOCATION']._serialized_end=1010
+  _globals['_DIRECTLOCATION']._serialized_start=1012
+  _globals['_DIRECTLOCATION']._serialized_end=1058
+  _globals['_SHMLOCATION']._serialized_start=1060
+  _globals['_SHMLOCATION']._serialized_end=1133
+  _globals['_ENGINENATIVELOCATION']._serialized_start=1135
+  _globals['_ENGINENATIVELOCATION']._serialized_end=1179
+  _globals['_RECOMPUTELOCATION']._serialized_start=1181
+  _globals['_RECOMPUTELOCATION']._serialized_end=1216
+  _globals['_KVHANDLE']._serialized_start=1219
+  _globals['_KVHANDLE']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

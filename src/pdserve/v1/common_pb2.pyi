@@ -72,7 +72,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "decode_ms", "ttft_ms", "e2e_ms", "transfer_bytes", "transport")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "decode_ms", "ttft_ms", "e2e_ms", "transfer_bytes", "transport", "transfer")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Timing(_message.Message):
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -89,7 +90,46 @@ class Timing(_message.Message):
     e2e_ms: float
     transfer_bytes: int
     transport: str
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    transfer: TransferTiming
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., transfer: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
+
+class TransferTiming(_message.Message):
+    __slots__ = ("transport", "num_bytes", "send_start_ns", "first_layer_ns", "last_layer_ns", "compute_end_ns", "send_end_ns", "recv_start_ns", "recv_end_ns", "bytes_per_s", "overlap_ms", "exposed_ms", "hook_ms", "recv_ms", "compression", "layerwise", "fallback_reason")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEND_START_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_END_NS_FIELD_NUMBER: _ClassVar[int]
+    SEND_END_NS_FIELD_NUMBER: _ClassVar[int]
+    RECV_START_NS_FIELD_NUMBER: _ClassVar[int]
+    RECV_END_NS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
+    HOOK_MS_FIELD_NUMBER: _ClassVar[int]
+    RECV_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    num_bytes: int
+    send_start_ns: int
+    first_layer_ns: int
+    last_layer_ns: int
+    compute_end_ns: int
+    send_end_ns: int
+    recv_start_ns: int
+    recv_end_ns: int
+    bytes_per_s: float
+    overlap_ms: float
+    exposed_ms: float
+    hook_ms: float
+    recv_ms: float
+    compression: str
+    layerwise: bool
+    fallback_reason: str
+    def __init__(self, transport: _Optional[str] = ..., num_bytes: _Optional[int] = ..., send_start_ns: _Optional[int] = ..., first_layer_ns: _Optional[int] = ..., last_layer_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., send_end_ns: _Optional[int] = ..., recv_start_ns: _Optional[int] = ..., recv_end_ns: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., overlap_ms: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., hook_ms: _Optional[float] = ..., recv_ms: _Optional[float] = ..., compression: _Optional[str] = ..., layerwise: _Optional[bool] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -131,8 +171,14 @@ class EngineNativeLocation(_message.Message):
     opaque_state: bytes
     def __init__(self, opaque_state: _Optional[bytes] = ...) -> None: ...
 
+class RecomputeLocation(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "store", "direct", "shm", "engine_native")
+    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "store", "direct", "shm", "engine_native", "recompute")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +188,7 @@ class KVHandle(_message.Message):
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_NATIVE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     num_bytes: int
@@ -151,4 +198,5 @@ class KVHandle(_message.Message):
     direct: DirectLocation
     shm: ShmLocation
     engine_native: EngineNativeLocation
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., engine_native: _Optional[_Union[EngineNativeLocation, _Mapping]] = ...) -> None: ...
+    recompute: RecomputeLocation
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., engine_native: _Optional[_Union[EngineNativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\"\x84\x01\n\x07KVChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\"R\n\x0bPutResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"4\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65lete_after_read\x18\x02 \x01(\x08\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1a\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x8d\x01\n\x0cStatResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x03 \x01(\x01\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bnum_entries\x18\x06 \x01(\r2\xf2\x01\n\x07KVStore\x12\x35\n\x03Put\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PutResponse(\x01\x12\x34\n\x03Get\x12\x16.pdserve.v1.GetRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12?\n\x06\x44\x65lete\x12\x19.pdserve.v1.DeleteRequest\x1a\x1a.pdserve.v1.DeleteResponse\x12\x39\n\x04Stat\x12\x17.pdserve.v1.StatRequest\x1a\x18.pdserve.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\"\x93\x01\n\x07KVChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\r\n\x05\x63\x61\x63he\x18\t \x01(\x08\"R\n\x0bPutResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\"4\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65lete_after_read\x18\x02 \x01(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"%\n\x0eLookupResponse\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1a\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x95\x04\n\x0cStatResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x03 \x01(\x01\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bnum_entries\x18\x06 \x01(\r\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x0c\n\x04refs\x18\x08 \x01(\r\x12\x17\n\x0f\x64isk_used_bytes\x18\t \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\n \x01(\x04\x12\x18\n\x10num_disk_entries\x18\x0b \x01(\r\x12\x12\n\nnum_pinned\x18\x0c \x01(\r\x12\x13\n\x0bnum_writing\x18\r \x01(\r\x12\x16\n\x0ereserved_bytes\x18\x0e \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0f \x01(\x04\x12\x11\n\tbytes_out\x18\x10 \x01(\x04\x12\x0c\n\x04hits\x18\x11 \x01(\x04\x12\x0e\n\x06misses\x18\x12 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x13 \x01(\x04\x12\x0e\n\x06spills\x18\x14 \x01(\x04\x12\x0f\n\x07reloads\x18\x15 \x01(\x04\x12\x11\n\tevictions\x18\x16 \x01(\x04\x12\x0f\n\x07lookups\x18\x17 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x18 \x01(\x04\x12\x10\n\x08uptime_s\x18\x19 \x01(\x01\x12\x19\n\x11num_cache_entries\x18\x1a \x01(\r2\xb3\x02\n\x07KVStore\x12\x35\n\x03Put\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PutResponse(\x01\x12\x34\n\x03Get\x12\x16.pdserve.v1.GetRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12?\n\x06\x44\x65lete\x12\x19.pdserve.v1.DeleteRequest\x1a\x1a.pdserve.v1.DeleteResponse\x12\x39\n\x04Stat\x12\x17.pdserve.v1.StatRequest\x1a\x18.pdserve.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kvstore_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCHUNK']._serialized_start=41
-  _globals['_KVCHUNK']._serialized_end=173
-  _globals['_PUTRESPONSE']._serialized_start=175
-  _globals['_PUTRESPONSE']._serialized_end=257
-  _globals['_GETREQUEST']._serialized_start=259
-  _globals['_GETREQUEST']._serialized_end=311
-  _globals['_DELETEREQUEST']._serialized_start=313
-  _globals['_DELETEREQUEST']._serialized_end=341
-  _globals['_DELETERESPONSE']._serialized_start=343
-  _globals['_DELETERESPONSE']._serialized_end=376
-  _globals['_STATREQUEST']._serialized_start=378
-  _globals['_STATREQUEST']._serialized_end=404
-  _globals['_STATRESPONSE']._serialized_start=407
-  _globals['_STATRESPONSE']._serialized_end=548
-  _globals['_KVSTORE']._serialized_start=551
-  _globals['_KVSTORE']._serialized_end=793
+  _globals['_KVCHUNK']._serialized_end=188
+  _globals['_PUTRESPONSE']._serialized_start=190
+  _globals['_PUTRESPONSE']._serialized_end=272
+  _globals['_GETREQUEST']._serialized_start=274
+  _globals['_GETREQUEST']._serialized_end=326
+  _globals['_LOOKUPREQUEST']._serialized_start=328
+  _globals['_LOOKUPREQUEST']._serialized_end=357
+  _globals['_LOOKUPRESPONSE']._serialized_start=359
+  _globals['_LOOKUPRESPONSE']._serialized_end=396
+  _globals['_DELETEREQUEST']._serialized_start=398
+  _globals['_DELETEREQUEST']._serialized_end=426
+  _globals['_DELETERESPONSE']._serialized_start=428
+  _globals['_DELETERESPONSE']._serialized_end=461
+  _globals['_STATREQUEST']._serialized_start=463
+  _globals['_STATREQUEST']._serialized_end=489
+  _globals['_STATRESPONSE']._serialized_start=492
+  _globals['_STATRESPONSE']._serialized_end=1025
+  _globals['_KVSTORE']._serialized_start=1028
+  _globals['_KVSTORE']._serialized_end=1335
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVChunk.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/pdserve.v1.KVStore/Lookup',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/pdserve.v1.KVStore/Delete',
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
@@ -68,6 +73,13 @@ class KVStoreServicer:
 
     def Get(self, request, context):
         """Read a payload back in the chunking the store chooses. NOT_FOUND if absent or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """How many of the given keys, from the first on, the store holds (a prefix-cache probe).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +110,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVChunk.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -164,6 +181,33 @@ class KVStore:
             '/pdserve.v1.KVStore/Get',
             pdserve_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStore/Lookup',
+            pdserve_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,21 +9,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id", "decode_address", "decode_host", "transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_HOST_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     tenant: str
     reservation_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., reservation_id: _Optional[str] = ...) -> None: ...
+    decode_address: str
+    decode_host: str
+    transport: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., reservation_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_host: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "kv", "finish_reason", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "num_cached_tokens")
+    __slots__ = ("first_token_id", "first_logprob", "kv", "finish_reason", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "num_cached_tokens", "transfer")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +39,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     kv: _common_pb2.KVHandle
@@ -42,4 +49,5 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     transfer_bytes: int
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    transfer: _common_pb2.TransferTiming
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferTiming, _Mapping]] = ...) -> None: ...

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
 from pdserve.worker.decode import DecodeDelta, DecodeWorker, StreamTiming
-from pdserve.worker.handoff import StoredKV, store_key
+from pdserve.worker.handoff import KVLocation, TransferRecord, store_key
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint, worker_info
+from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker, check_request
 from pdserve.worker.timing import RequestTiming
 
@@ -14,11 +15,13 @@ __all__ = [
     "DecodeDelta",
     "DecodeWorker",
     "EngineSnapshot",
+    "KVLocation",
     "PrefillResult",
     "PrefillWorker",
     "RequestTiming",
-    "StoredKV",
     "StreamTiming",
+    "TransferOptions",
+    "TransferRecord",
     "WorkerHeartbeat",
     "WorkerIdentity",
     "check_request",

@@ -42,6 +42,7 @@ from pdserve.engine.engine import Engine, EngineStats
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import LayerHook
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.worker.timing import RequestTiming
 
@@ -88,6 +89,7 @@ class _Add:
     cache_salt: str
     kv: KVPayload | None
     first_token: tuple[int, float] | None
+    layer_hook: LayerHook | None
 
 
 @dataclass(slots=True)
@@ -136,7 +138,9 @@ class AsyncEngine:
         self._accepting = False
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._unstarted: list[_Stream] = []  # engine thread only: admitted, no step yet
-        self._held: set[str] = set()  # engine thread only: finished hold_kv requests
+        # Engine thread only: finished hold_kv requests and the stream each finished on (an
+        # abort from that stream still releases them: its consumer left before it saw the end).
+        self._held: dict[str, _Stream] = {}
         self._num_steps = 0
         self._snapshot = EngineSnapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
@@ -208,14 +212,21 @@ class AsyncEngine:
         first_token: tuple[int, float] | None = None,
         tag: str = "",
         timing: RequestTiming | None = None,
+        layer_hook: LayerHook | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields its outputs, the last one ``finished``.
 
         Errors of ``Engine.add_request`` (``InvalidArgumentError`` and the like) are raised by
         the first ``__anext__``. Closing the iterator early aborts the request. With
         ``hold_kv`` the finished request keeps its blocks: call ``export_and_release`` or
-        ``abort``. ``tag`` is listed in ``snapshot().tags`` while the request is admitted;
+        ``abort``; closing the iterator before it yielded the finished output releases them
+        too. ``tag`` is listed in ``snapshot().tags`` while the request is admitted;
         ``timing`` is filled in as the request runs.
+
+        ``layer_hook`` runs **on the engine thread**, inside the forward pass of the prompt's
+        last chunk, once per layer with views valid only during the call (see
+        ``pdserve.engine.sequence.LayerHook``): copy what you keep, hand heavy work to another
+        thread, and never raise (an exception fails the engine's whole batch).
         """
         stream = _Stream(
             request_id,
@@ -226,7 +237,15 @@ class AsyncEngine:
             hold_kv,
         )
         self._submit(
-            _Add(stream, prompt_ids, params or SamplingParams(), cache_salt, kv, first_token)
+            _Add(
+                stream,
+                prompt_ids,
+                params or SamplingParams(),
+                cache_salt,
+                kv,
+                first_token,
+                layer_hook,
+            )
         )
         finished = False
         try:
@@ -266,7 +285,7 @@ class AsyncEngine:
                 return engine.export_kv(request_id)
             finally:
                 engine.abort(request_id)  # frees held blocks; no-op if they are gone
-                self._held.discard(request_id)
+                self._held.pop(request_id, None)
 
         return await self.call(export)
 
@@ -364,6 +383,7 @@ class AsyncEngine:
                 cache_salt=command.cache_salt,
                 kv=command.kv,
                 first_token=command.first_token,
+                layer_hook=command.layer_hook,
             )
         except Exception as err:  # delivered to the generate() caller
             stream.post(err)
@@ -375,9 +395,15 @@ class AsyncEngine:
         rid = command.request_id
         current = self._streams.get(rid)
         if command.stream is not None and current is not command.stream:
-            return  # finished already, or the id now belongs to another request
+            # Finished already, or the id now belongs to another request. A hold_kv request
+            # that finished on this very stream still holds blocks its consumer never learnt
+            # about (it left before reading the last output): release them.
+            if self._held.get(rid) is command.stream:
+                del self._held[rid]
+                self._engine.abort(rid)
+            return
         self._streams.pop(rid, None)
-        self._held.discard(rid)
+        self._held.pop(rid, None)
         self._engine.abort(rid)
 
     def _step(self) -> None:
@@ -397,11 +423,12 @@ class AsyncEngine:
                 continue  # aborted after this step was scheduled
             if stream.timing.first_output is None:
                 stream.timing.first_output = ended
+                stream.timing.first_batch_size = len(outputs)
             stream.timing.last_output = ended
             if out.finished:
                 del self._streams[out.request_id]
                 if stream.hold_kv:
-                    self._held.add(out.request_id)
+                    self._held[out.request_id] = stream
             stream.post(out)
         self._publish()
 

@@ -1,9 +1,24 @@
 """DecodeWorker: continue prefilled requests from their handed-over KV, or run whole requests.
 
-``decode`` (the Decode service): fetch the payload from the KV store named in the handle,
-reading it with ``delete_after_read`` so the store entry goes away as it is consumed, or
-deleting it explicitly if the fetch fails or is cancelled; check it; import it into the engine
-with the prefill's first token; stream the tokens after that first token.
+``decode`` (the Decode service), by the handle's location:
+
+* ``store`` / ``direct`` elsewhere: stream the layer stream from that KVStore endpoint with
+  ``delete_after_read``, assembling layers as the chunks arrive;
+* ``direct`` here: the prefill worker wrote the stream into this worker's own endpoint; read
+  it in-process;
+* ``shm``: read the segment on this host (the reader unlinks it);
+* ``recompute``: nothing was moved; prefill the prompt here.
+
+Every receive is bounded (``--kv-transfer-timeout-s``, or from the payload's size and the
+bandwidth measured so far). On a timeout, a broken stream, a bad checksum or a missing entry,
+the worker falls back to recompute and the request completes; a payload of another model
+(``KVPayloadMismatchError``) and a bad request fail it. Whatever happens, the transport's copy
+is freed (read-and-deleted, or discarded). Then the payload is imported with the prefill's
+first token and the tokens after it stream out.
+
+Recompute runs the prompt with ``max_tokens=1`` and ``hold_kv``, exports the KV and imports it
+as if it had been transferred, so the tokens that follow are exactly those of a transfer (the
+prefill's first token is kept; seeded sampling draws by output position).
 
 ``generate`` (the Mixed service): prefill and decode in this worker's engine, which
 interleaves the prompt's chunks with the running decodes; the stream starts with the first
@@ -14,10 +29,10 @@ Closing a stream early (a cancelled RPC) aborts the request: its blocks are free
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
+import socket
 import time
-import zlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,19 +41,28 @@ from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
+    CapacityError,
     InvalidArgumentError,
     KVPayloadMismatchError,
     KVTransferError,
-    PdServeError,
+    UnknownRequestError,
 )
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.store import KVStore
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.shm import ShmReceiver
 from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.handoff import StoredKV
+from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
+from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
+from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefill import check_request
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
+
+FALLBACK_ERRORS = (KVTransferError, UnknownRequestError, CapacityError)
+"""Receive failures after which the worker recomputes instead of failing the request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +71,18 @@ class StreamTiming:
 
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
+    """Mixed: the prefill. Decode: the prefill this worker ran itself (recompute)."""
     transfer_ms: float = 0.0
+    """Decode: receiving the KV (a failed attempt included), until it was ready to import."""
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
     transfer_bytes: int = 0
     transport: str = ""
+    transfer: TransferRecord | None = None
+    """Decode: the receiver's measurements of the hand-off."""
+    stamps: RequestTiming | None = None
+    """The engine-thread stamps of the request on this worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +99,43 @@ class DecodeDelta:
     """Prompt tokens served from the prefix cache (``generate``, last delta only)."""
 
 
-class DecodeWorker:
-    """Streams decodes (and colocated generations) from one AsyncEngine."""
+@dataclass(slots=True)
+class _Arrival:
+    payload: KVPayload
+    record: TransferRecord
+    transfer_ms: float
+    recompute_ms: float
 
-    def __init__(self, engine: AsyncEngine, *, store_timeout_s: float = 10.0) -> None:
+
+class DecodeWorker:
+    """Streams decodes (and colocated generations) from one AsyncEngine.
+
+    ``inbox``: this worker's own KVStore endpoint, served on ``address``, into which prefill
+    workers stream ``direct`` hand-offs. ``transfer_timeout_s``: bound on each receive (0: from
+    the payload's size and the bandwidth measured so far).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        store_timeout_s: float = 10.0,
+        inbox: KVStore | None = None,
+        address: str = "",
+        host: str | None = None,
+        transfer_timeout_s: float = 0.0,
+    ) -> None:
+        if not transfer_timeout_s >= 0:
+            raise InvalidArgumentError(
+                "transfer_timeout_s", f"must be >= 0, got {transfer_timeout_s}"
+            )
         self.engine = engine
         self.store_timeout_s = store_timeout_s
+        self.inbox = inbox
+        self.address = address
+        self.host = host or socket.gethostname()
+        self.transfer_timeout_s = transfer_timeout_s
+        self.links = LinkModel(self.host)
         self.fingerprint = kv_fingerprint(engine.layout)
         self._stores: dict[str, KVStoreClient] = {}
 
@@ -90,6 +151,19 @@ class DecodeWorker:
             client = self._stores[address] = KVStoreClient(address, timeout_s=self.store_timeout_s)
         return client
 
+    def _inbound(self, kv: KVLocation) -> Inbound | None:
+        layout = self.engine.layout
+        if kv.kind is TransportKind.RECOMPUTE:
+            return None
+        if kv.kind is TransportKind.SHM:
+            return ShmInbound(ShmReceiver(expected_layout=layout, host=self.host), kv)
+        local = self.inbox is not None and kv.address == self.address
+        if kv.kind is TransportKind.DIRECT and local and self.inbox is not None:
+            return LocalInbound(self.inbox, kv, expected_layout=layout)
+        if not kv.address:
+            raise InvalidArgumentError(f"kv.{kv.kind}.address", "must be the endpoint's host:port")
+        return StreamInbound(self._store(kv.address), kv, expected_layout=layout)
+
     # -- Decode ----------------------------------------------------------------------------
     async def decode(
         self,
@@ -97,18 +171,15 @@ class DecodeWorker:
         prompt_ids: Sequence[int],
         first_token: tuple[int, float],
         params: SamplingParams,
-        kv: StoredKV,
+        kv: KVLocation,
         *,
         tenant: str = "",
         reservation_id: str = "",
     ) -> AsyncGenerator[DecodeDelta, None]:
-        """The tokens after ``first_token``; the store entry is gone when this ends, always."""
+        """The tokens after ``first_token``; the transport's copy is gone when this ends."""
         started = time.perf_counter()
-        client = self._store(kv.address) if kv.address else None
-        consumed = False
+        inbound = self._inbound(kv)
         try:
-            if client is None:
-                raise InvalidArgumentError("kv.store.address", "must be the KV store's host:port")
             check_request(self.engine, request_id, prompt_ids, params)
             if kv.model_fingerprint != self.fingerprint:
                 raise KVPayloadMismatchError(
@@ -119,14 +190,12 @@ class DecodeWorker:
                 raise InvalidArgumentError(
                     "kv.num_tokens", f"{kv.num_tokens}, but the prompt has {len(prompt_ids)} tokens"
                 )
-            # Reading with delete_after_read: a completed read has deleted the entry.
-            blob = await client.get(kv.key, delete_after_read=True)
-            consumed = True
+            arrival = await self._arrive(
+                request_id, prompt_ids, params, kv, inbound, tenant, reservation_id
+            )
         finally:
-            if not consumed and client is not None:
-                await self._delete_entry(client, kv.key)
-        payload = await asyncio.to_thread(_check_payload, blob, kv)
-        transfer_ms = (time.perf_counter() - started) * 1000.0
+            if inbound is not None:
+                await inbound.discard()  # a no-op once a read consumed it
 
         timing = RequestTiming()
         stream = self.engine.generate(
@@ -134,7 +203,7 @@ class DecodeWorker:
             prompt_ids,
             params,
             cache_salt=tenant,
-            kv=payload,
+            kv=arrival.payload,
             first_token=first_token,
             tag=reservation_id,
             timing=timing,
@@ -145,20 +214,77 @@ class DecodeWorker:
                 if out.finished:
                     final = StreamTiming(
                         queue_ms=timing.queue_ms,
-                        transfer_ms=transfer_ms,
+                        prefill_ms=arrival.recompute_ms,
+                        transfer_ms=arrival.transfer_ms,
                         decode_ms=timing.steps_ms,
                         e2e_ms=(time.perf_counter() - started) * 1000.0,
-                        transfer_bytes=len(blob),
-                        transport="store",
+                        transfer_bytes=arrival.record.num_bytes,
+                        transport=arrival.record.transport,
+                        transfer=arrival.record,
+                        stamps=timing,
                     )
                 yield _delta(out, final, num_cached_tokens=0)
 
-    async def _delete_entry(self, client: KVStoreClient, key: str) -> None:
-        """Delete a payload this worker will not consume; on failure its lease ends it."""
+    async def _arrive(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        kv: KVLocation,
+        inbound: Inbound | None,
+        tenant: str,
+        reservation_id: str,
+    ) -> _Arrival:
+        """The KV: received, or recomputed when nothing was sent or the receive failed."""
+        reason = kv.reason or "nothing was sent"
+        transfer_ms = 0.0
+        if inbound is not None:
+            peer = kv.host or kv.address
+            timeout = self.links.timeout_s(peer, kv.kind, kv.num_bytes, self.transfer_timeout_s)
+            start = time.perf_counter()
+            try:
+                payload = await inbound.receive(timeout)
+            except FALLBACK_ERRORS as err:
+                transfer_ms = (time.perf_counter() - start) * 1000.0
+                reason = f"{kv.kind} receive failed: {err}"
+                logger.warning("%s: %s; recomputing", request_id, reason)
+            else:
+                record = TransferRecord.received(inbound.stats, compression=inbound.compression)
+                self.links.observe(peer, record)
+                return _Arrival(payload, record, (time.perf_counter() - start) * 1000.0, 0.0)
+        start = time.perf_counter()
+        payload = await self._recompute(request_id, prompt_ids, params, tenant, reservation_id)
+        record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
+        return _Arrival(payload, record, transfer_ms, (time.perf_counter() - start) * 1000.0)
+
+    async def _recompute(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        tenant: str,
+        reservation_id: str,
+    ) -> KVPayload:
+        """Prefill the prompt here and take its KV, as a transfer would have delivered it."""
+        held = False
+        stream = self.engine.generate(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(params, max_tokens=1),
+            hold_kv=True,
+            cache_salt=tenant,
+            tag=reservation_id,
+        )
         try:
-            await client.delete(key)
-        except PdServeError as err:
-            logger.warning("could not delete KV payload %r (its lease will expire): %s", key, err)
+            async with aclosing(stream):
+                async for out in stream:
+                    held = out.finished
+            payload = await self.engine.export_and_release(request_id)
+            held = False
+            return payload
+        finally:
+            if held:
+                self.engine.abort(request_id)  # releases the held blocks
 
     # -- Mixed -----------------------------------------------------------------------------
     async def generate(
@@ -186,26 +312,11 @@ class DecodeWorker:
                         decode_ms=timing.after_first_ms,
                         ttft_ms=timing.ttft_ms,
                         e2e_ms=timing.e2e_ms,
+                        stamps=timing,
                     )
                 yield _delta(
                     out, final, num_cached_tokens=out.num_cached_tokens if out.finished else 0
                 )
-
-
-def _check_payload(blob: bytes, kv: StoredKV) -> KVPayload:
-    """Size, checksum and format of a fetched payload (CPU work: run it off the loop)."""
-    if len(blob) != kv.num_bytes:
-        raise KVTransferError(
-            f"KV payload of {kv.request_id!r} is {len(blob)} bytes, handle says {kv.num_bytes}"
-        )
-    if kv.checksum is not None and zlib.crc32(blob) != kv.checksum:
-        raise KVTransferError(f"KV payload of {kv.request_id!r} failed the handle's CRC-32 check")
-    payload = KVPayload.from_bytes(blob)
-    if payload.num_tokens != kv.num_tokens:
-        raise KVPayloadMismatchError(
-            f"KV payload holds {payload.num_tokens} tokens, the handle says {kv.num_tokens}"
-        )
-    return payload
 
 
 def _delta(

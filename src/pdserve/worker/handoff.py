@@ -1,8 +1,15 @@
-"""What a prefill worker hands to a decode worker: where the KV lies and how to check it."""
+"""What a prefill worker hands to a decode worker: where the KV lies, and how its move went.
+
+``KVLocation`` is the worker's side of ``pdserve.v1.KVHandle`` (one of its ``location``s);
+``TransferRecord`` is one hand-off measured on both sides (``pdserve.v1.TransferTiming``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from pdserve.transfer.base import TransferDescriptor, TransferStats, TransportKind
 
 STORE_KEY_PREFIX = "kv/"
 
@@ -13,18 +20,157 @@ def store_key(request_id: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredKV:
-    """A request's prompt KV in a KV store (``KVHandle`` with a store location)."""
+class KVLocation:
+    """Where a request's prompt KV is (the ``KVHandle`` of the RPC)."""
 
+    kind: TransportKind
     request_id: str
-    address: str
-    """host:port of the KVStore service."""
-    key: str
     num_tokens: int
     """Tokens whose KV the payload holds (the prompt length)."""
     num_bytes: int
-    """Size of the payload (``KVPayload.to_bytes()``)."""
+    """Size of the payload as it lies there (layer stream, or shm segment)."""
     model_fingerprint: str
     """``heartbeat.kv_fingerprint`` of the writer; a reader with another one refuses it."""
-    checksum: int | None
-    """``zlib.crc32`` of the payload bytes; None when the writer did not compute one."""
+    address: str = ""
+    """store/direct: host:port of the KVStore endpoint holding it."""
+    key: str = ""
+    """store/direct: the entry's key; shm: the segment's name."""
+    host: str = ""
+    """shm: the writer's host name."""
+    offset: int = 0
+    length: int = 0
+    reason: str = ""
+    """recompute: why nothing moved."""
+
+    @classmethod
+    def recompute(
+        cls, request_id: str, num_tokens: int, fingerprint: str, reason: str
+    ) -> KVLocation:
+        """Nothing moved: the decode worker prefills the prompt itself."""
+        return cls(TransportKind.RECOMPUTE, request_id, num_tokens, 0, fingerprint, reason=reason)
+
+    @classmethod
+    def of(cls, d: TransferDescriptor, fingerprint: str) -> KVLocation:
+        """The location a sender's ``finish`` described."""
+        if d.kind is TransportKind.SHM:
+            return cls(
+                d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint,
+                key=d.name, host=d.host, offset=d.offset, length=d.length,
+            )  # fmt: skip
+        return cls(
+            d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint, address=d.host, key=d.name
+        )
+
+    def descriptor(self) -> TransferDescriptor:
+        """The receiver's view (no layout or checksums: the data describes itself)."""
+        if self.kind is TransportKind.SHM:
+            return TransferDescriptor(
+                self.kind, self.request_id, self.num_tokens, self.num_bytes, "",
+                name=self.key, host=self.host, offset=self.offset, length=self.length,
+            )  # fmt: skip
+        return TransferDescriptor(
+            self.kind, self.request_id, self.num_tokens, self.num_bytes, "",
+            name=self.key, host=self.address,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One hand-off as measured by one side (``time.monotonic_ns`` stamps); see
+    ``pdserve.v1.TransferTiming`` for each field."""
+
+    transport: str
+    num_bytes: int = 0
+    send_start_ns: int = 0
+    first_layer_ns: int = 0
+    last_layer_ns: int = 0
+    compute_end_ns: int = 0
+    send_end_ns: int = 0
+    recv_start_ns: int = 0
+    recv_end_ns: int = 0
+    hook_ns: int = 0
+    busy_ns: int = 0
+    """Sender: time the transport was busy moving bytes (waits for the compute excluded)."""
+    compression: str = "none"
+    layerwise: bool = True
+    fallback_reason: str = ""
+
+    @classmethod
+    def sent(
+        cls,
+        stats: TransferStats,
+        *,
+        compute_end_ns: int,
+        busy_ns: int,
+        compression: str,
+        layerwise: bool,
+    ) -> TransferRecord:
+        """The sender's side, from its stats and when the compute ended."""
+        return cls(
+            busy_ns=busy_ns,
+            transport=stats.transport.value,
+            num_bytes=stats.num_bytes,
+            send_start_ns=stats.send_start_ns,
+            first_layer_ns=stats.first_layer_ns,
+            last_layer_ns=stats.last_layer_ns,
+            compute_end_ns=compute_end_ns,
+            send_end_ns=stats.send_end_ns,
+            hook_ns=stats.hook_ns,
+            compression=compression,
+            layerwise=layerwise,
+        )
+
+    @classmethod
+    def received(cls, stats: TransferStats, *, compression: str = "none") -> TransferRecord:
+        return cls(
+            transport=stats.transport.value,
+            num_bytes=stats.num_bytes,
+            recv_start_ns=stats.recv_start_ns,
+            recv_end_ns=stats.recv_end_ns,
+            compression=compression,
+        )
+
+    def replace(self, **changes: object) -> TransferRecord:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def transfer_start_ns(self) -> int:
+        """When data started to move: the first layer (or the commit, if nothing was hooked)."""
+        return self.first_layer_ns or self.send_start_ns
+
+    @property
+    def overlap_ms(self) -> float:
+        """Sender: transfer time spent while the prefill was still computing."""
+        if not (self.send_end_ns and self.compute_end_ns and self.first_layer_ns):
+            return 0.0
+        end = min(self.send_end_ns, self.compute_end_ns)
+        return max(0, end - self.first_layer_ns) / 1e6
+
+    @property
+    def exposed_ms(self) -> float:
+        """Sender: time from the end of the compute (or the first layer, if later) to the
+        commit; this part of the transfer adds to the time to first token."""
+        if not (self.send_end_ns and self.compute_end_ns):
+            return 0.0
+        start = max(self.compute_end_ns, self.first_layer_ns)
+        return max(0, self.send_end_ns - start) / 1e6
+
+    @property
+    def send_ms(self) -> float:
+        """Sender: first layer to commit (the whole transfer, hidden part included)."""
+        if not self.send_end_ns:
+            return 0.0
+        return max(0, self.send_end_ns - self.transfer_start_ns) / 1e6
+
+    @property
+    def recv_ms(self) -> float:
+        if not self.recv_end_ns:
+            return 0.0
+        return max(0, self.recv_end_ns - self.recv_start_ns) / 1e6
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes over this side's busy time: the receiver's read, the sender's busy time
+        (0 when nothing was measured)."""
+        ms = self.recv_ms or self.busy_ns / 1e6 or self.send_ms
+        return self.num_bytes / (ms / 1e3) if ms > 0 and self.num_bytes else 0.0

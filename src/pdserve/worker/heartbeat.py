@@ -81,6 +81,11 @@ class WorkerHeartbeat:
         """The heartbeat as of now."""
         return worker_info(self.identity, self.engine.snapshot(), draining=self.draining)
 
+    @property
+    def errors(self) -> int:
+        """Heartbeats that failed on a Redis error so far."""
+        return self._heartbeater.errors
+
     def start(self) -> None:
         self._heartbeater.start()
 

@@ -16,6 +16,10 @@ from typing import Any
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.compress import Compression
+from pdserve.worker.outbound import SendFaults
+from pdserve.worker.placement import TRANSPORT_CHOICES, TransferOptions
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -57,6 +61,41 @@ class WorkerOptions:
     threads: int | None = None
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    transport: str = "auto"
+    """KV transport of this prefill worker's hand-offs (``auto``: the policy chooses)."""
+    network_transport: str = "direct"
+    """What a cross-host hand-off uses when the decode worker is known: direct or store."""
+    allow_shm: bool = True
+    allow_recompute: bool = True
+    kv_compression: str = "none"
+    layerwise: bool = True
+    kv_transfer_timeout_s: float = 0.0
+    """Bound on a hand-off's commit and read; 0: from payload size and measured bandwidth."""
+    prefix_reuse: bool = False
+    """Fetch prompt-prefix KV chunks from the KV store, and publish new ones there."""
+    prefix_chunk_tokens: int = 256
+    prefix_lease_s: float = 600.0
+    inbox_bytes: int = 2 * 1024**3
+    """RAM budget of a decode worker's own KV endpoint (direct hand-offs land there)."""
+    janitor_interval_s: float = 60.0
+    """How often orphaned shm segments are looked for (also once at start)."""
+    janitor_max_age_s: float = 600.0
+    faults: tuple[str, ...] = ()
+    """Fault injection for fault tests (``--fault``); empty in production."""
+
+    def transfer_options(self) -> TransferOptions:
+        """The hand-off settings these options give."""
+        return TransferOptions(
+            transport=self.transport,
+            network=TransportKind(self.network_transport),
+            allow_shm=self.allow_shm,
+            allow_recompute=self.allow_recompute,
+            compression=Compression(self.kv_compression),
+            layerwise=self.layerwise,
+            timeout_s=self.kv_transfer_timeout_s,
+            lease_s=self.kv_lease_s,
+            faults=parse_faults(self.faults),
+        )
 
     def engine_config(self) -> dict[str, Any]:
         """The ``EngineConfig`` fields these options set."""
@@ -132,7 +171,79 @@ def worker_parser(
     p.add_argument("--threads", type=int, default=_int(d("threads")), help="torch CPU threads")
     p.add_argument("--grace-s", type=float, default=float(d("grace_s", 10.0)), help="drain time")
     p.add_argument("--log-level", default=d("log_level", "INFO"))
+    t = p.add_argument_group("KV hand-off (see docs/kv-transfer.md)")
+    t.add_argument(
+        "--transport",
+        choices=TRANSPORT_CHOICES,
+        default=d("transport", "auto"),
+        help="prefill: force a transport; auto: shm on the decode worker's host, "
+        "else --network-transport, or recompute when moving costs more",
+    )
+    t.add_argument(
+        "--network-transport", choices=["direct", "store"], default=d("network_transport", "direct")
+    )
+    t.add_argument("--no-shm", dest="allow_shm", action="store_false", default=True)
+    t.add_argument("--no-recompute", dest="allow_recompute", action="store_false", default=True)
+    t.add_argument(
+        "--kv-compression",
+        choices=[c.value for c in Compression],
+        default=d("kv_compression", "none"),
+        help="int8 on the wire (store, direct)",
+    )
+    t.add_argument(
+        "--no-layerwise",
+        dest="layerwise",
+        action="store_false",
+        default=True,
+        help="send the KV after the prefill instead of layer by layer during it",
+    )
+    t.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=float(d("kv_transfer_timeout_s", 0.0)),
+        help="bound on a hand-off's commit and read; 0: from size and bandwidth",
+    )
+    t.add_argument(
+        "--prefix-reuse",
+        action="store_true",
+        default=d("prefix_reuse", "") == "1",
+        help="prefill: share prompt-prefix KV chunks through the KV store",
+    )
+    t.add_argument("--prefix-chunk-tokens", type=int, default=int(d("prefix_chunk_tokens", 256)))
+    t.add_argument("--prefix-lease-s", type=float, default=float(d("prefix_lease_s", 600.0)))
+    t.add_argument(
+        "--inbox-bytes",
+        type=int,
+        default=int(d("inbox_bytes", 2 * 1024**3)),
+        help="decode: RAM budget of the worker's own KV endpoint (direct)",
+    )
+    t.add_argument("--janitor-interval-s", type=float, default=float(d("janitor_interval_s", 60.0)))
+    t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
+    # Fault injection, for fault tests only: corrupt[@PREFIX] or stall:N[@PREFIX], repeatable.
+    t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
     return p
+
+
+def parse_faults(specs: Sequence[str]) -> SendFaults | None:
+    """``--fault`` values: ``corrupt`` or ``stall:N``, each optionally ``@PREFIX`` (only request
+    ids starting with PREFIX). For fault tests; none: None."""
+    corrupt: str | None = None
+    stall: str | None = None
+    after = 1
+    for spec in specs:
+        kind, _, prefix = spec.partition("@")
+        name, _, arg = kind.partition(":")
+        if name == "corrupt" and not arg:
+            corrupt = prefix
+        elif name == "stall" and arg.isdigit():
+            stall, after = prefix, int(arg)
+        else:
+            raise InvalidArgumentError(
+                "--fault", f"expected corrupt or stall:N, then @PREFIX or nothing; got {spec!r}"
+            )
+    if corrupt is None and stall is None:
+        return None
+    return SendFaults(corrupt_prefix=corrupt, stall_prefix=stall, stall_after_layers=after)
 
 
 def _int(value: str | None) -> int | None:
@@ -148,6 +259,9 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         raise InvalidArgumentError("--kvstore", "a prefill worker needs a KV store address")
     if args.kv_blocks is not None and args.kv_cache_bytes is not None:
         raise InvalidArgumentError("--kv-blocks", "give --kv-blocks or --kv-cache-bytes, not both")
+    if not args.janitor_interval_s > 0:
+        raise InvalidArgumentError("--janitor-interval-s", "must be > 0")
+    parse_faults(args.fault)  # refuse a bad spec at start
     return WorkerOptions(
         model=args.model,
         role=role,
@@ -173,4 +287,18 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         kv_cache_bytes=args.kv_cache_bytes,
         threads=args.threads,
         grace_s=args.grace_s,
+        transport=args.transport,
+        network_transport=args.network_transport,
+        allow_shm=args.allow_shm,
+        allow_recompute=args.allow_recompute,
+        kv_compression=args.kv_compression,
+        layerwise=args.layerwise,
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        prefix_reuse=args.prefix_reuse,
+        prefix_chunk_tokens=args.prefix_chunk_tokens,
+        prefix_lease_s=args.prefix_lease_s,
+        inbox_bytes=args.inbox_bytes,
+        janitor_interval_s=args.janitor_interval_s,
+        janitor_max_age_s=args.janitor_max_age_s,
+        faults=tuple(args.fault),
     )

@@ -1,36 +1,50 @@
-"""PrefillWorker: compute a prompt's KV and first token, park the KV in a KV store.
+"""PrefillWorker: compute a prompt's KV and first token, and hand the KV over as it is made.
 
 Per request:
   1. Check the request against the model (the full ``max_tokens`` included, so that a request
      the decode side would refuse fails here, before any compute).
-  2. Run the prompt with ``hold_kv`` and ``max_tokens=1``: the first token is sampled with the
-     request's own parameters (temperature, seed, ...); the blocks stay held.
-  3. If that token already ends the request (a stop token or string, ``max_tokens == 1``, the
-     model's length), free the blocks and report the finish: there is nothing to decode.
-  4. Otherwise export the KV and free the blocks in one engine turn, serialize it, and put it
-     into the store under ``kv/{request_id}`` with a lease. The blocks are freed on every path
-     (error, cancellation) by ``finally``.
+  2. Choose the transport (``placement.TransportChooser``: forced, or shm on the decode
+     worker's host, else direct/store, or recompute) and ``begin`` it: the shm segment or the
+     Put stream exists before the engine starts.
+  3. Optionally import the prompt's leading blocks from the KV store into the engine's prefix
+     cache (``prefix.PrefixReuse``), so that only the rest is computed.
+  4. Run the prompt with ``max_tokens=1`` and the transport's ``send_layer`` as the layer hook:
+     each layer leaves while the engine computes the next ones. The hook copies the layers
+     out, so the engine frees the request's blocks as soon as the first token is out.
+  5. If that token already ends the request (a stop token or string, ``max_tokens == 1``, the
+     model's length), discard the hand-off and report the finish.
+  6. Otherwise ``commit`` (bounded) and answer with its location. If the commit fails (store
+     down or full, timeout) the hand-off is discarded and the answer says ``recompute``: the
+     decode worker then prefills the prompt itself, and the request still completes.
+
+Nothing outlives a request: every path that does not hand the KV over discards it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
+import socket
 import time
-import zlib
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
+from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.shm import ShmSender
 from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.handoff import StoredKV, store_key
+from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
+from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender
+from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
+from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -62,27 +76,80 @@ class PrefillResult:
 
     first_token_id: int
     first_logprob: float
-    kv: StoredKV | None
+    kv: KVLocation | None
     """None when ``finish_reason`` is set (nothing left to decode)."""
     finish_reason: FinishReason | None
     queue_ms: float
     compute_ms: float
     transfer_ms: float
-    """Export, serialization and the put into the store."""
+    """The part of the hand-off not hidden behind the compute (end of compute to commit)."""
     transfer_bytes: int
     num_cached_tokens: int
+    transfer: TransferRecord | None = None
+    """The sender's measurements; None when nothing was sent."""
+    timing: RequestTiming | None = None
+    """The engine-thread stamps of the prefill (queue, compute)."""
+
+
+@dataclass(slots=True)
+class _Sent:
+    location: KVLocation
+    record: TransferRecord | None
 
 
 class PrefillWorker:
-    """Runs prefills on one AsyncEngine and hands their KV over through one KV store."""
+    """Runs prefills on one AsyncEngine and hands their KV over (see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, store: KVStoreClient, *, lease_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        store: KVStoreClient,
+        *,
+        lease_s: float = 60.0,
+        host: str | None = None,
+        options: TransferOptions | None = None,
+        prefix: PrefixReuse | None = None,
+    ) -> None:
         if not lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {lease_s}")
         self.engine = engine
         self.store = store
-        self.lease_s = lease_s
+        self.host = host or socket.gethostname()
+        self.options = options or TransferOptions(lease_s=lease_s)
+        self.chooser = TransportChooser(self.host, engine.layout, self.options)
+        self.prefix = prefix
         self.fingerprint = kv_fingerprint(engine.layout)
+        self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
+
+    async def close(self) -> None:
+        """Close the connections to decode workers' endpoints, wait for prefix publishing."""
+        if self.prefix is not None:
+            await self.prefix.close()
+        endpoints, self._endpoints = self._endpoints, {}
+        for client in endpoints.values():
+            await client.close()
+
+    def _endpoint(self, address: str) -> KVStoreClient:
+        client = self._endpoints.get(address)
+        if client is None:
+            client = self._endpoints[address] = KVStoreClient(
+                address, timeout_s=self.store.timeout_s
+            )
+        return client
+
+    def _outbound(self, kind: TransportKind, decode_address: str) -> Outbound | None:
+        o = self.options
+        out: Outbound
+        if kind is TransportKind.RECOMPUTE:
+            return None
+        if kind is TransportKind.SHM:
+            out = ShmOutbound(ShmSender(host=self.host), faults=o.faults)
+        else:
+            client = self.store if kind is TransportKind.STORE else self._endpoint(decode_address)
+            out = StreamSender(
+                client, kind, lease_s=o.lease_s, compression=o.compression, faults=o.faults
+            )
+        return out if o.layerwise else Deferred(out)
 
     async def prefill(
         self,
@@ -92,72 +159,157 @@ class PrefillWorker:
         *,
         tenant: str = "",
         reservation_id: str = "",
+        decode_address: str = "",
+        decode_host: str = "",
+        transport: str = "",
     ) -> PrefillResult:
         check_request(self.engine, request_id, prompt_ids, params)
-        timing = RequestTiming()
-        # Until export_and_release returns, the engine may hold this request's blocks (also when
-        # we are cancelled between its finish and our reading of it): abort is a no-op for an
-        # id the engine no longer knows, so always abort unless the release is done.
-        held = True
-        put_key: str | None = None  # set once a put may have reached the store
-        try:
-            last: RequestOutput | None = None
-            stream = self.engine.generate(
-                request_id,
-                prompt_ids,
-                dataclasses.replace(params, max_tokens=1),
-                hold_kv=True,
-                cache_salt=tenant,
-                tag=reservation_id,
-                timing=timing,
+        forced = parse_transport(transport)
+        kind = self.chooser.choose(
+            len(prompt_ids),
+            decode_address=decode_address,
+            decode_host=decode_host,
+            forced=forced,
+        )
+        out = self._outbound(kind, decode_address)
+        fallback = ""
+        if out is None:
+            fallback = (
+                "recompute was asked for"
+                if forced is not None or self.options.transport != "auto"
+                else "chosen: moving the KV would take longer than computing it again"
             )
-            async with aclosing(stream):
-                async for out in stream:
-                    last = out
-            if last is None or not last.new_token_ids:
-                raise KVTransferError(f"prefill of {request_id!r} produced no first token")
+        if out is not None:
+            try:
+                out.begin(request_id, self.engine.layout, len(prompt_ids))
+            except (CapacityError, KVTransferError) as err:  # shm full, ...: nothing was held
+                logger.warning("%s: %s hand-off refused (%s); recompute", request_id, kind, err)
+                out, fallback = None, f"{kind} refused the hand-off: {err}"
+        committed = False
+        try:
+            timing = RequestTiming()
+            last, compute_end_ns = await self._run(
+                request_id, prompt_ids, params, tenant, reservation_id, timing, out
+            )
             token, logprob = last.new_token_ids[0], last.new_logprobs[0]
             reason = self._finish_reason(last, params, len(prompt_ids))
-            stored: StoredKV | None = None
-            started = time.perf_counter()
+            self.chooser.model.observe_prefill(
+                len(prompt_ids) - last.num_cached_tokens, timing.first_output_ms / 1e3
+            )
+            sent: _Sent | None = None
             if reason is None:
-                payload = await self.engine.export_and_release(request_id)
-                held = False
-                blob = await asyncio.to_thread(payload.to_bytes)
-                key = put_key = store_key(request_id)
-                await self.store.put(key, blob, self.lease_s)
-                put_key = None  # stored: from here the decode side owns the entry
-                stored = StoredKV(
-                    request_id=request_id,
-                    address=self.store.address,
-                    key=key,
-                    num_tokens=payload.num_tokens,
-                    num_bytes=len(blob),
-                    model_fingerprint=self.fingerprint,
-                    checksum=zlib.crc32(blob),
+                peer = decode_host or decode_address
+                sent = await self._hand_over(
+                    request_id, prompt_ids, out, fallback, compute_end_ns, peer
                 )
+                committed = sent.location.kind is not TransportKind.RECOMPUTE
+            record = sent.record if sent is not None else None
             return PrefillResult(
                 first_token_id=token,
                 first_logprob=logprob,
-                kv=stored,
+                kv=sent.location if sent is not None else None,
                 finish_reason=reason,
                 queue_ms=timing.queue_ms,
                 compute_ms=timing.first_output_ms,
-                transfer_ms=(time.perf_counter() - started) * 1000.0 if stored else 0.0,
-                transfer_bytes=stored.num_bytes if stored else 0,
+                transfer_ms=record.exposed_ms if record else 0.0,
+                transfer_bytes=record.num_bytes if committed and record else 0,
                 num_cached_tokens=last.num_cached_tokens,
+                transfer=record,
+                timing=timing,
             )
         finally:
-            if held:
-                self.engine.abort(request_id)  # releases the held blocks
-            if put_key is not None:  # cancelled or failed mid-put: the entry may exist
-                await asyncio.shield(self._delete_quietly(put_key))
+            if out is not None and not committed:
+                await out.discard()
 
-    async def _delete_quietly(self, key: str) -> None:
+    async def _run(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        tenant: str,
+        reservation_id: str,
+        timing: RequestTiming,
+        out: Outbound | None,
+    ) -> tuple[RequestOutput, int]:
+        """Prefill with the hook; the last output and when the compute ended."""
+        publisher = None
+        if self.prefix is not None:
+            found = await self.prefix.seed(self.engine, request_id, prompt_ids, tenant)
+            publisher = self.prefix.publisher(prompt_ids, tenant, first=found)
+        hooks = [h for h in (out.send_layer if out else None, publisher) if h is not None]
+
+        def hook(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            for h in hooks:  # each one never raises
+                h(layer, keys, values)
+
+        last: RequestOutput | None = None
+        stream = self.engine.generate(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(params, max_tokens=1),
+            cache_salt=tenant,
+            tag=reservation_id,
+            timing=timing,
+            layer_hook=hook if hooks else None,
+        )
+        async with aclosing(stream):
+            async for output in stream:
+                last = output
+        compute_end_ns = time.monotonic_ns()
+        if last is None or not last.new_token_ids:
+            raise KVTransferError(f"prefill of {request_id!r} produced no first token")
+        if publisher is not None and self.prefix is not None:
+            self.prefix.publish(publisher)
+        return last, compute_end_ns
+
+    async def _hand_over(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        out: Outbound | None,
+        fallback: str,
+        compute_end_ns: int,
+        peer: str,
+    ) -> _Sent:
+        """Commit the hand-off, or say ``recompute`` (with the reason) when it fails.
+
+        ``peer``: the decode worker's host (or address), the link whose bandwidth is measured.
+        """
+        n = len(prompt_ids)
+        if out is None:
+            location = KVLocation.recompute(request_id, n, self.fingerprint, fallback)
+            record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=fallback)
+            return _Sent(location, record)
+        timeout = self.chooser.model.timeout_s(
+            peer, out.kind, out.stats.num_bytes, self.options.timeout_s
+        )
+        compression = (
+            self.options.compression.value if out.kind is not TransportKind.SHM else "none"
+        )
         try:
-            await self.store.delete(key)
-        except PdServeError as err:  # the lease reclaims it; say so rather than hide it
-            logger.warning("could not delete %s after a failed put (%s); its lease will", key, err)
+            descriptor = await out.commit(timeout)
+        except PdServeError as err:
+            # Store down or full, a stream cut off, a timeout: the decode worker recomputes.
+            logger.warning("%s: %s hand-off failed (%s); recompute", request_id, out.kind, err)
+            await out.discard()
+            record = TransferRecord.sent(
+                out.stats,
+                compute_end_ns=compute_end_ns,
+                busy_ns=out.busy_ns,
+                compression=compression,
+                layerwise=self.options.layerwise,
+            ).replace(fallback_reason=str(err))
+            location = KVLocation.recompute(request_id, n, self.fingerprint, str(err))
+            return _Sent(location, record)
+        record = TransferRecord.sent(
+            out.stats,
+            compute_end_ns=compute_end_ns,
+            busy_ns=out.busy_ns,
+            compression=compression,
+            layerwise=self.options.layerwise,
+        )
+        self.chooser.model.observe(peer, record)
+        return _Sent(KVLocation.of(descriptor, self.fingerprint), record)
 
     def _finish_reason(
         self, out: RequestOutput, params: SamplingParams, prompt_len: int

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
+from pdserve.transfer.base import TransportKind
 from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.decode import DecodeDelta, StreamTiming
-from pdserve.worker.handoff import StoredKV
+from pdserve.worker.handoff import KVLocation, TransferRecord
 
 __all__ = [
     "chunk_to_proto",
@@ -19,44 +20,80 @@ __all__ = [
     "handle_to_proto",
     "sampling_from_proto",
     "timing_to_proto",
+    "transfer_to_proto",
 ]
 
 
-def handle_to_proto(kv: StoredKV) -> common_pb2.KVHandle:
+def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
     handle = common_pb2.KVHandle(
         request_id=kv.request_id,
         num_tokens=kv.num_tokens,
         num_bytes=kv.num_bytes,
         model_fingerprint=kv.model_fingerprint,
-        store=common_pb2.StoreLocation(address=kv.address, key=kv.key),
     )
-    if kv.checksum is not None:
-        handle.checksum = kv.checksum
+    if kv.kind is TransportKind.STORE:
+        handle.store.CopyFrom(common_pb2.StoreLocation(address=kv.address, key=kv.key))
+    elif kv.kind is TransportKind.DIRECT:
+        handle.direct.CopyFrom(common_pb2.DirectLocation(address=kv.address, key=kv.key))
+    elif kv.kind is TransportKind.SHM:
+        handle.shm.CopyFrom(
+            common_pb2.ShmLocation(host=kv.host, name=kv.key, offset=kv.offset, length=kv.length)
+        )
+    else:
+        handle.recompute.CopyFrom(common_pb2.RecomputeLocation(reason=kv.reason))
     return handle
 
 
-def handle_from_proto(handle: common_pb2.KVHandle) -> StoredKV:
-    """A store-located handle; the other locations are not served by this worker yet."""
-    location = handle.WhichOneof("location")
-    if location != "store":
-        raise InvalidArgumentError(
-            "kv.location", f"this worker reads KV from a KV store only, got {location or 'none'}"
-        )
-    if not handle.store.key:
-        raise InvalidArgumentError("kv.store.key", "must not be empty")
-    return StoredKV(
-        request_id=handle.request_id,
-        address=handle.store.address,
-        key=handle.store.key,
-        num_tokens=handle.num_tokens,
-        num_bytes=handle.num_bytes,
-        model_fingerprint=handle.model_fingerprint,
-        checksum=handle.checksum if handle.HasField("checksum") else None,
+def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
+    """The location of a handle; ``InvalidArgumentError`` names a missing or empty field."""
+    where = handle.WhichOneof("location")
+    common = (handle.request_id, handle.num_tokens, handle.num_bytes, handle.model_fingerprint)
+    if where in ("store", "direct"):
+        loc = handle.store if where == "store" else handle.direct
+        if not loc.key:
+            raise InvalidArgumentError(f"kv.{where}.key", "must not be empty")
+        kind = TransportKind.STORE if where == "store" else TransportKind.DIRECT
+        return KVLocation(kind, *common, address=loc.address, key=loc.key)
+    if where == "shm":
+        shm = handle.shm
+        if not shm.name:
+            raise InvalidArgumentError("kv.shm.name", "must not be empty")
+        return KVLocation(
+            TransportKind.SHM, *common,
+            key=shm.name, host=shm.host, offset=shm.offset, length=shm.length,
+        )  # fmt: skip
+    if where == "recompute":
+        return KVLocation(TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason)
+    raise InvalidArgumentError(
+        "kv.location",
+        f"must be store, direct, shm or recompute; this worker cannot read {where or 'none'}",
+    )
+
+
+def transfer_to_proto(r: TransferRecord) -> common_pb2.TransferTiming:
+    return common_pb2.TransferTiming(
+        transport=r.transport,
+        num_bytes=r.num_bytes,
+        send_start_ns=r.send_start_ns,
+        first_layer_ns=r.first_layer_ns,
+        last_layer_ns=r.last_layer_ns,
+        compute_end_ns=r.compute_end_ns,
+        send_end_ns=r.send_end_ns,
+        recv_start_ns=r.recv_start_ns,
+        recv_end_ns=r.recv_end_ns,
+        bytes_per_s=r.bytes_per_s,
+        overlap_ms=r.overlap_ms,
+        exposed_ms=r.exposed_ms,
+        hook_ms=r.hook_ns / 1e6,
+        recv_ms=r.recv_ms,
+        compression=r.compression,
+        layerwise=r.layerwise,
+        fallback_reason=r.fallback_reason,
     )
 
 
 def timing_to_proto(t: StreamTiming) -> common_pb2.Timing:
-    return common_pb2.Timing(
+    timing = common_pb2.Timing(
         queue_ms=t.queue_ms,
         prefill_ms=t.prefill_ms,
         transfer_ms=t.transfer_ms,
@@ -66,6 +103,9 @@ def timing_to_proto(t: StreamTiming) -> common_pb2.Timing:
         transfer_bytes=t.transfer_bytes,
         transport=t.transport,
     )
+    if t.transfer is not None:
+        timing.transfer.CopyFrom(transfer_to_proto(t.transfer))
+    return timing
 
 
 def chunk_to_proto(delta: DecodeDelta) -> decode_pb2.DecodeChunk:

@@ -4,26 +4,37 @@
 
 1. builds the gRPC server (the role's servicers + health + reflection + error mapping) and
    starts it; health says SERVING;
-2. starts heartbeats into Redis (when a Redis URL is configured) and writes the port file;
+2. starts heartbeats into Redis (when a Redis URL is configured), the shm janitor (once at
+   once, then every ``janitor_interval_s``: segments of dead writers, or older than
+   ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
+   file;
 3. on SIGTERM/SIGINT: health NOT_SERVING, the heartbeat says ``draining``, the server stops
    taking calls and lets in-flight ones finish for up to ``grace_s``;
-4. stops the heartbeats and deletes the worker's Redis key.
+4. stops the heartbeats and deletes the worker's Redis key, and stops the periodic tasks.
 
 The caller closes the engine (and its own clients) afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
+from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
+from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
+from pdserve.worker.prefill import PrefillWorker
+from pdserve.worker.prefix import PrefixReuse
+from pdserve.worker.traced import TracedPrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +48,35 @@ def load_engine(options: WorkerOptions) -> AsyncEngine:
     return engine
 
 
+def prefill_worker(
+    options: WorkerOptions,
+    engine: AsyncEngine,
+    store: KVStoreClient,
+    telemetry: WorkerTelemetry | None = None,
+) -> PrefillWorker:
+    """The prefill worker these options describe (hand-off settings, prefix reuse); it traces
+    its stages and counts its transfers into ``telemetry``."""
+    prefix = (
+        PrefixReuse(
+            store,
+            engine.layout,
+            chunk_tokens=options.prefix_chunk_tokens,
+            lease_s=options.prefix_lease_s,
+        )
+        if options.prefix_reuse
+        else None
+    )
+    return TracedPrefillWorker(
+        engine,
+        store,
+        lease_s=options.kv_lease_s,
+        host=options.host_name,
+        options=options.transfer_options(),
+        prefix=prefix,
+        telemetry=telemetry,
+    )
+
+
 def write_port_file(path: Path, port: int) -> None:
     """Write then rename, so that a reader never sees a half-written file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -44,13 +84,50 @@ def write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
+async def reclaim_shm(max_age_s: float) -> None:
+    """One janitor pass over ``/dev/shm``; logs what it unlinked."""
+    removed = await asyncio.to_thread(reclaim_orphans, max_age_s=max_age_s)
+    for seg in removed:
+        logger.info(
+            "reclaimed shm segment %s (%d bytes, %s, owner %s)",
+            seg.name, seg.num_bytes, seg.reason.value, seg.owner_pid,
+        )  # fmt: skip
+
+
+async def _every(interval_s: float, work: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run ``work`` now and then every ``interval_s`` until cancelled; failures are logged."""
+    while True:
+        try:
+            await work()
+        except Exception:  # a failed pass must not end the loop; the next one retries
+            logger.exception("periodic %s failed", what)
+        await asyncio.sleep(interval_s)  # a timer, not synchronisation
+
+
 async def run_worker(
     options: WorkerOptions,
     engine: AsyncEngine,
     servicers: Sequence[tuple[AddServicerFn, object]],
+    *,
+    on_bound: Callable[[str], None] | None = None,
+    sweeps: Sequence[tuple[str, Callable[[], Awaitable[None]]]] = (),
+    sweep_interval_s: float = 1.0,
+    telemetry: WorkerTelemetry | None = None,
 ) -> None:
-    """Serve ``servicers`` until a signal, with heartbeats; see the module docstring."""
-    server, port, health = build_server(servicers, port=options.port, host=options.host)
+    """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
+
+    ``on_bound`` receives the worker's advertised address once the port is bound, before it
+    serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
+    ``telemetry`` (started) calls are traced and failed heartbeats counted.
+    """
+    server, port, health = build_server(
+        servicers,
+        port=options.port,
+        host=options.host,
+        interceptors=telemetry.server_interceptors() if telemetry is not None else (),
+    )
+    if on_bound is not None:
+        on_bound(options.address(port))
     identity = WorkerIdentity(
         id=options.identity_id(port),
         role=options.role,
@@ -75,11 +152,27 @@ async def run_worker(
         if heartbeat is not None:
             heartbeat.mark_draining()
 
+    tasks = [
+        asyncio.create_task(
+            _every(
+                options.janitor_interval_s,
+                lambda: reclaim_shm(options.janitor_max_age_s),
+                "shm janitor",
+            ),
+            name="shm-janitor",
+        ),
+        *(
+            asyncio.create_task(_every(sweep_interval_s, work, name), name=name)
+            for name, work in sweeps
+        ),
+    ]
     try:
         await server.start()
         await health.set_serving()
         if heartbeat is not None:
             heartbeat.start()
+            if telemetry is not None:
+                telemetry.watch_heartbeat(heartbeat)
         logger.info(
             "%s worker %s serving on %s (model %s, fingerprint %s)",
             identity.role.value, identity.id, identity.address,
@@ -89,6 +182,11 @@ async def run_worker(
             write_port_file(options.port_file, port)
         await serve_until_signal(server, health, options.grace_s, on_drain=drain)
     finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await server.stop(None)  # no-op after a graceful stop; ends the server on errors
         if heartbeat is not None:
             await heartbeat.stop()

@@ -18,6 +18,8 @@ class RequestTiming:
     """End of the step that produced the request's first output."""
     last_output: float | None = None
     """End of the step that produced its latest output."""
+    first_batch_size: int = 0
+    """Requests that got an output from the step that produced this one's first output."""
 
     @property
     def queue_ms(self) -> float:

@@ -1,0 +1,55 @@
+"""A decode worker's own KVStore endpoint, which assembles ``direct`` hand-offs as they land.
+
+The prefill worker streams a hand-off's layer frames into this endpoint while it computes.
+Instead of keeping the chunks, the endpoint feeds them to a ``FrameCollector`` as they arrive:
+each frame is copied once into its own buffer and checked there (its CRC combined from the
+chunks' already checked ones), and its K and V become tensors over that buffer. At the last
+chunk the entry is committed with the frames as its data (the same bytes: a remote ``Get``
+still streams the layer stream) and the assembled ``KVPayload`` attached, so the ``Decode``
+call that follows finds the KV ready: decoding starts as soon as the last layer has landed.
+
+A stream that is not a hand-off (another key, or no stream header) is stored as it came. A
+frame that fails its check fails the Put, so the prefill worker learns at once and answers
+``recompute``.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.kv_payload import KVLayout
+from pdserve.errors import KVTransferError
+from pdserve.kvstore.chunks import ChunkReader
+from pdserve.kvstore.store import KVStore, Part
+from pdserve.worker.frames import FrameCollector, read_header
+from pdserve.worker.handoff import STORE_KEY_PREFIX
+from services.kvstore.servicer import KVStoreServicer, PutSink
+
+
+class _Assembler:
+    """A ``PutSink`` building the payload of one hand-off."""
+
+    def __init__(self, collector: FrameCollector) -> None:
+        self.collector = collector
+
+    def feed(self, data: bytes, crc32: int) -> None:
+        self.collector.feed(data, crc32)
+
+    def finish(self) -> tuple[tuple[Part, ...], object | None]:
+        payload = self.collector.build()  # KVTransferError if a layer is missing
+        return tuple((frame, None) for frame in self.collector.frames), payload
+
+
+class InboxServicer(KVStoreServicer):
+    """``KVStoreServicer`` over the decode worker's endpoint; see the module docstring."""
+
+    def __init__(self, store: KVStore, *, expected_layout: KVLayout) -> None:
+        super().__init__(store)
+        self.expected_layout = expected_layout
+
+    def sink(self, reader: ChunkReader) -> PutSink | None:
+        if not reader.key.startswith(STORE_KEY_PREFIX):
+            return None
+        try:
+            header = read_header(reader.header)
+        except KVTransferError:
+            return None  # not a layer stream: keep it as it came
+        return _Assembler(FrameCollector(header, expected_layout=self.expected_layout))

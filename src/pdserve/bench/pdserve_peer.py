@@ -1,0 +1,44 @@
+"""pdserve's own engine as a benchmark peer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pdserve.bench.measure import PeerError, Workload
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class PdservePeer:
+    """``Engine.generate`` timed end to end (scheduling, sampling and detokenising included)."""
+
+    name = "pdserve"
+
+    def __init__(
+        self, model_dir: str | Path, workload: Workload, *, dtype: str, threads: int
+    ) -> None:
+        # The whole longest prompt fits one step's token budget (no chunking), as for vLLM;
+        # prefix caching is off because repeats reuse the same prompts.
+        budget = max(workload.max_context, workload.max_batch * workload.decode_prompt_len)
+        self.engine = Engine.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            num_threads=threads,
+            max_num_seqs=max(workload.max_batch, 1),
+            max_num_batched_tokens=budget,
+            enable_prefix_caching=False,
+        )
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        results = self.engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        lengths = {len(r.token_ids) for r in results}
+        if len(results) != len(prompts) or lengths != {max_tokens}:
+            raise PeerError(f"pdserve generated {sorted(lengths)} tokens, asked for {max_tokens}")
+        return seconds
+
+    def close(self) -> None:
+        del self.engine

@@ -1,0 +1,124 @@
+"""Handles on one entry of the KV store: an open read (``ReadHandle``) and a write in progress
+(``PendingPut``). Both call back into their ``KVStore``, whose bookkeeping they change."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.errors import InvalidArgumentError, KVTransferError
+
+if TYPE_CHECKING:
+    from pdserve.kvstore.entry import Part, StoredPayload, _Entry
+    from pdserve.kvstore.store import KVStore
+
+
+class ReadHandle:
+    """An open read of one entry: the entry stays in RAM until ``close()``."""
+
+    def __init__(self, store: KVStore, entry: _Entry, payload: StoredPayload) -> None:
+        self._store = store
+        self._entry: _Entry | None = entry
+        self.payload = payload
+
+    def close(self) -> None:
+        """Unpin (idempotent)."""
+        if self._entry is not None:
+            self._store._unpin(self._entry)
+            self._entry = None
+
+
+class PendingPut:
+    """A write in progress: data arrives in pieces; readers see nothing before ``commit``.
+
+    The room is reserved up front when the size is known (``total_bytes``), else piece by
+    piece. ``abort`` gives it back, as does ``KVStore.sweep`` once no piece arrived for a whole
+    lease.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        key: str,
+        header: bytes,
+        lease_s: float,
+        total_bytes: int,
+        cache: bool,
+        deadline: float,
+    ) -> None:
+        self._store = store
+        self.key = key
+        self.header = header
+        self.lease_s = lease_s
+        self.total_bytes = total_bytes
+        self.cache = cache
+        self.deadline = deadline
+        self.num_bytes = len(header)
+        self.reserved = 0
+        self._parts: list[Part] = []
+        self._closed = False
+        self._failure = ""
+
+    @property
+    def open(self) -> bool:
+        return not self._closed
+
+    def append(self, data: bytes, crc32: int | None = None) -> None:
+        """Add the next piece (``crc32``: its checked CRC-32, kept for readers); raises
+        ``CapacityError`` if the store cannot hold it."""
+        self._append_size(len(data))
+        self._parts.append((data, crc32))
+
+    def _append_size(self, nbytes: int) -> None:
+        self._check_open()
+        size = self.num_bytes + nbytes
+        if self.total_bytes and size > self.total_bytes:
+            raise InvalidArgumentError(
+                "total_bytes", f"write of {self.key!r} exceeds its announced {self.total_bytes}"
+            )
+        if size > self.reserved:
+            self._store._reserve(self, size - self.reserved)
+        self.num_bytes = size
+        # A write that makes progress lives on (a long prefill streams for as long as it
+        # computes); one that stalls for a whole lease is aborted by the sweep.
+        self.deadline = self._store._clock() + self.lease_s
+
+    def account(self, nbytes: int) -> None:
+        """Count (and reserve) ``nbytes`` of data that the writer keeps itself, to hand over
+        at ``commit(parts=...)``."""
+        self._append_size(nbytes)
+
+    def commit(
+        self, *, parts: tuple[Part, ...] | None = None, attachment: object | None = None
+    ) -> float:
+        """Make the entry visible (replacing any under the key); returns its lease.
+
+        ``parts``: the data, when the writer kept it (``account``) instead of appending it; it
+        must be as long as what was counted. ``attachment``: an object over those bytes that
+        readers of this process get with the entry (``StoredPayload.attachment``).
+        """
+        self._check_open()
+        if parts is not None and sum(len(p) for p, _ in parts) != self.num_bytes - len(self.header):
+            self.abort("its parts differ from what was counted")
+            raise KVTransferError(f"write of {self.key!r} failed: its parts differ in length")
+        if self.total_bytes and self.num_bytes != self.total_bytes:
+            reason = f"it carried {self.num_bytes} bytes, announced {self.total_bytes}"
+            self.abort(reason)
+            raise KVTransferError(f"write of {self.key!r} failed: {reason}")
+        parts = tuple(self._parts) if parts is None else parts
+        self._parts = []
+        self._closed = True
+        return self._store._commit(self, parts, attachment)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Give the reservation back (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._failure = reason
+        self._parts = []
+        self._store._end_write(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = self._failure or "already committed"
+            raise KVTransferError(f"write of {self.key!r} is closed: {why}")

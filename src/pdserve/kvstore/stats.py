@@ -1,0 +1,73 @@
+"""What the KV store reports about itself (``KVStore.stats``, the ``Stat`` RPC with no key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Totals now, and counters since the store started."""
+
+    used_bytes: int
+    """RAM tier: bytes of the entries held there plus the room reserved by writes."""
+    capacity_bytes: int
+    """RAM tier budget."""
+    num_entries: int
+    """Live entries, both tiers."""
+    bytes_in: int
+    """Bytes committed by writes."""
+    bytes_out: int
+    """Bytes handed to readers."""
+    hits: int
+    misses: int
+    """Reads of absent or expired keys."""
+    expired: int
+    """Entries dropped because their lease ran out."""
+    disk_used_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    """0: no disk tier."""
+    num_disk_entries: int = 0
+    num_pinned: int = 0
+    """Entries being read right now."""
+    num_writing: int = 0
+    """Writes begun and not yet committed or aborted."""
+    reserved_bytes: int = 0
+    """Part of ``used_bytes`` reserved by those writes."""
+    spills: int = 0
+    """Entries moved from RAM to disk to make room."""
+    reloads: int = 0
+    """Spilled entries brought back into RAM by a read."""
+    evictions: int = 0
+    """Cache entries dropped to make room."""
+    lookups: int = 0
+    """Keys asked about by prefix probes (``lookup``)."""
+    lookup_hits: int = 0
+    """Of those, keys found."""
+    uptime_s: float = 0.0
+    num_cache_entries: int = 0
+    """Of ``num_entries``, cache entries (prefix blocks); the others are hand-offs."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Reads that found their key, over all reads (0 before the first read)."""
+        reads = self.hits + self.misses
+        return self.hits / reads if reads else 0.0
+
+    @property
+    def num_ram_entries(self) -> int:
+        return self.num_entries - self.num_disk_entries
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM held by entries (without the reservations of writes in progress)."""
+        return self.used_bytes - self.reserved_bytes
+
+    @property
+    def bytes_in_per_s(self) -> float:
+        """Average write bandwidth since start."""
+        return self.bytes_in / self.uptime_s if self.uptime_s > 0 else 0.0
+
+    @property
+    def bytes_out_per_s(self) -> float:
+        return self.bytes_out / self.uptime_s if self.uptime_s > 0 else 0.0

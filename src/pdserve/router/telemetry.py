@@ -1,0 +1,179 @@
+"""What the router measures of each request: the ``router.request`` span and client latencies.
+
+``RouterTelemetry.request(tenant)`` wraps one request's handling in the router::
+
+    with telemetry.request(tenant) as observed:        # router.request starts
+        route = prepare(...)
+        observed.prepared(route)                       # request id, prompt tokens
+        async for chunk in flow.generate(route, observed=observed):
+            observed.chunk(chunk)                      # TTFT, inter-token gaps
+            ...send it...
+            if chunk.finished:
+                observed.finish()                      # the last chunk is out: span ends
+                break
+    # the flow's clean-up (reservation release, ...) runs after this, outside the span
+
+``router.request`` is the request's root stage and its duration the end-to-end latency. It is
+deliberately *not* made the current span: the downstream calls (CLIENT spans) hang off the
+Router call's SERVER span, which lasts until the clean-up is done, while every stage, in every
+service, is a child of ``router.request`` (the flow hands its context over with each call, see
+``pdserve.telemetry.handover``). So each span lies inside its parent, and the stages, which
+follow each other without gaps, add up to the end-to-end time.
+
+The metrics are those of ``RouterMetrics``: the time to the first token and between tokens
+*as the router receives them*, end to end (successful requests only: failures would drag the
+latency histograms towards their failure time) and one count per finished request by outcome
+(``ok``, ``error``, ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from pdserve.router.output import RouteChunk
+from pdserve.router.request import RouteRequest
+from pdserve.rpc.convert import MODE_NAMES
+from pdserve.telemetry import tracing
+from pdserve.telemetry.metrics import RouterMetrics
+from pdserve.telemetry.spans import (
+    ATTR_MODE,
+    ATTR_MODE_REASON,
+    ATTR_PROMPT_TOKENS,
+    ATTR_REQUEST_ID,
+    ATTR_TENANT,
+    ROUTER_MODE_DECISION,
+    ROUTER_REQUEST,
+)
+from pdserve.v1 import common_pb2
+
+OUTCOME_OK = "ok"
+OUTCOME_ERROR = "error"
+OUTCOME_CANCELLED = "cancelled"
+
+_INSTRUMENTATION_NAME = "pdserve"
+
+MODE_REASON_CONFIGURED = "configured"
+"""``pdserve.mode_reason`` when the router's configured mode decided (``FlowConfig.mode``)."""
+
+
+def record_mode_decision(
+    root: trace.Span | None,
+    start_ns: int,
+    end_ns: int,
+    mode: common_pb2.Mode,
+    prompt_tokens: int,
+) -> None:
+    """``router.mode_decision`` under ``root``: the router's part before asking for placement
+    (validation, tokenization, the mode; today always the configured one)."""
+    tracing.record_span(
+        ROUTER_MODE_DECISION,
+        min(start_ns, end_ns),
+        end_ns,
+        {
+            ATTR_MODE: MODE_NAMES.get(mode, "unspecified"),
+            ATTR_MODE_REASON: MODE_REASON_CONFIGURED,
+            ATTR_PROMPT_TOKENS: prompt_tokens,
+        },
+        trace.set_span_in_context(root) if root is not None else None,
+    )
+
+
+def name_mode(root: trace.Span | None, mode: common_pb2.Mode) -> None:
+    """Name the serving mode the request got on its ``router.request`` span."""
+    if root is not None:
+        root.set_attribute(ATTR_MODE, MODE_NAMES.get(mode, "unspecified"))
+
+
+@dataclass(slots=True)
+class ObservedRequest:
+    """One request in flight: its root span and when its tokens arrived (``perf_counter``)."""
+
+    span: trace.Span
+    metrics: RouterMetrics | None
+    accepted_ns: int = field(default_factory=time.time_ns)
+    """When the request arrived (Unix ns): the span's start."""
+    started: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    tokens: int = 0
+    finished_after_s: float | None = None
+
+    def prepared(self, route: RouteRequest) -> None:
+        """The request is validated and tokenized: name it on the span."""
+        self.span.set_attributes(
+            {ATTR_REQUEST_ID: route.request_id, ATTR_PROMPT_TOKENS: len(route.prompt_token_ids)}
+        )
+
+    def chunk(self, chunk: RouteChunk) -> None:
+        """A chunk from the flow: the first token's arrival is the TTFT; each later token
+        adds one inter-token gap (a chunk of k tokens spreads its gap evenly over them)."""
+        n = len(chunk.token_ids)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if self.last_token_at is None:
+                self.metrics.observe_ttft(now - self.started)
+                later = n - 1  # the chunk's first token was the first token
+                gap = 0.0
+            else:
+                later = n
+                gap = (now - self.last_token_at) / n
+            for _ in range(later):
+                self.metrics.observe_itl(gap)
+        self.last_token_at = now
+        self.tokens += n
+
+    def finish(self) -> None:
+        """The last chunk is out: end to end ends here (idempotent)."""
+        if self.finished_after_s is None:
+            self.finished_after_s = time.perf_counter() - self.started
+            self.span.end()
+
+
+class RouterTelemetry:
+    """Spans and metrics of the router's requests; ``metrics`` None records spans only."""
+
+    def __init__(
+        self,
+        metrics: RouterMetrics | None = None,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        self.metrics = metrics
+        # Without an SDK provider the API's no-op one hands out non-recording spans.
+        provider = tracer_provider or trace.get_tracer_provider()
+        self._tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
+
+    @contextmanager
+    def request(self, tenant: str) -> Iterator[ObservedRequest]:
+        """The ``with`` body is one request; see the module docstring."""
+        accepted_ns = time.time_ns()
+        span = self._tracer.start_span(
+            ROUTER_REQUEST, attributes={ATTR_TENANT: tenant}, start_time=accepted_ns
+        )
+        observed = ObservedRequest(span, self.metrics, accepted_ns)
+        outcome = OUTCOME_ERROR
+        try:
+            yield observed
+            outcome = OUTCOME_OK
+        except (asyncio.CancelledError, GeneratorExit) as err:
+            outcome = OUTCOME_CANCELLED
+            span.set_status(Status(StatusCode.ERROR, f"cancelled: {type(err).__name__}"))
+            raise
+        except Exception as err:
+            span.record_exception(err)
+            span.set_status(Status(StatusCode.ERROR, f"{type(err).__name__}: {err}"))
+            raise
+        finally:
+            observed.finish()
+            if self.metrics is not None:
+                if outcome == OUTCOME_OK and observed.finished_after_s is not None:
+                    self.metrics.observe_e2e(observed.finished_after_s)
+                self.metrics.count_request(outcome)

@@ -1,0 +1,212 @@
+"""The decode side of a hand-off, one object per request: ``receive`` (bounded), ``discard``.
+
+* ``StreamInbound``: a layer stream in a remote KVStore endpoint (the KV store, or another
+  worker's endpoint), read with ``delete_after_read`` and assembled as the chunks arrive.
+* ``LocalInbound``: a layer stream the prefill worker wrote into this decode worker's own
+  endpoint (``direct``); read in-process, no network hop.
+* ``ShmInbound``: ``pdserve.transfer.shm.ShmReceiver`` (same host).
+
+Every receive is bounded by ``timeout_s``; a timeout, a broken stream, a bad checksum or a
+missing entry raises ``KVTransferError`` or ``UnknownRequestError`` (the decode worker then
+recomputes), a payload of another model ``KVPayloadMismatchError``. ``discard`` frees the
+transport's copy if ``receive`` did not consume it, so nothing outlives the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.errors import KVTransferError, PdServeError
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.store import KVStore, StoredPayload
+from pdserve.transfer.base import TransferState, TransferStats, TransportKind, advance
+from pdserve.transfer.janitor import parse_owner_pid
+from pdserve.transfer.shm import ShmReceiver
+from pdserve.transfer.stream import StreamHeader
+from pdserve.worker.frames import FrameCollector, read_header
+from pdserve.worker.handoff import KVLocation
+
+logger = logging.getLogger(__name__)
+
+
+class Inbound(Protocol):
+    """One hand-off on the decode side (see the module docstring)."""
+
+    kind: TransportKind
+    stats: TransferStats
+    compression: str
+
+    async def receive(self, timeout_s: float) -> KVPayload: ...
+
+    async def discard(self) -> None: ...
+
+
+def _check_header(header: StreamHeader, location: KVLocation) -> None:
+    if header.request_id != location.request_id or header.num_tokens != location.num_tokens:
+        raise KVTransferError(
+            f"KV entry {location.key!r} holds {header.request_id!r} with {header.num_tokens} "
+            f"tokens; the handle names {location.request_id!r} with {location.num_tokens}"
+        )
+
+
+class _Timed:
+    """State and timing common to the receivers."""
+
+    def __init__(self, kind: TransportKind, location: KVLocation) -> None:
+        self.kind = kind
+        self.location = location
+        self.state = TransferState.PENDING
+        self.stats = TransferStats(kind)
+        self.compression = "none"
+
+    async def receive(self, timeout_s: float) -> KVPayload:
+        """The verified payload, within ``timeout_s``."""
+        return await self._timed(self.location, timeout_s)
+
+    async def _timed(self, location: KVLocation, timeout_s: float) -> KVPayload:
+        self.state = advance(self.state, TransferState.RECEIVING)
+        self.stats.recv_start_ns = time.monotonic_ns()
+        try:
+            async with asyncio.timeout(timeout_s):
+                payload = await self._read(location, timeout_s)
+        except TimeoutError:
+            self.state = advance(self.state, TransferState.FAILED)
+            raise KVTransferError(
+                f"{self.kind} receive of {location.request_id!r} took more than {timeout_s:.3g} s"
+            ) from None
+        except BaseException:
+            self.state = advance(self.state, TransferState.FAILED)
+            raise
+        self.stats.recv_end_ns = time.monotonic_ns()
+        self.state = advance(self.state, TransferState.DONE)
+        return payload
+
+    async def _read(self, location: KVLocation, timeout_s: float) -> KVPayload:
+        raise NotImplementedError
+
+
+class StreamInbound(_Timed):
+    """A layer stream from a remote KVStore endpoint (``store``, or ``direct`` elsewhere)."""
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        location: KVLocation,
+        *,
+        expected_layout: KVLayout | None = None,
+    ) -> None:
+        super().__init__(location.kind, location)
+        self.client = client
+        self.expected_layout = expected_layout
+        self._consumed = False
+
+    async def _read(self, location: KVLocation, timeout_s: float) -> KVPayload:
+        collector: FrameCollector | None = None
+        stream = self.client.stream(location.key, delete_after_read=True, timeout_s=timeout_s)
+        try:
+            async for chunk in stream:
+                if collector is None:
+                    header = read_header(chunk.header)
+                    _check_header(header, location)
+                    self.compression = header.compression.value
+                    collector = FrameCollector(header, expected_layout=self.expected_layout)
+                    self.stats.num_bytes += len(chunk.header)
+                collector.feed(chunk.data, chunk.crc32)  # checked by the client's reader
+                self.stats.num_bytes += len(chunk.data)
+        finally:
+            await stream.aclose()
+        # The whole stream went out, so the store deleted the entry (delete_after_read).
+        self._consumed = True
+        if collector is None:
+            raise KVTransferError(f"KV entry {location.key!r} is empty")
+        return collector.build()
+
+    async def discard(self) -> None:
+        """Delete the entry unless a read consumed it (best effort: its lease ends it)."""
+        if self._consumed:
+            return
+        self._consumed = True
+        key = self.location.key
+        try:
+            await self.client.delete(key)
+        except PdServeError as err:
+            logger.warning("could not delete %s at %s: %s", key, self.client.address, err)
+
+
+class LocalInbound(_Timed):
+    """``direct``: the stream the prefill worker wrote into this worker's own endpoint."""
+
+    def __init__(
+        self, store: KVStore, location: KVLocation, *, expected_layout: KVLayout | None = None
+    ) -> None:
+        super().__init__(TransportKind.DIRECT, location)
+        self.store = store
+        self.expected_layout = expected_layout
+        self._consumed = False
+
+    async def _read(self, location: KVLocation, timeout_s: float) -> KVPayload:
+        handle = self.store.open_read(location.key)  # UnknownRequestError if absent
+        try:
+            # Checksums and copies of up to GBs: off the event loop.
+            payload = await asyncio.to_thread(self._parse, handle.payload, location)
+        finally:
+            handle.close()
+        self.stats.num_bytes = handle.payload.num_bytes
+        self.store.delete(location.key, version=handle.payload.version)
+        self._consumed = True
+        return payload
+
+    def _parse(self, entry: StoredPayload, location: KVLocation) -> KVPayload:
+        header = read_header(entry.header)
+        _check_header(header, location)
+        self.compression = header.compression.value
+        if isinstance(entry.attachment, KVPayload):
+            # Assembled and checked as it arrived (``services.decode.inbox``): nothing to do.
+            if self.expected_layout is not None:
+                self.expected_layout.check_compatible(entry.attachment.layout)
+            return entry.attachment
+        collector = FrameCollector(header, expected_layout=self.expected_layout)
+        for data, crc in entry.parts:  # as written, with the CRCs the servicer checked
+            collector.feed(data, crc)
+        return collector.build()
+
+    async def discard(self) -> None:
+        if not self._consumed:
+            self._consumed = True
+            self.store.delete(self.location.key)
+
+
+class ShmInbound(_Timed):
+    """``shm``: ``ShmReceiver`` behind the ``Inbound`` interface (it unlinks what it read).
+
+    ``discard`` before any ``receive`` (the request was refused) unlinks the segment too, if
+    its name is one of pdserve's segments and it lies on this host.
+    """
+
+    def __init__(self, receiver: ShmReceiver, location: KVLocation) -> None:
+        super().__init__(TransportKind.SHM, location)
+        self.receiver = receiver
+        self.stats = receiver.stats
+        self._started = False
+
+    async def receive(self, timeout_s: float) -> KVPayload:
+        self._started = True
+        payload = await self.receiver.receive(self.location.descriptor(), timeout_s)
+        self.state = self.receiver.state
+        return payload
+
+    async def discard(self) -> None:
+        if self._started:
+            self.receiver.cleanup()
+            return
+        self._started = True
+        name, host = self.location.key, self.location.host
+        if host and host != self.receiver.host:
+            return  # another host's name: nothing of ours
+        if parse_owner_pid(name) is None or "/" in name:
+            return  # not a pdserve segment name: never unlink what came off the network
+        (self.receiver.shm_dir / name).unlink(missing_ok=True)

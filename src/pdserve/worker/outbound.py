@@ -1,0 +1,346 @@
+"""The prefill side of a hand-off, one object per request: ``begin``, the layer hook, then
+``commit`` (or ``discard``).
+
+* ``StreamSender`` (``store`` and ``direct``): a ``KVStore.Put`` stream, opened at ``begin``,
+  into the KV store or straight into the decode worker's own KVStore endpoint. The layer hook
+  copies each layer once into a frame buffer (engine thread) and hands it to the event loop;
+  there the frame's CRC is computed in a worker thread and the frame goes out at once, while
+  the engine computes the next layers. ``commit`` ends the stream and waits, bounded, for the
+  store's acknowledgement.
+* ``ShmOutbound``: ``pdserve.transfer.shm.ShmSender`` (same host) behind the same interface.
+* ``Deferred``: any of them with the layer-wise overlap switched off (the layers are kept
+  until ``commit`` and only then sent), the baseline of the transfer benchmark.
+
+The layer hook (``send_layer``) never raises: it runs inside the engine's batched forward
+pass. A failure is recorded and raised by ``commit``. ``discard`` frees whatever the hand-off
+holds on every other path (an open stream is cancelled, so the store drops the partial entry;
+a committed entry is deleted; an shm segment is unlinked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.engine.kv_payload import KVLayout
+from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
+from pdserve.kvstore.client import KVStoreClient, PutResult
+from pdserve.transfer.base import (
+    TransferDescriptor,
+    TransferState,
+    TransferStats,
+    TransportKind,
+    advance,
+)
+from pdserve.transfer.compress import Compression
+from pdserve.transfer.shm import ShmSender
+from pdserve.transfer.stream import StreamHeader, check_layer, missing_layers
+from pdserve.worker.frames import LayerCopy, Piece, stream_bytes
+from pdserve.worker.handoff import store_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SendFaults:
+    """Faults a sender injects on purpose (fault tests only; never set in production).
+
+    Each applies to the requests whose id starts with its prefix (None: the fault is off;
+    "": every request).
+    """
+
+    corrupt_prefix: str | None = None
+    """Flip one byte of the first frame after its CRC was taken (the receiver must notice)."""
+    stall_prefix: str | None = None
+    """Stop sending after ``stall_after_layers`` frames, without closing the stream."""
+    stall_after_layers: int = 1
+
+    def corrupts(self, request_id: str) -> bool:
+        return self.corrupt_prefix is not None and request_id.startswith(self.corrupt_prefix)
+
+    def stalls(self, request_id: str) -> bool:
+        return self.stall_prefix is not None and request_id.startswith(self.stall_prefix)
+
+
+class Outbound(Protocol):
+    """One hand-off on the prefill side (see the module docstring)."""
+
+    kind: TransportKind
+    stats: TransferStats
+
+    @property
+    def busy_ns(self) -> int:
+        """Time the transport was busy moving bytes (idle waits for the compute excluded)."""
+        ...
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None: ...
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    async def commit(self, timeout_s: float) -> TransferDescriptor: ...
+
+    async def discard(self) -> None: ...
+
+
+class StreamSender:
+    """``store``/``direct``: the layer stream into a KVStore endpoint (see the module doc)."""
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        kind: TransportKind,
+        *,
+        lease_s: float,
+        compression: Compression = Compression.NONE,
+        faults: SendFaults | None = None,
+    ) -> None:
+        if kind not in (TransportKind.STORE, TransportKind.DIRECT):
+            raise InvalidArgumentError("kind", f"a stream goes to store or direct, not {kind}")
+        self.client = client
+        self.kind: TransportKind = kind
+        self.lease_s = lease_s
+        self.compression = compression
+        self.faults = faults
+        self.state = TransferState.PENDING
+        self.stats = TransferStats(kind)
+        self.key = ""
+        self._header: StreamHeader | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[LayerCopy | None] = asyncio.Queue()
+        self._task: asyncio.Task[PutResult] | None = None
+        self._seen: set[int] = set()  # engine thread only
+        self._error: Exception | None = None
+        self._committed = False
+        self._busy_ns = 0  # sealing frames and gRPC taking their pieces (flow control included)
+        self._last_sent_ns = 0
+
+    @property
+    def busy_ns(self) -> int:
+        """Frames being sealed and written, plus the wait from the last piece to the
+        acknowledgement (the waits for the engine's next layer excluded)."""
+        tail = self.stats.send_end_ns - self._last_sent_ns if self.stats.send_end_ns else 0
+        return self._busy_ns + max(0, tail)
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
+        """Open the Put stream (call on the event loop); the store reserves the whole size."""
+        if num_tokens < 1:
+            raise InvalidArgumentError("num_tokens", f"must be >= 1, got {num_tokens}")
+        self.stats.send_start_ns = time.monotonic_ns()
+        self.state = advance(self.state, TransferState.SENDING)
+        self._loop = asyncio.get_running_loop()
+        self._header = header = StreamHeader(request_id, layout, num_tokens, self.compression)
+        self.key = store_key(request_id)
+        self.stats.num_bytes = stream_bytes(header)
+        self._task = self._loop.create_task(
+            self.client.put_stream(
+                self.key,
+                self._frames(),
+                header=header.encode(),
+                total_bytes=self.stats.num_bytes,
+                lease_s=self.lease_s,
+            ),
+            name=f"kv-put-{request_id}",
+        )
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer hook (engine thread): copy the layer out, queue it. Never raises."""
+        start = time.monotonic_ns()
+        if self._error is None:
+            try:
+                self._take(layer, k, v)
+            except Exception as err:  # raising here would fail the engine's whole batch
+                self._error = err
+        end = time.monotonic_ns()
+        self.stats.hook_ns += end - start
+        self.stats.first_layer_ns = self.stats.first_layer_ns or start
+        self.stats.last_layer_ns = end
+
+    def _take(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        h, loop = self._header, self._loop
+        if self.state is not TransferState.SENDING or h is None or loop is None:
+            raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
+        check_layer(h.layout, h.num_tokens, layer, k, v, self._seen)
+        self._seen.add(layer)
+        copy = LayerCopy.take(layer, k, v)
+        loop.call_soon_threadsafe(self._queue.put_nowait, copy)
+
+    async def _frames(self) -> AsyncGenerator[Piece, None]:
+        """The Put stream's data: each frame's pieces as soon as they are sealed.
+
+        Sealing (copies into chunk data, checksums, int8) runs in a worker thread; when the
+        next layer is already queued, it is sealed while the current one's pieces go out.
+        """
+        f, rid = self.faults, self._header.request_id if self._header else ""
+        stall = f.stall_after_layers if f is not None and f.stalls(rid) else None
+        corrupt = f is not None and f.corrupts(rid)
+        sent = 0
+        sealing: asyncio.Task[list[Piece]] | None = None
+        ended = False
+        try:
+            while not ended:
+                if sealing is None:
+                    copy = await self._queue.get()
+                    if copy is None:
+                        break
+                    sealing = self._seal(copy, corrupt and not sent)
+                if stall is not None and sent >= stall:
+                    await asyncio.Event().wait()  # until the commit times out or we are killed
+                start = time.monotonic_ns()
+                pieces = await sealing
+                self._busy_ns += time.monotonic_ns() - start
+                sealing = None
+                sent += 1
+                if not self._queue.empty():  # the next layer is here: seal it meanwhile
+                    copy = self._queue.get_nowait()
+                    ended = copy is None
+                    if copy is not None:
+                        sealing = self._seal(copy, False)
+                for piece in pieces:
+                    start = time.monotonic_ns()
+                    yield piece  # resumes once gRPC has taken the piece
+                    self._last_sent_ns = time.monotonic_ns()
+                    self._busy_ns += self._last_sent_ns - start
+        finally:
+            if sealing is not None:
+                sealing.cancel()  # a seal already running ends in its thread, unread
+
+    def _seal(self, copy: LayerCopy, corrupt: bool) -> asyncio.Task[list[Piece]]:
+        return asyncio.ensure_future(
+            asyncio.to_thread(copy.seal, self.client.chunk_bytes, self.compression, corrupt=corrupt)
+        )
+
+    def _finish(self) -> TransferDescriptor:
+        h = self._header
+        if self.state is not TransferState.SENDING or h is None:
+            raise KVTransferError(f"finish on a sender that is {self.state.name}")
+        if self._error is not None:
+            raise KVTransferError(f"{self.kind} send of {h.request_id!r} failed: {self._error}")
+        missing = missing_layers(h.layout, self._seen)
+        if missing:
+            raise KVTransferError(f"KV layers {missing} of {h.request_id!r} were never sent")
+        # The end of the stream, queued behind the layers: they were handed over with
+        # call_soon_threadsafe, whose callbacks run in order with this one.
+        assert self._loop is not None  # set by begin, like the header
+        self._loop.call_soon(self._queue.put_nowait, None)
+        return TransferDescriptor(
+            kind=self.kind,
+            request_id=h.request_id,
+            num_tokens=h.num_tokens,
+            num_bytes=self.stats.num_bytes,
+            model_fingerprint=h.layout.model_fingerprint,
+            name=self.key,
+            host=self.client.address,
+            layout=h.layout,
+            compression=self.compression.value,
+        )
+
+    async def commit(self, timeout_s: float) -> TransferDescriptor:
+        """End the stream and wait (at most ``timeout_s``) until the endpoint holds it all."""
+        descriptor = self._finish()
+        task = self._task
+        if task is None:
+            raise KVTransferError("commit before begin")
+        try:
+            await asyncio.wait_for(task, timeout_s)  # cancels the stream on timeout
+        except TimeoutError:
+            raise KVTransferError(
+                f"{self.kind} hand-off of {descriptor.request_id!r} to {self.client.address} "
+                f"not committed within {timeout_s:.3g} s"
+            ) from None
+        self.stats.send_end_ns = time.monotonic_ns()
+        self._committed = True
+        self.state = advance(self.state, TransferState.SENT)
+        return descriptor
+
+    async def discard(self) -> None:
+        """Cut an open stream off (the store drops the partial entry) or delete a committed
+        entry (best effort: its lease ends it otherwise). Idempotent."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+        if task is not None:
+            # Discarding: the stream's own outcome no longer matters.
+            with contextlib.suppress(asyncio.CancelledError, PdServeError):
+                await task
+        if self._committed:
+            self._committed = False
+            try:
+                await self.client.delete(self.key)
+            except PdServeError as err:
+                logger.warning("could not delete %s at %s: %s", self.key, self.client.address, err)
+        if not self.state.terminal:
+            self.state = advance(self.state, TransferState.FAILED)
+
+
+class ShmOutbound:
+    """``shm``: ``ShmSender`` behind the ``Outbound`` interface.
+
+    Faults: ``stall_after_layers`` leaves the segment unsealed and lets the commit run into
+    its timeout; ``corrupt`` is not offered (a test corrupts the segment file itself).
+    """
+
+    kind = TransportKind.SHM
+
+    def __init__(self, sender: ShmSender, *, faults: SendFaults | None = None) -> None:
+        self.sender = sender
+        self.stats = sender.stats
+        self.faults = faults
+        self._request_id = ""
+
+    @property
+    def busy_ns(self) -> int:
+        return self.stats.hook_ns  # the copies into the segment, and the seal
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
+        self._request_id = request_id
+        self.sender.begin(request_id, layout, num_tokens)
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.sender.send_layer(layer, k, v)
+
+    async def commit(self, timeout_s: float) -> TransferDescriptor:
+        if self.faults is not None and self.faults.stalls(self._request_id):
+            await asyncio.sleep(timeout_s)  # the stalled writer: nothing seals the segment
+            raise KVTransferError(f"shm hand-off not sealed within {timeout_s:.3g} s (stalled)")
+        return self.sender.finish()  # seals the segment: a memory write, nothing to wait for
+
+    async def discard(self) -> None:
+        self.sender.abort()  # unlinks the segment (revokes it after a commit)
+
+
+class Deferred:
+    """An ``Outbound`` whose layers leave only at ``commit`` (no overlap with the compute)."""
+
+    def __init__(self, inner: Outbound) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.stats = inner.stats
+        self._layers: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def busy_ns(self) -> int:
+        return self.inner.busy_ns
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
+        self.inner.begin(request_id, layout, num_tokens)
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # Keeping them is the engine's export, done layer by layer (the views die after this).
+        self._layers.append((layer, k.detach().clone(), v.detach().clone()))
+
+    async def commit(self, timeout_s: float) -> TransferDescriptor:
+        layers, self._layers = self._layers, []
+        for layer, k, v in layers:
+            self.inner.send_layer(layer, k, v)
+        return await self.inner.commit(timeout_s)
+
+    async def discard(self) -> None:
+        self._layers = []
+        await self.inner.discard()

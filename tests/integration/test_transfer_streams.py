@@ -1,0 +1,403 @@
+"""The KV hand-off between two engines in one process, over each transport, through the real
+KVStore servicer on loopback (the store, and the decode worker's own endpoint for direct).
+
+Greedy tokens after a hand-off must be those of the engine alone; a corrupted frame, a stalled
+or cut-off stream and an unreachable store must each end in recompute with the same tokens;
+afterwards no store entry, pending write, shm segment or KV block may be left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import KVTransferError
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.store import KVStore
+from pdserve.rpc.server import build_server
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.compress import Compression
+from pdserve.transfer.janitor import SHM_DIR, segment_name
+from pdserve.transfer.stream import StreamHeader
+from pdserve.v1 import kvstore_pb2_grpc
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.frames import FrameCollector, LayerCopy, stream_bytes
+from pdserve.worker.outbound import SendFaults
+from pdserve.worker.placement import TransferOptions
+from pdserve.worker.prefill import PrefillResult, PrefillWorker
+from services.decode.inbox import InboxServicer
+from services.kvstore.servicer import KVStoreServicer
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LENGTHS = [7, 33, 90]
+HOST = socket.gethostname()
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2048) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> list[list[int]]:
+    engine = Engine.from_pretrained(tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    return [r.token_ids for r in engine.generate(prompts(0, LENGTHS), GREEDY)]
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout=120))
+
+
+@dataclass
+class Pair:
+    prefill: PrefillWorker
+    decode: DecodeWorker
+    store: KVStore
+    inbox: KVStore
+    inbox_address: str
+    engines: tuple[AsyncEngine, AsyncEngine]
+
+
+async def _serve(stack: AsyncExitStack, servicer: KVStoreServicer) -> str:
+    server, port, _ = build_server(
+        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer)], port=0
+    )
+    await server.start()
+    stack.push_async_callback(server.stop, None)
+    return f"127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def pair(
+    model: Path, options: TransferOptions, *, store_address: str = ""
+) -> AsyncIterator[Pair]:
+    """A prefill and a decode worker, each with its own engine, and their KV endpoints."""
+    async with AsyncExitStack() as stack:
+        engines = []
+        for _ in range(2):
+            ae = AsyncEngine(Engine.from_pretrained(model, dtype="float32", num_kv_blocks=64))
+            ae.start()
+            stack.push_async_callback(ae.close)
+            engines.append(ae)
+        store, inbox = KVStore(64 * 1024**2), KVStore(64 * 1024**2)
+        address = store_address or await _serve(stack, KVStoreServicer(store))
+        # As the decode service does: direct hand-offs are assembled as they land.
+        inbox_address = await _serve(stack, InboxServicer(inbox, expected_layout=engines[1].layout))
+        client = KVStoreClient(address, timeout_s=5)
+        stack.push_async_callback(client.close)
+        prefill = PrefillWorker(engines[0], client, host=HOST, options=options)
+        stack.push_async_callback(prefill.close)
+        decode = DecodeWorker(engines[1], inbox=inbox, address=inbox_address, host=HOST)
+        stack.push_async_callback(decode.close)
+        yield Pair(prefill, decode, store, inbox, inbox_address, (engines[0], engines[1]))
+        # Nothing may be left behind, whatever the test did.
+        for s in (store, inbox):
+            stats = s.stats()
+            assert (stats.num_entries, stats.num_writing, stats.used_bytes) == (0, 0, 0)
+        assert not list(SHM_DIR.glob(segment_name("x").rsplit("-", 1)[0] + "-*"))
+    for ae in engines:
+        ae.engine.check_no_leaks()
+
+
+async def hand_off(
+    p: Pair, rid: str, prompt: list[int], transport: str
+) -> tuple[list[int], PrefillResult, object]:
+    """Prefill then decode: every token, the prefill's result, the decode's final timing."""
+    result = await p.prefill.prefill(
+        rid, prompt, GREEDY, decode_address=p.inbox_address, decode_host=HOST, transport=transport
+    )
+    assert result.kv is not None
+    tokens = [result.first_token_id]
+    timing = None
+    stream = p.decode.decode(
+        rid, prompt, (result.first_token_id, result.first_logprob), GREEDY, result.kv
+    )
+    async with aclosing(stream):
+        async for delta in stream:
+            tokens += delta.token_ids
+            timing = delta.timing or timing
+    return tokens, result, timing
+
+
+@pytest.mark.parametrize("transport", ["store", "direct", "shm", "recompute"])
+def test_each_transport_gives_the_engine_alone_tokens(
+    tiny_llama_dir: Path, reference: list[list[int]], transport: str
+) -> None:
+    async def body() -> None:
+        async with pair(tiny_llama_dir, TransferOptions()) as p:
+            outs = await asyncio.gather(
+                *(
+                    hand_off(p, f"{transport}-{i}", prompt, transport)
+                    for i, prompt in enumerate(prompts(0, LENGTHS))
+                )
+            )
+            layout = p.engines[0].layout
+            for (tokens, result, timing), ref, n in zip(outs, reference, LENGTHS, strict=True):
+                assert tokens == ref
+                assert result.kv is not None and result.kv.kind.value == transport
+                sent, got = result.transfer, timing.transfer  # type: ignore[attr-defined]
+                assert sent is not None and got is not None
+                assert got.transport == transport
+                if transport == "recompute":
+                    assert result.transfer_bytes == 0 and got.num_bytes == 0
+                    assert got.fallback_reason == "recompute was asked for"
+                    continue
+                assert not got.fallback_reason
+                # KV bytes from the model's shape, independently of the transport's framing.
+                kv = n * layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 4
+                assert kv <= sent.num_bytes < kv + 4096
+                assert got.num_bytes == sent.num_bytes == result.transfer_bytes
+                # Measured on both sides, in order.
+                assert sent.send_start_ns <= sent.first_layer_ns <= sent.last_layer_ns
+                assert sent.last_layer_ns <= sent.compute_end_ns <= sent.send_end_ns
+                assert 0 < got.recv_start_ns < got.recv_end_ns
+                assert sent.overlap_ms + sent.exposed_ms == pytest.approx(sent.send_ms, abs=1e-3)
+
+    run(body)
+
+
+def test_int8_compression_moves_about_half_the_bytes(tiny_llama_dir: Path) -> None:
+    async def body() -> None:
+        options = TransferOptions(compression=Compression.INT8)
+        async with pair(tiny_llama_dir, options) as p:
+            prompt = prompts(1, [64])[0]
+            tokens, result, timing = await hand_off(p, "int8", prompt, "store")
+            assert len(tokens) == GREEDY.max_tokens
+            layout = p.engines[0].layout
+            t, h, d = 64, layout.num_kv_heads, layout.head_dim
+            per_part = t * h * d + (t // 16) * h * 4  # int8 values + fp32 scale per 16 tokens
+            frames = layout.num_layers * 2 * per_part
+            assert result.transfer is not None and result.transfer.compression == "int8"
+            assert frames <= result.transfer_bytes < frames + 4096
+            assert timing.transfer.compression == "int8"  # type: ignore[attr-defined]
+
+    run(body)
+
+
+@pytest.mark.parametrize("transport", ["store", "direct"])
+def test_a_corrupted_frame_is_caught_and_recomputed(
+    tiny_llama_dir: Path, reference: list[list[int]], transport: str
+) -> None:
+    async def body() -> None:
+        options = TransferOptions(faults=SendFaults(corrupt_prefix="bad-"))
+        async with pair(tiny_llama_dir, options) as p:
+            prompt = prompts(0, LENGTHS)[1]
+            tokens, result, timing = await hand_off(p, "bad-1", prompt, transport)
+            assert tokens == reference[1]
+            got = timing.transfer  # type: ignore[attr-defined]
+            assert got.transport == "recompute" and "checksum" in got.fallback_reason
+            assert result.kv is not None
+            if transport == "store":  # the store keeps what it got; the reader notices
+                assert result.kv.kind.value == transport
+            else:  # the decode endpoint checks frames as they land: the Put fails at once
+                assert result.kv.kind is TransportKind.RECOMPUTE
+            tokens, _, timing = await hand_off(p, "good-1", prompt, transport)
+            assert tokens == reference[1] and timing.transfer.transport == transport  # type: ignore[attr-defined]
+
+    run(body)
+
+
+@pytest.mark.parametrize("transport", ["store", "direct", "shm"])
+def test_a_stalled_hand_off_times_out_into_recompute(
+    tiny_llama_dir: Path, reference: list[list[int]], transport: str
+) -> None:
+    async def body() -> None:
+        options = TransferOptions(faults=SendFaults(stall_prefix="slow-"), timeout_s=0.3)
+        async with pair(tiny_llama_dir, options) as p:
+            prompt = prompts(0, LENGTHS)[2]
+            tokens, result, timing = await hand_off(p, "slow-1", prompt, transport)
+            assert tokens == reference[2]
+            assert result.kv is not None and result.kv.kind is TransportKind.RECOMPUTE
+            assert result.transfer is not None and "within 0.3 s" in result.transfer.fallback_reason
+            assert timing.transfer.transport == "recompute"  # type: ignore[attr-defined]
+            for _ in range(100):  # the cut-off stream reaches the store's servicer a bit later
+                if p.store.stats().num_writing == p.inbox.stats().num_writing == 0:
+                    break
+                await asyncio.sleep(0.02)
+
+    run(body)
+
+
+def test_an_unreachable_store_ends_in_recompute(
+    tiny_llama_dir: Path, reference: list[list[int]]
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def body() -> None:
+        async with pair(tiny_llama_dir, TransferOptions(), store_address=dead) as p:
+            prompt = prompts(0, LENGTHS)[0]
+            tokens, result, timing = await hand_off(p, "nostore", prompt, "store")
+            assert tokens == reference[0]
+            assert result.kv is not None and result.kv.kind is TransportKind.RECOMPUTE
+            assert timing.transfer.transport == "recompute"  # type: ignore[attr-defined]
+
+    run(body)
+
+
+def test_layerwise_overlaps_and_deferred_does_not(tiny_llama_dir: Path) -> None:
+    """Layer-wise, the layers leave before the compute ends; deferred, all after it."""
+
+    async def body() -> None:
+        prompt = prompts(2, [200])[0]
+        for layerwise in (True, False):
+            async with pair(tiny_llama_dir, TransferOptions(layerwise=layerwise)) as p:
+                for transport in ("store", "shm"):
+                    _, result, _ = await hand_off(
+                        p, f"o-{transport}-{layerwise}", prompt, transport
+                    )
+                    sent = result.transfer
+                    assert sent is not None and sent.layerwise is layerwise
+                    if layerwise:
+                        assert sent.first_layer_ns < sent.compute_end_ns
+                        assert sent.overlap_ms > 0
+                    else:
+                        assert sent.first_layer_ns >= sent.compute_end_ns
+                        assert sent.overlap_ms == 0 and sent.exposed_ms > 0
+
+    run(body)
+
+
+def test_a_cancelled_prefill_leaves_nothing(tiny_llama_dir: Path) -> None:
+    async def body() -> None:
+        options = TransferOptions(
+            faults=SendFaults(stall_prefix="", stall_after_layers=2), timeout_s=30
+        )
+        async with pair(tiny_llama_dir, options) as p:
+            prompt = prompts(3, [50])[0]
+            for transport in ("store", "direct", "shm"):
+                task = asyncio.create_task(
+                    p.prefill.prefill(
+                        f"cancel-{transport}", prompt, GREEDY,
+                        decode_address=p.inbox_address, decode_host=HOST, transport=transport,
+                    )
+                )  # fmt: skip
+                target = p.store if transport == "store" else p.inbox
+                for _ in range(500):  # until the stalled stream holds a reservation, or shm
+                    if transport == "shm" or target.stats().num_writing:
+                        break
+                    await asyncio.sleep(0.01)
+                if transport == "shm":
+                    name = segment_name(f"cancel-{transport}")
+                    for _ in range(500):
+                        if (SHM_DIR / name).exists():
+                            break
+                        await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                for _ in range(100):
+                    if target.stats().num_writing == 0:
+                        break
+                    await asyncio.sleep(0.02)
+
+    run(body)
+
+
+# -- frames, without engines -------------------------------------------------------------------
+def _layer_tensors(layout: KVLayout, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, layout.num_kv_heads, layout.head_dim)
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(layout.num_layers)
+    ]
+
+
+LAYOUT = KVLayout("fp", "float32", 3, 2, 8, 16)
+
+
+@pytest.mark.parametrize("feeding", ["pieces with crcs", "one blob", "odd slices", "mixed"])
+def test_frames_assemble_however_the_bytes_are_cut(feeding: str) -> None:
+    """Sealed into chunk pieces (CRCs combined into each frame's), collected from the pieces
+    with their CRCs, from one blob, from slices that straddle frames, or a mix: the same
+    tensors, bit for bit."""
+    n = 21
+    layers = _layer_tensors(LAYOUT, n, 0)
+    header = StreamHeader("r", LAYOUT, n)
+    pieces = [
+        p
+        for i, (k, v) in enumerate(layers)
+        for p in LayerCopy.take(i, k, v).seal(100, Compression.NONE)
+    ]
+    blob = b"".join(p for p, _ in pieces)
+    assert len(header.encode()) + len(blob) == stream_bytes(header)
+    collector = FrameCollector(header, expected_layout=LAYOUT)
+    if feeding == "pieces with crcs":
+        for data, crc in pieces:
+            collector.feed(data, crc)
+    elif feeding == "one blob":
+        collector.feed(blob)
+    elif feeding == "odd slices":
+        for i in range(0, len(blob), 77):
+            collector.feed(blob[i : i + 77])
+    else:
+        for j, (data, crc) in enumerate(pieces):
+            collector.feed(data, crc if j % 3 else None)
+    payload = collector.build()
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(payload.keys[i], k) and torch.equal(payload.values[i], v)
+
+
+def test_a_flipped_byte_fails_the_frame_check_whichever_crcs_came_along() -> None:
+    n = 5
+    header = StreamHeader("r", LAYOUT, n)
+    (k, v), *_ = _layer_tensors(LAYOUT, n, 1)
+    for with_crcs in (True, False):
+        pieces = LayerCopy.take(0, k, v).seal(64, Compression.NONE, corrupt=True)
+        assert all(zlib.crc32(p) == c for p, c in pieces)  # each chunk itself looks fine
+        collector = FrameCollector(header)
+        with pytest.raises(KVTransferError, match="checksum"):
+            for data, crc in pieces:
+                collector.feed(data, crc if with_crcs else None)
+
+
+def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> None:
+    """By the time the prefill answers, the decode endpoint holds the hand-off as a checked,
+    assembled payload (its frames as the entry's data); the decode then only imports it."""
+
+    async def body() -> None:
+        async with pair(tiny_llama_dir, TransferOptions()) as p:
+            prompt = prompts(4, [45])[0]
+            result = await p.prefill.prefill(
+                "landed", prompt, GREEDY, decode_address=p.inbox_address, transport="direct"
+            )
+            assert result.kv is not None and result.kv.kind is TransportKind.DIRECT
+            entry = p.inbox.get(result.kv.key)
+            payload = entry.attachment
+            assert isinstance(payload, KVPayload) and payload.num_tokens == len(prompt)
+            assert entry.num_bytes == result.transfer_bytes
+            # The frames hold exactly the layer stream the prefill worker sent.
+            header = StreamHeader.decode(entry.header)
+            again = FrameCollector(header)
+            again.feed(entry.data)
+            rebuilt = again.build()
+            for i in range(payload.layout.num_layers):
+                assert torch.equal(rebuilt.keys[i], payload.keys[i])
+                assert torch.equal(rebuilt.values[i], payload.values[i])
+            stream = p.decode.decode(
+                "landed", prompt, (result.first_token_id, result.first_logprob), GREEDY, result.kv
+            )
+            async with aclosing(stream):
+                async for delta in stream:
+                    final = delta.timing
+            assert final is not None and final.transfer is not None
+            assert final.transfer.transport == "direct"
+
+    run(body)

@@ -1,0 +1,150 @@
+"""Smoke test of ``pdserve bench engine`` on the tiny preset: structure, not speed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.measure import Case, Workload, run_cases
+from pdserve.cli import main as cli_main
+from pdserve.errors import InvalidArgumentError
+from pdserve.models.demo import parameter_count
+
+
+class FakePeer:
+    """A peer whose wall time is a known function of the work: 0.5 s + 10 ms per token."""
+
+    name = "pdserve"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        self.calls.append((len(prompts), len(prompts[0]), max_tokens))
+        return 0.5 + 0.01 * len(prompts) * max_tokens
+
+    def close(self) -> None:
+        pass
+
+
+def test_method_splits_decode_from_prefill() -> None:
+    """decode = B * (N - 1) / (t_N - t_1): the fixed 0.5 s and the first token cancel."""
+    workload = Workload(
+        prefill_lens=(10,),
+        decode_batches=(1, 4),
+        decode_prompt_len=5,
+        decode_tokens=9,
+        repeats=3,
+        warmup_tokens=4,
+    )
+    peer = FakePeer()
+    results = run_cases([peer], workload, vocab_size=100)["pdserve"]
+
+    assert results["decode_b1"].tokens_per_second == pytest.approx(100.0)
+    assert results["decode_b4"].tokens_per_second == pytest.approx(100.0)
+    assert results["prefill_10"].median_seconds == pytest.approx(0.51)  # one call, max_tokens=1
+    assert results["prefill_10"].tokens_per_second == pytest.approx(10 / 0.51)
+    # Per case: one warm-up, then per repeat one call (prefill) or t_1 and t_N (decode).
+    assert peer.calls.count((1, 10, 1)) == 1 + 3
+    assert peer.calls.count((4, 5, 9)) == 3
+    assert peer.calls.count((4, 5, 1)) == 3
+    assert peer.calls.count((4, 5, 4)) == 1  # the warm-up
+
+
+def test_prompts_are_deterministic_and_in_range() -> None:
+    cases_a = Workload(decode_batches=(2,), prefill_lens=(7,)).cases(vocab_size=50)
+    cases_b = Workload(decode_batches=(2,), prefill_lens=(7,)).cases(vocab_size=50)
+    assert [c.prompts for c in cases_a] == [c.prompts for c in cases_b]
+    ids = [t for c in cases_a for p in c.prompts for t in p]
+    assert all(16 <= t < 50 for t in ids)
+    decode: Case = cases_a[1]
+    assert decode.batch == 2 and decode.prompts[0] != decode.prompts[1]
+
+
+@pytest.mark.parametrize("field", ["decode_tokens", "repeats"])
+def test_workload_rejects_bad_sizes(field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        Workload(**{field: 1 if field == "decode_tokens" else 0})
+
+
+def test_vllm_peer_needs_an_interpreter(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from pdserve.bench.vllm_peer import VllmPeer
+
+    with pytest.raises(InvalidArgumentError, match="vllm_python"):
+        VllmPeer(tmp_path / "no-python", tiny_llama_dir, Workload(), dtype="float32", threads=1)
+
+
+def test_bench_engine_cli_on_tiny_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "engine",
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--prefill-lens",
+        "64",
+        "--decode-batches",
+        "1,2",
+        "--decode-prompt-len",
+        "16",
+        "--decode-tokens",
+        "32",
+        "--repeats",
+        "3",
+        "--membw-mib",
+        "16",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+
+    expected_rows = {
+        "prefill_64_s",
+        "prefill_64_tok_s",
+        "decode_b1_tok_s",
+        "decode_b2_tok_s",
+        "decode_b1_roofline_frac",
+    }
+    assert set(report["metrics"]) == expected_rows
+    for key in expected_rows:
+        row = report["metrics"][key]
+        for peer in ("pdserve", "hf"):
+            assert row[peer] is not None and row[peer] > 0, (key, peer, row)
+        assert row["vllm"] is None and row["pdserve_over_vllm"] is None
+        assert row["pdserve_over_hf"] == pytest.approx(row["pdserve"] / row["hf"])
+    assert "vllm" in report["skipped"]
+
+    # Per case and peer: every repeat kept; a prefill's token count is its prompt.
+    cases = report["cases"]["pdserve"]
+    assert len(cases["decode_b2"]["seconds"]) == 3 and len(cases["decode_b2"]["t1"]) == 3
+    assert cases["prefill_64"]["tokens"] == 64
+    assert cases["decode_b2"]["tokens"] == 2 * 31
+
+    bw, roof = report["bandwidth"], report["roofline"]
+    assert bw["read_gbps"] > 0 and bw["copy_gbps"] > 0
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert roof["weight_bytes_total"] == 4 * parameter_count(cfg)  # float32
+    assert roof["weight_bytes_read"] == 4 * (
+        parameter_count(cfg) - (cfg["vocab_size"] - 1) * cfg["hidden_size"]
+    )
+    assert math.isclose(
+        roof["tokens_per_second"],
+        bw["read_gbps"]
+        * 1e9
+        / (roof["weight_bytes_read"] + roof["kv_bytes_per_token"] * (16 + 32 / 2)),
+    )
+
+    table = capsys.readouterr().out
+    for label in ("prefill 64 tok", "decode batch 1", "decode batch 2", "decode b1 / roofline"):
+        assert label in table

@@ -1,0 +1,56 @@
+"""CRC-32 of a concatenation from its parts' CRCs (``pdserve.kvstore.crc``), checked against
+``zlib.crc32`` of the concatenation itself, and chunk streams that keep the writer's CRCs."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from pdserve.kvstore.chunks import ChunkAssembler, split_parts
+from pdserve.kvstore.crc import crc32_combine
+
+
+@pytest.mark.parametrize(
+    ("len_a", "len_b"),
+    [(0, 0), (0, 7), (7, 0), (1, 1), (3, 1000), (1 << 16, 12345), (999, 1 << 20)],
+)
+def test_combine_equals_the_crc_of_the_concatenation(len_a: int, len_b: int) -> None:
+    rng = random.Random(len_a * 31 + len_b)
+    a, b = rng.randbytes(len_a), rng.randbytes(len_b)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_combine_folds_many_pieces() -> None:
+    rng = random.Random(5)
+    pieces = [rng.randbytes(rng.randrange(0, 5000)) for _ in range(40)]
+    crc = 0
+    for p in pieces:
+        crc = crc32_combine(crc, zlib.crc32(p), len(p))
+    assert crc == zlib.crc32(b"".join(pieces))
+
+
+def test_split_parts_keeps_known_crcs_and_splits_the_rest() -> None:
+    small, big, unknown = b"a" * 10, b"b" * 2500, b"c" * 1500
+    chunks = list(
+        split_parts(
+            [(small, 123), (big, zlib.crc32(big)), (unknown, None)],
+            key="k",
+            header=b"H",
+            chunk_bytes=1000,
+        )
+    )
+    # The small piece keeps its (deliberately wrong) CRC as given: the store passes on what
+    # its writer's chunk carried; the big one and the unknown one are split and checksummed.
+    assert [len(c.data) for c in chunks] == [10, 1000, 1000, 500, 1000, 500]
+    assert chunks[0].crc32 == 123 and all(c.crc32 == zlib.crc32(c.data) for c in chunks[1:])
+    assert [c.last for c in chunks] == [False] * 5 + [True]
+    assert (chunks[0].key, chunks[0].header, chunks[0].total_bytes) == ("k", b"H", 1 + 4010)
+    asm = ChunkAssembler()
+    for c in chunks[1:]:
+        c.seq -= 1
+        if c.seq == 0:
+            c.key, c.header, c.total_bytes = "k", b"", 4000
+        asm.feed(c)
+    assert asm.finish() == big + unknown

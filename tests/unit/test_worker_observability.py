@@ -1,0 +1,213 @@
+"""A worker's stage spans, transfer spans and metrics, against hand-made stamps and records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine.engine import EngineStats
+from pdserve.worker import observability as obs
+from pdserve.worker.timing import RequestTiming
+
+
+@dataclass(frozen=True)
+class Record:
+    """A transport's record (the ``TransferTimes`` fields), monotonic ns."""
+
+    transport: str = "store"
+    num_bytes: int = 0
+    send_start_ns: int = 0
+    first_layer_ns: int = 0
+    send_end_ns: int = 0
+    recv_start_ns: int = 0
+    recv_end_ns: int = 0
+    fallback_reason: str = ""
+    overlap_ms: float = 0.0
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    p = TracerProvider()
+    p.add_span_processor(SimpleSpanProcessor(exporter))
+    yield p
+    p.shutdown()
+
+
+def _by_name(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+def _duration(span: ReadableSpan) -> int:
+    assert span.start_time is not None and span.end_time is not None
+    return span.end_time - span.start_time
+
+
+def test_send_span_covers_first_layer_to_commit(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    record = Record(
+        num_bytes=4_000_000, send_start_ns=1_000_000, first_layer_ns=3_000_000,
+        send_end_ns=11_000_000, overlap_ms=2.5,
+    )  # fmt: skip
+    obs.record_transfer_span(record, direction=obs.SEND, tracer_provider=provider)
+    span = _by_name(exporter)["kv.transfer.send"]
+    assert _duration(span) == 8_000_000  # first layer -> commit, nothing before it
+    attrs = span.attributes or {}
+    assert attrs["pdserve.transport"] == "store"
+    assert attrs["pdserve.bytes"] == 4_000_000
+    assert attrs["pdserve.bandwidth_MBps"] == pytest.approx(4.0 / 0.008)
+    assert attrs["pdserve.overlap_ms"] == 2.5
+    assert attrs["pdserve.fallback"] is False
+
+
+def test_recv_span_stretched_to_the_stage_boundaries_keeps_the_reads_bandwidth(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    record = Record(
+        transport="shm", num_bytes=1_000_000, recv_start_ns=5_000_000, recv_end_ns=7_000_000,
+        fallback_reason="peer gone",
+    )  # fmt: skip
+    start, end = 1_700_000_000_000_000_000, 1_700_000_000_010_000_000
+    obs.record_transfer_span(record, start_ns=start, end_ns=end, tracer_provider=provider)
+    span = _by_name(exporter)["kv.transfer.recv"]  # the side the record filled in
+    assert (span.start_time, span.end_time) == (start, end)
+    attrs = span.attributes or {}
+    assert attrs["pdserve.bandwidth_MBps"] == pytest.approx(1.0 / 0.002)
+    assert attrs["pdserve.overlap_ms"] == 0.0
+    assert attrs["pdserve.fallback"] is True
+
+
+def test_a_side_without_a_window_records_nothing(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    span = obs.record_transfer_span(Record(), direction=obs.SEND, tracer_provider=provider)
+    assert not span.is_recording()
+    assert exporter.get_finished_spans() == ()
+
+
+def _timing() -> RequestTiming:
+    # perf_counter seconds: 2 ms queued, 5 ms to the first output, 30 ms more to the last.
+    t = RequestTiming(submitted=100.000)
+    t.first_step_start, t.first_output, t.last_output = 100.002, 100.007, 100.037
+    t.first_batch_size = 3
+    return t
+
+
+def test_prefill_stages_follow_each_other(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    timing = _timing()
+    stamps = obs.stamps_ns(timing)
+    assert stamps is not None
+    handed = stamps[0] - 4_000_000  # the caller's part ended 4 ms before the engine took it
+    assert obs.record_prefill_stages(
+        timing, request_id="r1", prompt_tokens=17, cached_tokens=5, queue_start_ns=handed,
+        tracer_provider=provider,
+    )  # fmt: skip
+    spans = _by_name(exporter)
+    queue, compute = spans["prefill.queue"], spans["prefill.compute"]
+    assert queue.start_time == handed
+    assert queue.end_time == compute.start_time
+    assert _duration(queue) == pytest.approx(6_000_000, abs=1_000)
+    assert _duration(compute) == pytest.approx(5_000_000, abs=1_000)
+    assert (compute.attributes or {}) == {
+        "pdserve.batch_size": 3, "pdserve.tokens": 17, "pdserve.prefix_hit_tokens": 5,
+    }  # fmt: skip
+
+
+def test_decode_stages_follow_each_other_up_to_the_last_write(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    timing = _timing()
+    gaps = obs.TokenGaps()
+    for at in (100.007, 100.017, 100.022, 100.037):
+        gaps.add(1, at)
+    gaps.add(0, 100.050)  # an output without tokens is no token and no gap
+    stamps = obs.stamps_ns(timing)
+    assert stamps is not None
+    sent = stamps[3] + 1_000_000
+    assert obs.record_decode_stages(
+        timing, gaps, request_id="r2", end_ns=sent, tracer_provider=provider
+    )
+    spans = _by_name(exporter)
+    queue, first, generate = (spans[n] for n in ("decode.queue", "decode.first_token",
+                                                 "decode.generate"))  # fmt: skip
+    assert queue.end_time == first.start_time and first.end_time == generate.start_time
+    assert generate.end_time == sent
+    attrs = generate.attributes or {}
+    assert attrs["pdserve.tokens"] == 4
+    assert attrs["pdserve.itl_mean_ms"] == pytest.approx(10.0)  # (37 - 7) ms over 3 gaps
+    assert attrs["pdserve.itl_max_ms"] == pytest.approx(15.0)
+
+
+def test_a_request_that_never_ran_has_no_stages(provider: TracerProvider) -> None:
+    assert obs.stamps_ns(RequestTiming()) is None
+    assert not obs.record_prefill_stages(
+        RequestTiming(), request_id="r", prompt_tokens=1, cached_tokens=0,
+        tracer_provider=provider,
+    )  # fmt: skip
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.waiting, self.free = 3, 40
+
+    def stats(self) -> EngineStats:
+        return EngineStats(64, self.free, 16, 1, self.waiting, 0, 0, 0, 0, 0)
+
+
+class _Heartbeat:
+    errors = 2
+
+
+def _samples(
+    telemetry: obs.WorkerTelemetry,
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(telemetry.registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
+    engine, heartbeat = _Engine(), _Heartbeat()
+    telemetry = obs.WorkerTelemetry("decode", engine, process=False)  # type: ignore[arg-type]
+    telemetry.watch_heartbeat(heartbeat)  # type: ignore[arg-type]
+    first = _samples(telemetry)
+    assert first[("pdserve_queue_depth", (("role", "decode"),))] == 3
+    assert first[("pdserve_kv_blocks_free", (("role", "decode"),))] == 40
+    assert first[("pdserve_kv_blocks_total", (("role", "decode"),))] == 64
+    assert ("pdserve_redis_errors_total", (("operation", "heartbeat"),)) not in first
+    # Two failures happened before the watch began; three since.
+    engine.waiting, engine.free, heartbeat.errors = 0, 64, 5
+    second = _samples(telemetry)
+    assert second[("pdserve_queue_depth", (("role", "decode"),))] == 0
+    assert second[("pdserve_kv_blocks_free", (("role", "decode"),))] == 64
+    assert second[("pdserve_redis_errors_total", (("operation", "heartbeat"),))] == 3
+
+
+def test_transfers_count_bytes_and_seconds_of_their_own_window() -> None:
+    telemetry = obs.WorkerTelemetry("prefill", process=False)
+    telemetry.observe_transfer(
+        Record(num_bytes=1000, first_layer_ns=2_000_000, send_end_ns=6_000_000), obs.SEND
+    )
+    telemetry.observe_transfer(Record(num_bytes=500), obs.SEND)  # never sent: not counted
+    samples = _samples(telemetry)
+    labels = (("direction", "send"), ("transport", "store"))
+    assert samples[("pdserve_kv_transfer_bytes_total", labels)] == 1000
+    assert samples[("pdserve_kv_transfer_seconds_count", labels)] == 1
+    assert samples[("pdserve_kv_transfer_seconds_sum", labels)] == pytest.approx(0.004)
