@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from pdserve.kvstore.store import KVStore
-from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_KVSTORE
 from pdserve.v1 import kvstore_pb2_grpc
@@ -65,13 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    # Write then rename, so a reader never sees a half-written file.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
-
-
 async def _sweep_forever(store: KVStore, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)  # a periodic timer, not synchronisation
@@ -110,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
             "kvstore serving on %s:%d (capacity %d bytes)", args.host, port, args.capacity_bytes
         )
         if args.port_file is not None:
-            _write_port_file(args.port_file, port)
+            write_port_file(args.port_file, port)
         await serve_until_signal(server, health, args.grace_s)
     finally:
         telemetry.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
-from pdserve.rpc.server import build_server, serve_until_signal
+from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -46,13 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
     return p.parse_args(argv)
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    # Write then rename, so a reader never sees a half-written file.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -92,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
             args.host, port, args.scheduler, args.mode, args.model, telemetry.metrics_url or "off",
         )  # fmt: skip
         if args.port_file is not None:
-            _write_port_file(args.port_file, port)
+            write_port_file(args.port_file, port)
         await serve_until_signal(server, health, args.grace_s)
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -77,6 +79,13 @@ class _ServiceNameRecorder:
     def add_registered_method_handlers(self, name: str, handlers: Any) -> None:
         if name not in self.names:
             self.names.append(name)
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` to ``path`` then rename, so a reader (a launcher) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
 
 
 def build_server(

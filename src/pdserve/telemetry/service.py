@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.rpc.server import write_port_file
 from pdserve.telemetry import tracing
 from pdserve.telemetry.handover import StageEndInterceptor
 from pdserve.telemetry.metrics import MetricsServer, start_metrics_server
@@ -66,13 +67,6 @@ def add_telemetry_args(
     group.add_argument(
         "--metrics-port-file", type=Path, help="write the bound metrics port here once serving"
     )
-
-
-def write_port_file(path: Path, port: int) -> None:
-    """Write ``port`` then rename, so that a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True, slots=True)

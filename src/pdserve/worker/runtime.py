@@ -20,12 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal
+from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.async_engine import AsyncEngine
@@ -75,13 +73,6 @@ def prefill_worker(
         prefix=prefix,
         telemetry=telemetry,
     )
-
-
-def write_port_file(path: Path, port: int) -> None:
-    """Write then rename, so that a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 async def reclaim_shm(max_age_s: float) -> None:
