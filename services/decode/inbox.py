@@ -9,14 +9,14 @@ still streams the layer stream) and the assembled ``KVPayload`` attached, so the
 call that follows finds the KV ready: decoding starts as soon as the last layer has landed.
 
 A stream that is not a hand-off (another key, or no stream header) is stored as it came. A
-frame that fails its check fails the Put, so the prefill worker learns at once and answers
-``recompute``.
+frame that fails its check fails the Put (once the stream is read, so that the reason reaches
+the prefill worker), which then answers ``recompute``.
 """
 
 from __future__ import annotations
 
 from pdserve.engine.kv_payload import KVLayout
-from pdserve.errors import KVTransferError
+from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.chunks import ChunkReader
 from pdserve.kvstore.store import KVStore, Part
 from pdserve.worker.frames import FrameCollector, read_header
@@ -25,15 +25,29 @@ from services.kvstore.servicer import KVStoreServicer, PutSink
 
 
 class _Assembler:
-    """A ``PutSink`` building the payload of one hand-off."""
+    """A ``PutSink`` building the payload of one hand-off.
+
+    A frame that fails its check is reported at the end of the stream, not at once: a server
+    that ends a client stream early leaves the client with a bare "internal error" instead of
+    the reason.
+    """
 
     def __init__(self, collector: FrameCollector) -> None:
         self.collector = collector
+        self.error: PdServeError | None = None
 
     def feed(self, data: bytes, crc32: int) -> None:
-        self.collector.feed(data, crc32)
+        if self.error is not None:
+            return  # already refused: the rest is only read off the stream
+        try:
+            self.collector.feed(data, crc32)
+        except PdServeError as err:  # raised by finish(), once the stream is read
+            self.error = err
+            self.collector.frames.clear()
 
     def finish(self) -> tuple[tuple[Part, ...], object | None]:
+        if self.error is not None:
+            raise self.error
         payload = self.collector.build()  # KVTransferError if a layer is missing
         return tuple((frame, None) for frame in self.collector.frames), payload
 

@@ -18,6 +18,7 @@ import logging
 import os
 from pathlib import Path
 
+from pdserve.kvstore.metrics import StoreCollector
 from pdserve.kvstore.store import KVStore
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
@@ -65,8 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _sweep_forever(store: KVStore, interval_s: float) -> None:
+async def _sweep_forever(store: KVStore, interval_s: float, collector: StoreCollector) -> None:
     while True:
+        collector.publish(store.stats())  # the gauges and counters a scrape reads
         await asyncio.sleep(interval_s)  # a periodic timer, not synchronisation
         expired = store.sweep()
         if expired:
@@ -84,6 +86,8 @@ async def serve(args: argparse.Namespace) -> None:
         default_lease_s=args.default_lease_s,
         max_lease_s=args.max_lease_s,
     )
+    collector = StoreCollector()  # pdserve_kvstore_*: tiers, entries, hit ratio, evictions
+    telemetry.metrics.registry.register(collector)
     server, port, health = build_server(
         [
             (
@@ -95,7 +99,9 @@ async def serve(args: argparse.Namespace) -> None:
         host=args.host,
         interceptors=telemetry.server_interceptors(),
     )
-    sweeper = asyncio.create_task(_sweep_forever(store, args.sweep_interval_s), name="kv-sweeper")
+    sweeper = asyncio.create_task(
+        _sweep_forever(store, args.sweep_interval_s, collector), name="kv-sweeper"
+    )
     try:
         await server.start()
         await health.set_serving()

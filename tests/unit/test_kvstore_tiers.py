@@ -339,7 +339,10 @@ def test_prometheus_collector_reads_the_stats(tmp_path: Path) -> None:
     with pytest.raises(UnknownRequestError):
         store.get("nope")
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store))
+    collector = StoreCollector()
+    registry.register(collector)
+    assert registry.get_sample_value("pdserve_kvstore_bytes", {"tier": "ram"}) is None
+    collector.publish(store.stats())
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)

@@ -188,9 +188,9 @@ class Services:
             proc("prefill", "services.prefill", common),
             proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
         ]
-        for w in workers:  # one at a time: three model loads at once would thrash 2 cores
+        for w in workers:
             w.spawn(env)
-            _wait([w])
+        _wait(workers)
         return cls([store, *workers])
 
     def stop(self) -> None:
@@ -414,12 +414,14 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
             "|---|---:|---:|---:|---:|",
         ]
         for t, b in bursts.items():
-            recv = (
+            received = (
                 "on arrival | on arrival"
                 if t.startswith("direct")
                 else f"{b['recv_peak'] / gb:.2f} | {b['recv_avg'] / gb:.2f}"
             )
-            lines.append(f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {recv} |")
+            lines.append(
+                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} |"
+            )
     return "\n".join(lines)
 
 
@@ -430,6 +432,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="1024,2048,4096,8000", help="prompt sizes")
     p.add_argument("--transports", default="shm,store,direct,recompute")
     p.add_argument("--repeats", type=int, default=1, help="runs per point; the best is kept")
+    p.add_argument("--reference-mib", type=int, default=256, help="bytes moved by the references")
     p.add_argument("--burst", type=int, default=4, help="concurrent prefills in the burst")
     p.add_argument("--burst-tokens", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=8192)
@@ -470,7 +473,10 @@ def main(argv: Sequence[str]) -> int:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         print("measuring memcpy, loopback TCP and raw gRPC ...", file=sys.stderr, flush=True)
-        refs = References(memcpy_bytes_per_s(), tcp_bytes_per_s(), grpc_bytes_per_s(log_dir))
+        size = args.reference_mib * _MIB
+        refs = References(
+            memcpy_bytes_per_s(size), tcp_bytes_per_s(size), grpc_bytes_per_s(log_dir, size)
+        )
         worker_args = [
             "--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-bytes",
             str(args.kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",

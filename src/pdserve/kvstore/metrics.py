@@ -1,7 +1,9 @@
-"""The KV store's Prometheus metrics, read from ``KVStore.stats()`` at scrape time.
+"""The KV store's Prometheus metrics, from ``KVStore.stats()`` snapshots.
 
-``StoreCollector(store)`` registers into any ``CollectorRegistry`` (the KV store service's):
-nothing is polled or kept between scrapes. Families (counters carry ``_total``):
+``StoreCollector`` registers into any ``CollectorRegistry`` (the KV store service's). The store
+is not thread-safe and a scrape runs on the metrics server's thread, so the store's own event
+loop ``publish``es a snapshot (the service does it from its sweep, every second) and a scrape
+reads the latest one. Families (counters carry ``_total``):
 
 =====================================  =======  ============================================
 ``pdserve_kvstore_bytes{tier}``        gauge    bytes held in ``ram`` (reservations of writes
@@ -26,19 +28,25 @@ from prometheus_client import Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.kvstore.store import KVStore
+from pdserve.kvstore.stats import StoreStats
 
 PREFIX = "pdserve_kvstore"
 
 
 class StoreCollector(Collector):
-    """Exports one ``KVStore``'s totals and counters (see the module docstring)."""
+    """Exports a KV store's totals and counters (see the module docstring)."""
 
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
+    def __init__(self) -> None:
+        self._latest: StoreStats | None = None
+
+    def publish(self, stats: StoreStats) -> None:
+        """The store's state now (call it on the store's thread)."""
+        self._latest = stats  # one reference swap: a scrape sees the old or the new one
 
     def collect(self) -> Iterable[Metric]:
-        s = self.store.stats()
+        s = self._latest
+        if s is None:
+            return []
         held = GaugeMetricFamily(f"{PREFIX}_bytes", "Bytes held per tier.", labels=["tier"])
         held.add_metric(["ram"], s.used_bytes)
         held.add_metric(["disk"], s.disk_used_bytes)

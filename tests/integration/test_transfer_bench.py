@@ -1,0 +1,39 @@
+"""``pdserve bench transfer`` end to end on the tiny checkpoint: it starts its services, moves
+KV over every transport, and reports every point (the numbers themselves are not checked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.transfer import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_bench_transfer_reports_every_transport(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "transfer.json"
+    args = ["--model", str(tiny_llama_dir), "--tokens", "40", "--burst", "2",
+            "--burst-tokens", "24", "--reference-mib", "8", "--json", str(out),
+            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    assert main(args) == 0
+    report = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    points = {(x["transport"], x["layerwise"]) for x in saved["samples"]}
+    assert points == {
+        *((t, lw) for t in ("shm", "store", "direct") for lw in (True, False)),
+        ("recompute", True),
+    }
+    assert all(x["num_bytes"] > 0 for x in saved["samples"] if x["transport"] != "recompute")
+    assert set(saved["bursts"]) == {f"{t}, {m}" for t in ("shm", "store", "direct")
+                                    for m in ("layer-wise", "deferred")}  # fmt: skip
+    refs = saved["references"]
+    assert refs["memcpy"] > 0 and refs["tcp"] > 0 and refs["grpc"] > 0
+    for t in ("shm", "store", "direct", "recompute"):
+        assert f"| {t} | 40 |" in report
+    assert main(["--from-json", str(out)]) == 0  # the report again, from the saved run
+    assert capsys.readouterr().out.strip() == report.strip()
