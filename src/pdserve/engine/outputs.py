@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -51,4 +51,3 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     num_cached_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)

@@ -113,10 +113,6 @@ class ModelConfig:
             raise ModelLoadError(f"missing file: {file}")
         return cls.from_dict(json.loads(file.read_text()))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token at 2 bytes per element (K and V, all layers)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
 def _parse_rope_scaling(cfg: dict[str, Any] | None) -> RopeScaling | None:
