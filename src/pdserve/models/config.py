@@ -114,7 +114,6 @@ class ModelConfig:
         return cls.from_dict(json.loads(file.read_text()))
 
 
-
 def _parse_rope_scaling(cfg: dict[str, Any] | None) -> RopeScaling | None:
     if not cfg:
         return None
