@@ -117,7 +117,10 @@ def run_bench(
         from pdserve.bench.pdserve_peer import PdservePeer
 
         log("loading pdserve ...")
-        peers.append(PdservePeer(model_dir, workload, dtype=dtype, threads=threads))
+        pdserve_peer = PdservePeer(model_dir, workload, dtype=dtype, threads=threads)
+        peers.append(pdserve_peer)
+        machine["pdserve_config"] = pdserve_peer.description
+        log(f"pdserve engine: {pdserve_peer.description}")
         if include_hf:
             from pdserve.bench.hf_peer import HFPeer
 
@@ -243,6 +246,7 @@ def main(argv: Sequence[str]) -> int:
     )
     print(report.table())
     m = report.machine
+    print(f"pdserve engine: {m.get('pdserve_config', '-')}")
     print(f"1-minute load: {m['load_1min_start']} at start, {m['load_1min_end']} at end")
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 from pdserve.bench.measure import PeerError, Workload
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models.linear import can_prepack
 
 
 class PdservePeer:
@@ -19,7 +20,8 @@ class PdservePeer:
         self, model_dir: str | Path, workload: Workload, *, dtype: str, threads: int
     ) -> None:
         # The whole longest prompt fits one step's token budget (no chunking), as for vLLM;
-        # prefix caching is off because repeats reuse the same prompts.
+        # prefix caching is off because repeats reuse the same prompts. Everything else is the
+        # engine's default, which is its fastest configuration (prepacked weights on CPU).
         budget = max(workload.max_context, workload.max_batch * workload.decode_prompt_len)
         self.engine = Engine.from_pretrained(
             model_dir,
@@ -28,6 +30,15 @@ class PdservePeer:
             max_num_seqs=max(workload.max_batch, 1),
             max_num_batched_tokens=budget,
             enable_prefix_caching=False,
+        )
+        config = self.engine.config
+        packed = config.prepack_weights and can_prepack(
+            self.engine.runner.device, self.engine.dtype
+        )
+        # How this engine is configured, printed with the results.
+        self.description = (
+            f"eager PyTorch, {'oneDNN-prepacked' if packed else 'plain'} matmul weights, "
+            f"block size {config.block_size}, max_num_batched_tokens {budget}"
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> float:

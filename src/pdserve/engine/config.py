@@ -40,6 +40,9 @@ class EngineConfig:
     """CPU threads for torch; ``None`` leaves torch's default."""
     return_logits: bool = False
     """Attach each sampled step's full logits to the outputs (for parity tests and debugging)."""
+    prepack_weights: bool = True
+    """CPU: prepack the matmul weights into oneDNN's blocked layout at load time (about 1.8x
+    faster decode matmuls; the plain weights are then freed). Ignored on CUDA."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "auto"):

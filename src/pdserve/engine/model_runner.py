@@ -12,7 +12,8 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.models.config import ModelConfig
-from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan, rope_tables
+from pdserve.models.linear import can_prepack
+from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan
 
 
 @dataclass(slots=True)
@@ -47,9 +48,9 @@ class ModelRunner:
             model = LlamaModel(model_config, max_model_len)
         model = model.to_empty(device=self.device).to(dtype)
         model.load_hf_weights(weights)
-        # Rotary tables stay float32 (positions up to max_model_len would lose precision in bf16).
-        cos, sin = rope_tables(model_config, max_model_len)
-        model.cos, model.sin = cos.to(self.device), sin.to(self.device)
+        model.init_rope()  # the tables were built on the meta device with the modules
+        if config.prepack_weights and can_prepack(self.device, dtype):
+            model.prepack()
         self.model = model.eval()
         shape = (num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache: KVCache = [
@@ -70,6 +71,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        ctx_lens: list[int] = []
         for chunk in out.decodes:
             seq = chunk.seq
             p = seq.num_computed_tokens
@@ -78,6 +80,7 @@ class ModelRunner:
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
+            ctx_lens.append(p + 1)
         spans: list[PrefillSpan] = []
         hooked: list[tuple[Sequence, int]] = []
         for chunk in out.prefills:
@@ -85,47 +88,55 @@ class ModelRunner:
             p0, start = seq.num_computed_tokens, len(ids)
             ids.extend(seq.token_ids[p0 : p0 + n])
             pos.extend(range(p0, p0 + n))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(p0, p0 + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(p0, p0 + n))
             ctx = p0 + n
             if p0 == 0:
                 spans.append(PrefillSpan(start, n, ctx, None, None))
             else:
                 ar = self._arange
-                mask = ar[:ctx].unsqueeze(0) <= (ar[p0:ctx]).unsqueeze(
-                    1
-                )  # [n, ctx] causal with offset
-                table = self._long(seq.block_table[: -(-ctx // bs)])
-                spans.append(PrefillSpan(start, n, ctx, table, mask))
+                mask = ar[:ctx].unsqueeze(0) <= ar[p0:ctx].unsqueeze(1)  # [n, ctx] causal, offset
+                spans.append(PrefillSpan(start, n, ctx, self._long(table[: -(-ctx // bs)]), mask))
             if chunk.samples:
                 sample_rows.append(start + n - 1)
                 sample_seqs.append(seq)
                 if seq.layer_hook is not None:
                     hooked.append((seq, ctx))
 
+        T, D = len(ids), len(out.decodes)
+        # One host->device copy for the per-token vectors: ids, positions, slots.
+        flat = self._long(ids + pos + slots)
         meta = AttentionMetadata(
-            slot_mapping=self._long(slots),
-            num_decodes=len(out.decodes),
-            decode_block_tables=None,
+            slot_mapping=flat[2 * T :],
+            num_decodes=D,
+            decode_block_ids=None,
+            decode_len=0,
             decode_mask=None,
             prefills=spans,
         )
-        if out.decodes:
-            tables = [c.seq.block_table for c in out.decodes]
-            width = max(map(len, tables))
-            meta.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
-            )
-            ctx_lens = self._long([c.seq.num_computed_tokens + 1 for c in out.decodes])
-            meta.decode_mask = (self._arange[: width * bs].unsqueeze(0) < ctx_lens.unsqueeze(1))[
-                :, None, None, :
-            ]
+        if D:
+            width = -(-max(ctx_lens) // bs)  # blocks of the longest decoding context
+            block_ids: list[int] = []
+            for chunk in out.decodes:
+                row = chunk.seq.block_table[:width]
+                block_ids.extend(row)
+                block_ids.extend([0] * (width - len(row)))
+            meta.decode_block_ids = self._long(block_ids)
+            meta.decode_len = max(ctx_lens)
+            if min(ctx_lens) != meta.decode_len:  # padding to mask out: [D, 1, 1, S]
+                valid = self._arange[: meta.decode_len] < self._long(ctx_lens).unsqueeze(1)
+                meta.decode_mask = torch.zeros(
+                    valid.shape, dtype=self.dtype, device=self.device
+                ).masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
+        # Logits rows: every row when the step is decode only (no gather needed).
+        rows = None if len(sample_rows) == T else self._long(sample_rows)
         logits = self.model(
-            self._long(ids),
-            self._long(pos),
+            flat[:T],
+            flat[T : 2 * T],
             self.kv_cache,
             meta,
-            self._long(sample_rows),
+            rows,
             after_layer=self._layer_hook_caller(hooked) if hooked else None,
         )
         if not sample_seqs:  # only non-final prompt chunks this step
@@ -159,8 +170,8 @@ class ModelRunner:
         k_cache, v_cache = self.kv_cache[layer]
         kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
         return (
-            k_cache[table].view(-1, kvh, hd)[:num_tokens],
-            v_cache[table].view(-1, kvh, hd)[:num_tokens],
+            k_cache.index_select(0, table).view(-1, kvh, hd)[:num_tokens],
+            v_cache.index_select(0, table).view(-1, kvh, hd)[:num_tokens],
         )
 
     def write_layer(
