@@ -300,3 +300,31 @@ def test_held_kv_is_released_when_its_consumer_leaves_before_the_end(tiny_llama_
 
     run(body)
     ae.engine.check_no_leaks()
+
+
+def test_coalesce_merges_what_waited_and_sends_the_first_output_alone(
+    tiny_llama_dir: Path,
+) -> None:
+    (prompt,) = prompts(7, [17])
+    (reference,) = load(tiny_llama_dir).generate([prompt], GREEDY)
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+
+    async def body() -> None:
+        try:
+            async with aclosing(ae.generate("c", prompt, GREEDY, coalesce=True)) as stream:
+                first = await anext(stream)
+                # Read nothing until the engine has run the request to its end: every later
+                # output is then waiting in the queue.
+                while await ae.call(lambda engine: engine.has_unfinished()):
+                    pass
+                rest = [out async for out in stream]
+        finally:
+            await ae.close()
+        assert len(first.new_token_ids) == 1 and not first.finished
+        (merged,) = rest  # everything that waited came as one output
+        assert merged.finished and merged.finish_reason is FinishReason.LENGTH
+        assert first.new_token_ids + merged.new_token_ids == reference.token_ids
+        assert first.new_logprobs + merged.new_logprobs == pytest.approx(reference.logprobs)
+
+    run(body)

@@ -53,6 +53,11 @@ class Fakes(
     decode_error: grpc.StatusCode | None = None
     decode_hang: bool = False
     decode_tokens: list[int] = field(default_factory=lambda: list(DECODED))
+    decode_timing: common_pb2.Timing = field(
+        default_factory=lambda: common_pb2.Timing(queue_ms=4.0, transfer_ms=5.0, decode_ms=6.0)
+    )
+    release_gate: asyncio.Event | None = None
+    release_seen: asyncio.Event = field(default_factory=asyncio.Event)
     assigned: list[str] = field(default_factory=list)
     released: list[tuple[str, bool]] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
@@ -74,6 +79,10 @@ class Fakes(
         )  # fmt: skip
 
     async def Release(self, request: Any, context: Any) -> scheduler_pb2.ReleaseResponse:  # noqa: N802
+        if not request.prefill_only:
+            self.release_seen.set()
+        if self.release_gate is not None and not request.prefill_only:
+            await self.release_gate.wait()
         self.released.append((request.reservation_id, request.prefill_only))
         return scheduler_pb2.ReleaseResponse(released=True)
 
@@ -105,9 +114,7 @@ class Fakes(
                 chunk = decode_pb2.DecodeChunk(token_ids=[token], logprobs=[-0.5])
                 if last:
                     chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                    chunk.timing.CopyFrom(
-                        common_pb2.Timing(queue_ms=4.0, transfer_ms=5.0, decode_ms=6.0)
-                    )
+                    chunk.timing.CopyFrom(self.decode_timing)
                 yield chunk
             if self.decode_hang:
                 await asyncio.Event().wait()  # until cancelled
@@ -190,6 +197,55 @@ def test_happy_path_streams_first_token_alone_then_decode(tokenizer: Tokenizer) 
     assert fakes.deleted == []  # the decode worker took the payload
     (left,) = fakes.prefill_time_left
     assert left is not None and 0 < left <= 30  # the caller's deadline went downstream
+
+
+def test_a_decode_side_recompute_counts_as_prefill_time(tokenizer: Tokenizer) -> None:
+    got: list[RouteChunk] = []
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, _request(tokenizer)))
+
+    def configure(f: Fakes) -> None:
+        # The decode worker's receive failed after 0.5 ms; it prefilled for 7 ms instead.
+        f.decode_timing = common_pb2.Timing(
+            queue_ms=4.0, prefill_ms=7.0, transfer_ms=0.5, decode_ms=6.0,
+            transfer_bytes=0, transport="recompute",
+        )  # fmt: skip
+
+    run_with_fakes(tokenizer, configure, body)
+    timing = got[-1].timing
+    assert timing is not None
+    # Prefill worker (compute 2, sent in 3) + the decode worker's own figures.
+    assert timing.prefill_ms == 2.0 + 7.0
+    assert timing.transfer_ms == 3.0 + 0.5
+    assert timing.queue_ms >= 1.0 + 4.0  # plus the placement, timed by the router
+    assert timing.decode_ms == 6.0
+    assert timing.transport == "recompute" and timing.transfer_bytes == 0
+
+
+def test_the_release_starts_as_the_last_chunk_goes_out(tokenizer: Tokenizer) -> None:
+    got: list[RouteChunk] = []
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        stream = flow.generate(_request(tokenizer))
+        async for chunk in stream:
+            got.append(chunk)
+            if chunk.finished:
+                break
+        # The caller holds the last chunk; the reservation's release is already on its way.
+        await asyncio.wait_for(fakes.release_seen.wait(), 10)
+        assert ("res-0", False) not in fakes.released  # held at the gate
+        assert fakes.release_gate is not None
+        fakes.release_gate.set()
+        await stream.aclose()  # the clean-up waits for the release
+        assert ("res-0", False) in fakes.released
+
+    def configure(f: Fakes) -> None:
+        f.release_gate = asyncio.Event()
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert got[-1].finish_reason is FinishReason.LENGTH
+    assert sorted(fakes.released) == [("res-0", False), ("res-0", True)]
 
 
 def test_first_token_that_finishes_skips_decode(tokenizer: Tokenizer) -> None:

@@ -152,6 +152,16 @@ def test_decode_stages_follow_each_other_up_to_the_last_write(
     assert attrs["pdserve.itl_max_ms"] == pytest.approx(15.0)
 
 
+def test_a_coalesced_output_spreads_its_gap_over_its_tokens() -> None:
+    gaps = obs.TokenGaps()
+    gaps.add(1, 10.000)
+    gaps.add(1, 10.010)  # one token 10 ms later
+    gaps.add(3, 10.040)  # three tokens that waited together: 30 ms, 10 ms each
+    assert gaps.tokens == 5 and gaps.outputs == 3
+    assert gaps.mean_ms == pytest.approx(10.0)  # 40 ms over the 4 tokens after the first
+    assert gaps.max_ms == pytest.approx(10.0)
+
+
 def test_a_request_that_never_ran_has_no_stages(provider: TracerProvider) -> None:
     assert obs.stamps_ns(RequestTiming()) is None
     assert not obs.record_prefill_stages(

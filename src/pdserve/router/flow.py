@@ -12,7 +12,9 @@ Whatever happens (success, error, client cancel, deadline) the clean-up runs: do
 still open are cancelled (a cancelled Decode frees its KV blocks on the worker), a KV payload
 that no decode worker has picked up is deleted from its store, and the reservation is released.
 The clean-up runs shielded from a second cancellation and is tracked, so ``close()`` can wait
-for it. Every downstream call gets the caller's remaining deadline.
+for it. When the worker sends its last chunk, the release of the reservation and the read of
+the stream's end start at once, while that chunk is on its way to the caller, so the caller's
+call ends soon after its last chunk. Every downstream call gets the caller's remaining deadline.
 
 Tracing (``observed``): the flow records ``router.mode_decision``, names the mode on
 ``router.request`` and hands it, with the last stage's end, to every call (``handover``), so
@@ -261,12 +263,29 @@ class RequestFlow:
             raise DownstreamError(
                 step, grpc.StatusCode.INTERNAL, "no KV handle and no finish reason"
             )
+        # After the first chunk, not before: building and starting the call would delay the
+        # first token by as much as the decode side could gain.
+        step, stream = self._start_decode(run, assignment.decode, resp)
+
+        def absorb(last: decode_pb2.DecodeChunk) -> None:
+            t.absorb_decode(last.timing)
+
+        async for chunk in self._relay(run, step, stream, absorb):
+            yield chunk
+
+    def _start_decode(
+        self,
+        run: RequestState,
+        worker: scheduler_pb2.WorkerRef,
+        prefilled: prefill_pb2.PrefillResponse,
+    ) -> tuple[str, Any]:
+        """Start the Decode call (and the release of the prefill's share); the step's name
+        and the response stream."""
+        req = run.request
         # The prefill worker is done with this request: give its share back right away.
         run.tasks.append(
             asyncio.create_task(self.housekeeper.release(run.reservation_id, prefill_only=True))
         )
-
-        worker = assignment.decode
         step = f"Decode on {worker.id} ({worker.address})"
         decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
         with handing_over(run.stage_end_ns or time.time_ns(), run.root):
@@ -274,8 +293,8 @@ class RequestFlow:
                 decode_pb2.DecodeRequest(
                     request_id=req.request_id,
                     prompt_token_ids=req.prompt_token_ids,
-                    first_token_id=resp.first_token_id,
-                    first_logprob=resp.first_logprob,
+                    first_token_id=prefilled.first_token_id,
+                    first_logprob=prefilled.first_logprob,
                     sampling=sampling_to_proto(req.params),
                     kv=run.kv,
                     reservation_id=run.reservation_id,
@@ -284,14 +303,7 @@ class RequestFlow:
                 timeout=run.clock.remaining(step),
             )
         run.calls.append(stream)
-
-        def absorb(last: decode_pb2.DecodeChunk) -> None:
-            t.queue_ms += last.timing.queue_ms
-            t.transfer_ms += last.timing.transfer_ms
-            t.decode_ms = last.timing.decode_ms
-
-        async for chunk in self._relay(run, step, stream, absorb):
-            yield chunk
+        return step, stream
 
     async def _colocated(
         self, run: RequestState, assignment: scheduler_pb2.Assignment
@@ -340,6 +352,7 @@ class RequestFlow:
                 if finish is not None:
                     absorb(msg)
                     run.finished_stream = stream  # the worker is done: read, don't cancel
+                    self._wind_up(run, stream)
                 chunk = self._tokens(run, list(msg.token_ids), list(msg.logprobs), finish)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
@@ -389,8 +402,22 @@ class RequestFlow:
 
     # -- housekeeping --------------------------------------------------------------------------
 
+    def _wind_up(self, run: RequestState, stream: Any) -> None:
+        """The worker sent its last chunk: start the end of the request (the stream's end and
+        the release of the reservation) now, while the last chunk goes out to the caller,
+        rather than after it. The clean-up waits for both."""
+        if run.renewer is not None:
+            run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
+        run.tasks.append(asyncio.create_task(self.housekeeper.drain(stream)))
+        run.tasks.append(asyncio.create_task(self.housekeeper.release(run.reservation_id)))
+        run.wound_up = True
+
     async def _cleanup(self, run: RequestState) -> None:
-        drains = [self.housekeeper.drain(c) for c in run.calls if c is run.finished_stream]
+        drains = [
+            self.housekeeper.drain(c)
+            for c in run.calls
+            if c is run.finished_stream and not run.wound_up
+        ]
         for call in run.calls:
             if call is not run.finished_stream and not call.done():
                 call.cancel()
@@ -411,7 +438,7 @@ class RequestFlow:
             self._track(
                 self.housekeeper.release_when_assigned(run.request.request_id, run.assign_task)
             )
-        if run.reservation_id:
+        if run.reservation_id and not run.wound_up:
             await self.housekeeper.release(run.reservation_id)
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

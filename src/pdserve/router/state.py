@@ -66,3 +66,5 @@ class RequestState:
     """Unix ns where the last stage so far ended, handed to the next call (tracing)."""
     finished_stream: Any = None
     """The worker stream that sent its last chunk: the clean-up reads it to its end."""
+    wound_up: bool = False
+    """The stream's end and the release already started with the last chunk (``_wind_up``)."""

@@ -24,7 +24,7 @@ import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -99,6 +99,37 @@ async def _redis_now_ms(pipe: Redis | Pipeline) -> float:
     return seconds * 1000.0 + micros / 1000.0
 
 
+_Read = tuple[tuple[str | int, ...], dict[str, object]]
+"""One read for ``_watch_and_read``: the command's arguments and its reply options."""
+
+
+async def _watch_and_read(
+    pipe: Pipeline, watch: Sequence[str], reads: Sequence[_Read]
+) -> list[Any]:
+    """WATCH ``watch`` and run ``reads`` (``(command args, reply options)``) in one round trip.
+
+    Redis runs a connection's commands in order, so the reads see the state the WATCH guards,
+    exactly as if each had been sent on its own; only the waiting between them is saved. The
+    replies go through the pipeline's own reply parsing. Afterwards the pipeline is WATCHing
+    on its connection as after ``pipe.watch()``: ``multi()`` / ``execute()`` commit (or raise
+    WatchError), and leaving its ``async with`` block unwatches and returns the connection.
+    """
+    conn = pipe.connection
+    if conn is None:
+        conn = pipe.connection = await pipe.connection_pool.get_connection()
+    try:
+        await conn.send_packed_command(
+            conn.pack_commands([("WATCH", *watch), *(args for args, _ in reads)])
+        )
+        await pipe.parse_response(conn, "WATCH")  # marks the pipeline as watching
+        return [await pipe.parse_response(conn, str(args[0]), **opts) for args, opts in reads]
+    except BaseException:
+        # Replies may be left unread on the connection: it cannot be reused.
+        pipe.watching = False
+        await conn.disconnect()
+        raise
+
+
 class ReservationLedger:
     """Reads, commits, releases and renews reservations in one namespace."""
 
@@ -141,10 +172,19 @@ class ReservationLedger:
         resv_keys = [self.keys.reservations_on(w) for w in worker_ids]
         rid = uuid.uuid4().hex
         async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(*heartbeat_keys, *resv_keys)
-            raws = await pipe.mget(heartbeat_keys)
-            entries = [_scored(await pipe.zrange(k, 0, -1, withscores=True)) for k in resv_keys]
-            now_ms = await _redis_now_ms(pipe)
+            # WATCH and the re-reads in one round trip, the commit in a second one.
+            scores = {"withscores": True, "score_cast_func": float}
+            raws, *entry_replies, (seconds, micros) = await _watch_and_read(
+                pipe,
+                [*heartbeat_keys, *resv_keys],
+                [
+                    (("MGET", *heartbeat_keys), {}),
+                    *((("ZRANGE", k, 0, -1, "WITHSCORES"), scores) for k in resv_keys),
+                    (("TIME",), {}),
+                ],
+            )
+            entries = [_scored(e) for e in entry_replies]
+            now_ms = int(seconds) * 1000.0 + int(micros) / 1000.0
             views: dict[str, WorkerView | None] = {}
             for wid, raw, ent in zip(worker_ids, raws, entries, strict=True):
                 if raw is None:
@@ -184,8 +224,8 @@ class ReservationLedger:
         record_key = self.keys.reservation(reservation_id)
         for _ in range(_MAX_BOOKKEEPING_RETRIES):
             async with self.redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(record_key)
-                raw = await pipe.get(record_key)
+                # WATCH and the read in one round trip, the commit in a second one.
+                (raw,) = await _watch_and_read(pipe, [record_key], [(("GET", record_key), {})])
                 if raw is None:
                     return False
                 record = json.loads(raw)

@@ -44,6 +44,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.worker.coalesce import merge_ready
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class _Call:
 
 class _Stop:
     pass
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the consumers' event loop: hand one step's outputs to their requests' queues."""
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 _Command = _Add | _Abort | _Call | _Stop
@@ -213,8 +220,15 @@ class AsyncEngine:
         tag: str = "",
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
+        coalesce: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields its outputs, the last one ``finished``.
+
+        With ``coalesce``, the outputs of several steps that are already waiting when the
+        consumer asks for the next one are merged into one (tokens, logprobs and text in
+        order; the last one's finish): a consumer that fell behind catches up in one
+        message, and one that keeps up gets every output as soon as it exists. The first
+        output is never merged: it goes out alone, as early as possible.
 
         Errors of ``Engine.add_request`` (``InvalidArgumentError`` and the like) are raised by
         the first ``__anext__``. Closing the iterator early aborts the request. With
@@ -248,15 +262,19 @@ class AsyncEngine:
             )
         )
         finished = False
+        yielded = False
         try:
             while True:
                 item = await stream.queue.get()
+                if coalesce and yielded:  # the first output always goes out on its own
+                    item = merge_ready(item, stream.queue)
                 if isinstance(item, BaseException):
                     finished = True  # refused or shut down: nothing left to abort
                     raise item
                 if item.finished:
                     finished = True
                 yield item
+                yielded = True
                 if finished:
                     return
         finally:
@@ -417,6 +435,9 @@ class AsyncEngine:
         outputs = self._engine.step()
         ended = time.perf_counter()
         self._num_steps += 1
+        # One wake-up per event loop per step, whatever the batch size: each wake-up costs
+        # the engine thread a GIL hand-over to the loop.
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -429,7 +450,14 @@ class AsyncEngine:
                 del self._streams[out.request_id]
                 if stream.hold_kv:
                     self._held[out.request_id] = stream
-            stream.post(out)
+            deliveries.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the consumers' loop is closed: nobody is left to tell
+                logger.warning(
+                    "dropping outputs of %d requests: their event loop is closed", len(items)
+                )
         self._publish()
 
     def _publish(self) -> None:

@@ -153,10 +153,16 @@ def record_transfer_span(
 
 @dataclass(slots=True)
 class TokenGaps:
-    """Gaps between a stream's outputs as the worker's event loop receives them."""
+    """Gaps between a stream's tokens as the worker's event loop receives them.
+
+    An output of k tokens (several engine steps coalesced for a consumer that fell behind)
+    spreads its gap evenly over its k tokens, as the router's inter-token latency does.
+    """
 
     outputs: int = 0
     tokens: int = 0
+    first_tokens: int = 0
+    """Tokens of the first output: they have no gap before them."""
     last_at: float | None = None
     total_s: float = 0.0
     max_s: float = 0.0
@@ -166,17 +172,21 @@ class TokenGaps:
         if num_tokens <= 0:
             return
         now = time.perf_counter() if at is None else at
-        if self.last_at is not None:
+        if self.last_at is None:
+            self.first_tokens = num_tokens
+        else:
             gap = now - self.last_at
             self.total_s += gap
-            self.max_s = max(self.max_s, gap)
+            self.max_s = max(self.max_s, gap / num_tokens)
         self.last_at = now
         self.outputs += 1
         self.tokens += num_tokens
 
     @property
     def mean_ms(self) -> float:
-        return self.total_s / (self.outputs - 1) * 1000.0 if self.outputs > 1 else 0.0
+        """Mean gap per token after the first output's."""
+        gapped = self.tokens - self.first_tokens
+        return self.total_s / gapped * 1000.0 if gapped > 0 else 0.0
 
     @property
     def max_ms(self) -> float:
