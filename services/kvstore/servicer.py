@@ -119,7 +119,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.LookupRequest, context: Context
     ) -> kvstore_pb2.LookupResponse:
-        return kvstore_pb2.LookupResponse(num_leading=self.store.lookup(list(request.keys)))
+        keys = list(request.keys)
+        route = self.store.lookup_route(keys)
+        found = await route(keys) if route is not None else self.store.lookup(keys)
+        return kvstore_pb2.LookupResponse(num_leading=found)
 
     async def Delete(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.DeleteRequest, context: Context

@@ -4,7 +4,8 @@ that each transport can be asked for, and once through the router.
 
 For every transport the greedy tokens must be those of ``Engine.generate`` alone; a corrupted
 payload must end in recompute with the same tokens; prefix chunks must be shared between the
-prefill workers through the store, and never between tenants; afterwards no hand-off entry
+prefill workers through the store, and never between tenants; a prompt whose prefix the decode
+worker caches moves only the rest (same tenant only); afterwards no hand-off entry
 (store or decode endpoint), shm segment or KV block may be left.
 """
 
@@ -242,6 +243,40 @@ def test_prefix_chunks_are_shared_by_prefill_workers_not_tenants(
         assert resp.num_cached_tokens == 0 and other == tokens
         await published(before + 6)
         assert await cache_entries() == before + 6
+        await assert_nothing_left(cluster)
+
+    run(body)
+
+
+@pytest.mark.parametrize("transport", ["store", "direct", "shm"])
+def test_only_the_blocks_the_decode_worker_lacks_are_sent(
+    cluster: Cluster, engine: Engine, transport: str
+) -> None:
+    """The decode worker decoded ``first`` before; a prompt extending it moves only the KV
+    after the whole blocks they share, for the same tenant and not for another."""
+    first, tail = prompts(17 + len(transport), [70, 25])
+    longer = first + tail
+    bs = engine.config.block_size
+    shared = len(first) // bs * bs  # whole blocks of ``first`` alone (then generated tokens)
+
+    async def body() -> None:
+        tokens, resp, _ = await hand_off(cluster, f"dp-{transport}-0", first, transport, tenant="a")
+        assert tokens == reference(engine, first) and resp.kv.prefix_tokens == 0
+        tokens, resp, timing = await hand_off(
+            cluster, f"dp-{transport}-1", longer, transport, tenant="a"
+        )
+        assert tokens == reference(engine, longer)
+        assert timing.transfer.transport == transport  # received, not recomputed
+        assert resp.kv.prefix_tokens == shared > 0
+        assert resp.kv.num_tokens == len(longer) - shared
+        partial = resp.transfer_bytes
+        # Another tenant gets nothing of tenant a's cache: the whole prompt moves.
+        tokens, resp, timing = await hand_off(
+            cluster, f"dp-{transport}-2", longer, transport, tenant="b"
+        )
+        assert tokens == reference(engine, longer) and timing.transfer.transport == transport
+        assert resp.kv.prefix_tokens == 0 and resp.kv.num_tokens == len(longer)
+        assert 0 < partial < resp.transfer_bytes
         await assert_nothing_left(cluster)
 
     run(body)

@@ -178,6 +178,7 @@ def test_preset_shapes_and_parameter_counts() -> None:
     assert build_config("tiny")["torch_dtype"] == "float32"
     for cfg in (small, base):
         assert cfg["max_position_embeddings"] >= 8192
+    assert base["max_position_embeddings"] > 32768  # a 32K prompt and its first token
     variants = [
         small,
         base,

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from pdserve.kvstore.chunks import ChunkAssembler, split_parts
-from pdserve.kvstore.crc import crc32_combine
+from pdserve.kvstore.crc import crc32_combine, fast_crc32
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,14 @@ def test_combine_equals_the_crc_of_the_concatenation(len_a: int, len_b: int) -> 
     rng = random.Random(len_a * 31 + len_b)
     a, b = rng.randbytes(len_a), rng.randbytes(len_b)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 64, 1000, (1 << 20) + 3])
+def test_fast_crc32_is_zlibs(length: int) -> None:
+    data = random.Random(length).randbytes(length)
+    assert fast_crc32(data) == zlib.crc32(data)
+    assert fast_crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+    assert fast_crc32(data, 0xDEADBEEF) == zlib.crc32(data, 0xDEADBEEF)  # continued
 
 
 def test_combine_folds_many_pieces() -> None:

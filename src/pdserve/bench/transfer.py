@@ -7,16 +7,18 @@ prefix cache helps) and prefilled in one step (``--max-batch-tokens``), so the l
 while every token is computed. Each sample is one Prefill then one Decode RPC with the
 transport asked for; the numbers are the workers' own measurements (``TransferTiming``).
 
-Measured in the same run, as references:
+References (memcpy, loopback TCP, raw gRPC) are measured in the same run
+(``transfer_refs.py``); samples and the tables are in ``transfer_report.py``.
 
-* memcpy: ``Tensor.copy_`` of a 256 MiB buffer, bytes of one copy per second (median of 5);
-* loopback TCP: one socket on 127.0.0.1, a sender thread ``sendall`` 1 MiB pieces of 256 MiB,
-  the receiver ``recv_into`` one buffer (median of 3).
+Sizes above ``--reuse-prefill-above`` (default 8192 tokens; 16K and 32K on the base preset)
+are prefilled once and reused from the prefix cache by every transport: they give bandwidth
+only (no layer-wise or recompute run), since one 32K prefill takes minutes on a few cores.
 
 Bandwidths: each side's bytes over its busy time, from the no-overlap runs (a sender then has
 every layer at hand, so its rate is the link's, not the compute's). ``store`` crosses two
 links (prefill -> store, store -> decode), ``direct`` one (into the decode worker's endpoint;
-its read is in-process), ``shm`` none (copy into the segment, copy out; both check CRCs).
+its read is in-process), ``shm`` none (copy into the segment and hash it; the reader maps it
+and checks the hashes: XXH3-64).
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.
 """
@@ -29,135 +31,36 @@ import json
 import os
 import random
 import socket
-import statistics
 import sys
 import tempfile
-import threading
 import time
-import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
-import torch
 
+from pdserve.bench.transfer_refs import (
+    References,
+    grpc_bytes_per_s,
+    memcpy_bytes_per_s,
+    serve_sink,
+    tcp_bytes_per_s,
+)
+from pdserve.bench.transfer_report import Sample, peak_and_average, report
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
-from pdserve.kvstore.client import KVStoreClient
 from pdserve.models.config import ModelConfig
-from pdserve.rpc.server import build_server
 from pdserve.service_process import ServiceProcess, healthy, terminate
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
-    kvstore_pb2,
-    kvstore_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
 
 MOVING = ("shm", "store", "direct")
 _MIB = 1024 * 1024
-
-
-# -- references ----------------------------------------------------------------------------------
-def memcpy_bytes_per_s(size: int = 256 * _MIB, repeats: int = 5) -> float:
-    """One ``copy_`` of ``size`` bytes per second, median (first touch excluded)."""
-    src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return size / statistics.median(times)
-
-
-def tcp_bytes_per_s(size: int = 256 * _MIB, piece: int = _MIB, repeats: int = 3) -> float:
-    """Raw loopback TCP: bytes per second from the first send to the last byte received."""
-    data = memoryview(bytearray(os.urandom(piece)))
-
-    def send(port: int) -> None:
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            for _ in range(size // piece):
-                s.sendall(data)
-
-    rates = []
-    for _ in range(repeats):
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            sender = threading.Thread(target=send, args=(server.getsockname()[1],))
-            sender.start()
-            conn, _ = server.accept()
-            received = bytearray(piece)
-            with conn:
-                start, got = time.perf_counter(), 0
-                while got < size and (n := conn.recv_into(received)):
-                    got += n
-                rates.append(got / (time.perf_counter() - start))
-            sender.join()
-    return statistics.median(rates)
-
-
-class _Sink(kvstore_pb2_grpc.KVStoreServicer):
-    """A KVStore whose Put only counts bytes: gRPC's own cost, nothing of pdserve's."""
-
-    async def Put(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[kvstore_pb2.KVChunk], context: object
-    ) -> kvstore_pb2.PutResponse:
-        n = 0
-        async for chunk in request_iterator:
-            n += len(chunk.data)
-        return kvstore_pb2.PutResponse(num_bytes=n)
-
-
-async def _serve_sink(port_file: Path) -> None:
-    server, port, health = build_server(
-        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, _Sink())], port=0
-    )
-    await server.start()
-    await health.set_serving()
-    port_file.write_text(f"{port}\n")
-    await server.wait_for_termination()
-
-
-def grpc_bytes_per_s(log_dir: Path, size: int = 256 * _MIB, repeats: int = 3) -> float:
-    """Raw gRPC (grpcio, asyncio): a Put stream of 1 MiB chunks into a sink in another
-    process, bytes per second (median): what any transport on gRPC in Python can reach."""
-    sink = ServiceProcess(
-        "grpc-sink", "pdserve.bench.transfer", ["--grpc-sink"],
-        log_dir / "grpc-sink.port", log_dir / "grpc-sink.log",
-    )  # fmt: skip
-    sink.spawn({**os.environ})
-    try:
-        _wait([sink], 60.0)
-        piece = os.urandom(_MIB)
-
-        async def put() -> float:
-            async with KVStoreClient(sink.address) as client:
-
-                async def pieces() -> AsyncIterator[tuple[bytes, int]]:
-                    crc = zlib.crc32(piece)
-                    for _ in range(size // _MIB):
-                        yield piece, crc
-
-                start = time.perf_counter()
-                await client.put_stream("k", pieces())
-                return size / (time.perf_counter() - start)
-
-        return statistics.median(asyncio.run(put()) for _ in range(repeats))
-    finally:
-        terminate([sink.proc] if sink.proc else [], 5.0)
-
-
-@dataclass(frozen=True)
-class References:
-    """Bytes per second of the references, measured in the same run."""
-
-    memcpy: float
-    tcp: float
-    grpc: float
 
 
 # -- the cluster ---------------------------------------------------------------------------------
@@ -207,57 +110,9 @@ def _wait(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:
             time.sleep(0.1)  # polling a child's port file: nothing to block on
 
 
-# -- samples -------------------------------------------------------------------------------------
-@dataclass
-class Sample:
-    """One hand-off as the workers measured it (ms, bytes, bytes/s)."""
-
-    transport: str
-    layerwise: bool
-    tokens: int
-    num_bytes: int
-    prefill_rpc_ms: float
-    compute_ms: float
-    overlap_ms: float
-    exposed_ms: float
-    send_bytes_per_s: float
-    recv_ms: float
-    recv_bytes_per_s: float
-    recompute_ms: float
-    send_start_ns: int
-    send_end_ns: int
-    recv_start_ns: int
-    recv_end_ns: int
-
-    @property
-    def send_span_bytes_per_s(self) -> float:
-        """Bytes over the sender's whole span, first layer to acknowledgement (deferred: the
-        pipeline of copy, checksum and wire with every layer at hand)."""
-        ns = self.send_end_ns - self.send_start_ns
-        return self.num_bytes / (ns / 1e9) if ns > 0 else 0.0
-
-    @property
-    def ready_ms(self) -> float:
-        """Until the decode worker can start: the Prefill RPC, then the read (or recompute)."""
-        return self.prefill_rpc_ms + self.recv_ms + self.recompute_ms
-
-    @property
-    def visible_ms(self) -> float:
-        """Transfer time not hidden behind the compute."""
-        return self.exposed_ms + self.recv_ms
-
-    @property
-    def share(self) -> float:
-        return self.visible_ms / self.ready_ms if self.ready_ms else 0.0
-
-    @property
-    def hidden(self) -> float:
-        """Of the sender's transfer time, the part that ran while the prefill computed."""
-        total = self.overlap_ms + self.exposed_ms
-        return self.overlap_ms / total if total else 0.0
-
-
-async def one(s: Services, prefill: str, prompt: list[int], transport: str) -> Sample:
+async def one(
+    s: Services, prefill: str, prompt: list[int], transport: str, *, reused: bool = False
+) -> Sample:
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rid = f"bench-{transport}-{random.getrandbits(48):x}"
     decode = s.address("decode")
@@ -289,7 +144,7 @@ async def one(s: Services, prefill: str, prompt: list[int], transport: str) -> S
         transport, sent.layerwise, len(prompt), sent.num_bytes, rpc_ms, resp.compute_ms,
         sent.overlap_ms, sent.exposed_ms, sent.bytes_per_s, got.recv_ms, got.bytes_per_s,
         timing.prefill_ms, sent.first_layer_ns or sent.send_start_ns, sent.send_end_ns,
-        got.recv_start_ns, got.recv_end_ns,
+        got.recv_start_ns, got.recv_end_ns, reused,
     )  # fmt: skip
 
 
@@ -302,19 +157,6 @@ class Prompts:
 
     def __call__(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(n)]
-
-
-def peak_and_average(spans: Sequence[tuple[int, int, int]]) -> tuple[float, float]:
-    """Aggregate bytes/s of transfers ``(start_ns, end_ns, bytes)`` running together: the
-    peak (each spread evenly over its span, summed where they overlap) and the average
-    (all bytes over the whole window)."""
-    spans = [s for s in spans if s[1] > s[0]]
-    if not spans:
-        return 0.0, 0.0
-    events = sorted({t for s in spans for t in s[:2]})
-    peak = max(sum(b / ((e - s) / 1e9) for s, e, b in spans if s <= t < e) for t in events[:-1])
-    window = (max(s[1] for s in spans) - min(s[0] for s in spans)) / 1e9
-    return peak, sum(s[2] for s in spans) / window
 
 
 async def burst(
@@ -336,16 +178,30 @@ async def measure(
     n_burst: int,
     burst_tokens: int,
     repeats: int = 1,
+    reuse_above: int = 0,
 ) -> tuple[list[Sample], dict[str, dict[str, float]]]:
     """Every (size, transport, mode) ``repeats`` times, keeping the run whose transfer was
-    the least visible (the least disturbed, on a shared machine); then the bursts."""
+    the least visible (the least disturbed, on a shared machine); then the bursts.
+
+    Sizes above ``reuse_above`` (0: none) are bandwidth points only: one prompt per size,
+    prefilled once for real by the deferred worker and then served from its prefix cache for
+    every other transport and repeat (the layer hook still moves the whole prompt's KV), no
+    layer-wise run and no recompute: a 32K prefill takes minutes on a few CPU cores."""
     await one(s, "prefill", prompts(64), "shm")  # warm-up: first-step costs
     await one(s, "prefill-deferred", prompts(64), "shm")
     samples = []
     for n in sizes:
+        reused = bool(reuse_above) and n > reuse_above
+        shared = prompts(n) if reused else None
         for t in transports:
-            for prefill in ("prefill", "prefill-deferred") if t != "recompute" else ("prefill",):
-                runs = [await one(s, prefill, prompts(n), t) for _ in range(repeats)]
+            if reused and t not in MOVING:
+                continue
+            modes = ("prefill", "prefill-deferred") if t != "recompute" else ("prefill",)
+            for prefill in ("prefill-deferred",) if reused else modes:
+                runs = [
+                    await one(s, prefill, shared or prompts(n), t, reused=reused)
+                    for _ in range(repeats)
+                ]
                 sample = min(runs, key=lambda x: x.visible_ms if t != "recompute" else x.ready_ms)
                 samples.append(sample)
                 mode = "layer-wise" if sample.layerwise else "deferred"
@@ -361,70 +217,6 @@ async def measure(
     return samples, bursts
 
 
-def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: References) -> str:
-    """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
-    gb = 1e9
-    lines = [
-        f"References (this run): memcpy {ref.memcpy / gb:.2f} GB/s, loopback TCP "
-        f"{ref.tcp / gb:.2f} GB/s, raw gRPC {ref.grpc / gb:.2f} GB/s.",
-        "",
-        "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
-        "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
-        "| hidden |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def find(t: str, n: int, layerwise: bool) -> Sample | None:
-        return next(
-            (x for x in samples if (x.transport, x.tokens, x.layerwise) == (t, n, layerwise)), None
-        )
-
-    for t in dict.fromkeys(x.transport for x in samples):
-        for n in dict.fromkeys(x.tokens for x in samples):
-            lw, de = find(t, n, True), find(t, n, False)
-            if lw is None:
-                continue
-            if t == "recompute":
-                lines.append(
-                    f"| recompute | {n} | - | - | - | - | - | {lw.prefill_rpc_ms:.0f} | "
-                    f"{lw.recompute_ms:.0f} (decode-side prefill) | "
-                    f"{lw.recompute_ms / lw.ready_ms:.0%} | - |"
-                )
-                continue
-            base = de or lw  # link rates from the no-overlap run: not paced by the compute
-            send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
-            # direct's read is in-process (assembled on arrival): its link is the send alone.
-            bw = send if t == "direct" else min(send, recv)
-            of_ref = f"{bw / (ref.memcpy if t == 'shm' else ref.tcp):.0%}"
-            of_grpc = "-" if t == "shm" else f"{bw / ref.grpc:.0%}"
-            visible = f"{lw.visible_ms:.0f} / {de.visible_ms:.0f}" if de else f"{lw.visible_ms:.0f}"
-            share = f"{lw.share:.1%} / {de.share:.1%}" if de else f"{lw.share:.1%}"
-            hidden = f"{1 - lw.visible_ms / de.visible_ms:.0%}" if de and de.visible_ms else "-"
-            # direct: assembled as it landed; the read only hands the payload over.
-            recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
-            lines.append(
-                f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
-                f"{of_ref} | {of_grpc} | {lw.prefill_rpc_ms:.0f} | {visible} | {share} | "
-                f"{hidden} |"
-            )
-    if bursts:
-        lines += [
-            "",
-            "| transport | send peak GB/s | send average | recv peak | recv average |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for t, b in bursts.items():
-            received = (
-                "on arrival | on arrival"
-                if t.startswith("direct")
-                else f"{b['recv_peak'] / gb:.2f} | {b['recv_avg'] / gb:.2f}"
-            )
-            lines.append(
-                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} |"
-            )
-    return "\n".join(lines)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -436,7 +228,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", type=int, default=4, help="concurrent prefills in the burst")
     p.add_argument("--burst-tokens", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-bytes", type=int, default=2 * 1024 * _MIB)
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=0,
+        help="per worker (0: 2 GiB, or 1.25x the largest prompt's KV if more)",
+    )
+    p.add_argument("--reuse-prefill-above", type=int, default=8192, metavar="TOKENS",
+                   help="larger: one prefill reused by all transports, bandwidth only")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     p.add_argument("--json", type=Path, help="write every sample here")
     p.add_argument("--from-json", type=Path, help="only print the report of an earlier --json")
@@ -452,7 +251,7 @@ def main(argv: Sequence[str]) -> int:
     if args.grpc_sink:
         if args.port_file is None:
             raise InvalidArgumentError("--port-file", "the sink needs one")
-        asyncio.run(_serve_sink(args.port_file))
+        asyncio.run(serve_sink(args.port_file))
         return 0
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
@@ -468,19 +267,31 @@ def main(argv: Sequence[str]) -> int:
         from pdserve.launcher import default_model
 
         args.model = default_model("base")
-    prompts = Prompts(ModelConfig.from_dir(args.model).vocab_size)
+    config = ModelConfig.from_dir(args.model)
+    if max(sizes) >= config.max_position_embeddings:
+        raise InvalidArgumentError(
+            "--tokens",
+            f"{max(sizes)} tokens leave no room for an output in {args.model}'s "
+            f"{config.max_position_embeddings} positions",
+        )
+    prompts = Prompts(config.vocab_size)
+    dtype = json.loads((args.model / "config.json").read_text()).get("torch_dtype", "float32")
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    kv_per_token *= 2 if dtype in ("bfloat16", "float16") else 4
+    kv_cache_bytes = args.kv_cache_bytes or max(2 * 1024 * _MIB, max(sizes) * kv_per_token * 5 // 4)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         print("measuring memcpy, loopback TCP and raw gRPC ...", file=sys.stderr, flush=True)
         size = args.reference_mib * _MIB
         refs = References(
-            memcpy_bytes_per_s(size), tcp_bytes_per_s(size), grpc_bytes_per_s(log_dir, size)
+            memcpy_bytes_per_s(size), tcp_bytes_per_s(size), grpc_bytes_per_s(log_dir, _wait, size)
         )
         worker_args = [
             "--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-bytes",
-            str(args.kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",
-            "--log-level", "WARNING", *args.worker_arg,
+            str(kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",
+            # Whole payloads: a reused prompt must not shrink to what the decoder lacks.
+            "--no-decode-prefix", "--log-level", "WARNING", *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
         services = Services.start(args.model, log_dir, worker_args)
@@ -494,6 +305,7 @@ def main(argv: Sequence[str]) -> int:
                     args.burst,
                     args.burst_tokens,
                     args.repeats,
+                    args.reuse_prefill_above,
                 )
             )
         finally:

@@ -102,6 +102,10 @@ class BlockManager:
         self.prefix_hits += len(hits)
         return hits
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding ``block_hash`` in the prefix cache, or None (no ref taken)."""
+        return self._cached.get(block_hash)
+
     def take_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
         """Give an empty ``seq`` the cached blocks ``block_ids`` as its first blocks."""
         if seq.block_table:

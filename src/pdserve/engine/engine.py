@@ -257,6 +257,35 @@ class Engine:
             raise UnknownRequestError(f"no held KV for request {request_id!r}")
         self.block_manager.free(seq)
 
+    def cached_prefix_blocks(self, block_hashes: Seq[bytes]) -> int:
+        """How many of ``block_hashes`` (``chain_block_hashes`` of a prompt, with its cache
+        salt and this engine's block size), from the first on, the prefix cache holds now.
+
+        A hint for a peer deciding what to send: the blocks may be evicted right after.
+        """
+        found = 0
+        for h in block_hashes:
+            if self.block_manager.cached_block(h) is None:
+                break
+            found += 1
+        return found
+
+    def export_cached_prefix(self, block_hashes: Seq[bytes]) -> KVPayload | None:
+        """A copy of the KV of the cached blocks ``block_hashes`` (all of them, in order),
+        ``[len(block_hashes) * block_size, kvh, hd]`` per layer; None if one was evicted."""
+        ids = [self.block_manager.cached_block(h) for h in block_hashes]
+        if not ids or any(i is None for i in ids):
+            return None
+        table = [i for i in ids if i is not None]
+        n = len(table) * self.config.block_size
+        layers = [self.runner.read_layer(i, table, n) for i in range(self.model_config.num_layers)]
+        return KVPayload(
+            self.layout,
+            n,
+            tuple(k.to("cpu").contiguous() for k, _ in layers),
+            tuple(v.to("cpu").contiguous() for _, v in layers),
+        )
+
     def _admit_imports(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         while self._imports and len(self.scheduler.running) < self.config.max_num_seqs:

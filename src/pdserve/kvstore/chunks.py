@@ -10,11 +10,11 @@ end without their last chunk.
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
+from pdserve.kvstore.crc import fast_crc32
 from pdserve.v1 import kvstore_pb2
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
@@ -73,7 +73,7 @@ def data_chunk(
     """One chunk carrying ``piece`` (copied into the message unless it is ``bytes``) and its
     CRC-32 (``crc32`` if the caller computed it already)."""
     data = piece if isinstance(piece, bytes) else bytes(piece)
-    crc = zlib.crc32(data) if crc32 is None else crc32
+    crc = fast_crc32(data) if crc32 is None else crc32
     return kvstore_pb2.KVChunk(seq=seq, data=data, crc32=crc, last=last)
 
 
@@ -124,7 +124,7 @@ class ChunkReader:
             raise InvalidArgumentError("seq", f"chunk {chunk.seq} arrived after the last chunk")
         if chunk.seq != self.num_chunks:
             raise InvalidArgumentError("seq", f"expected chunk {self.num_chunks}, got {chunk.seq}")
-        if self.verify and zlib.crc32(chunk.data) != chunk.crc32:
+        if self.verify and fast_crc32(chunk.data) != chunk.crc32:
             raise KVTransferError(f"chunk {chunk.seq} of {self.key!r} failed its CRC-32 check")
         if self.num_chunks == 0:
             self.key = chunk.key
@@ -162,10 +162,10 @@ class ChunkReader:
 class CrcPipeline:
     """Checks chunks' CRC-32s in worker threads while the stream goes on.
 
-    ``zlib.crc32`` releases the GIL on large buffers, so the event loop keeps receiving (and
-    gRPC keeps its socket busy) while up to ``depth`` chunks are checked beside it; small
-    chunks are checked at once. The data must not be trusted before ``drain()`` returned;
-    ``cancel()`` drops what is still pending (the stream failed anyway).
+    ``fast_crc32`` (like ``zlib.crc32``) releases the GIL on large buffers, so the event loop
+    keeps receiving (and gRPC keeps its socket busy) while up to ``depth`` chunks are checked
+    beside it; small chunks are checked at once. The data must not be trusted before
+    ``drain()`` returned; ``cancel()`` drops what is still pending (the stream failed anyway).
     """
 
     INLINE_BYTES = 64 * 1024
@@ -178,11 +178,11 @@ class CrcPipeline:
     async def check(self, chunk: kvstore_pb2.KVChunk) -> None:
         """Check ``chunk`` (now, or in a thread); raises for an earlier one that failed."""
         if len(chunk.data) < self.INLINE_BYTES:
-            self._compare(chunk.seq, zlib.crc32(chunk.data), chunk.crc32)
+            self._compare(chunk.seq, fast_crc32(chunk.data), chunk.crc32)
             return
         while len(self._pending) >= self.depth:
             await self._next()
-        future = asyncio.get_running_loop().run_in_executor(None, zlib.crc32, chunk.data)
+        future = asyncio.get_running_loop().run_in_executor(None, fast_crc32, chunk.data)
         self._pending.append((chunk.seq, future, chunk.crc32))
 
     async def drain(self) -> None:

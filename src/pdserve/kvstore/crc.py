@@ -1,4 +1,5 @@
-"""CRC-32 arithmetic: the CRC of a concatenation from the CRCs of its parts.
+"""CRC-32: a fast zlib-compatible ``fast_crc32``, and the CRC of a concatenation from the
+CRCs of its parts.
 
 ``crc32_combine(crc(A), crc(B), len(B)) == zlib.crc32(A + B)``, as zlib's C function of the
 same name (which Python's ``zlib`` does not expose). A layer frame's CRC is then derived from
@@ -11,6 +12,18 @@ repeated squaring and cached per length (chunks mostly have one length).
 from __future__ import annotations
 
 import functools
+
+from isal import isal_zlib
+
+Buffer = bytes | bytearray | memoryview
+
+
+def fast_crc32(data: Buffer, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, the same values, from ISA-L (carry-less multiply): about
+    10 GB/s on one core where zlib manages 1 to 2 GB/s. Every chunk of a KV stream is
+    checked once per hop, so zlib's speed bounded the ``store`` and ``direct`` transports."""
+    return int(isal_zlib.crc32(data, value))
+
 
 _POLY = 0xEDB88320  # CRC-32 (zlib), reflected
 Matrix = tuple[int, ...]

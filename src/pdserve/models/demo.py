@@ -15,6 +15,9 @@ small   512     8       8      4         1408          32000  56,369,664    bflo
 base    1024    24      16     8         2816          32000  348,701,696   bfloat16
 ======  ======  ======  =====  ========  ============  =====  ============  ========
 
+Positions (``max_position_embeddings``): 8192 for tiny and small, 40960 for base (32K-token
+prompts; the positions do not change any weight, only how long a prompt may be).
+
 NOTE: the usual init (std 0.02) gives a model that answers every greedy step with the same token,
 so a parity test against it proves nothing. Here every matrix has std ``1.7 / sqrt(fan_in)``
 (0.15 for the tiny preset), norms are ``1 + N(0, 0.1)`` and Qwen2 q/k/v biases are ``N(0, 0.5)``:
@@ -78,7 +81,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 4, 4, 2, 352, 2048, "float32", 8192),
     "small": Preset(512, 8, 8, 4, 1408, 32000, "bfloat16", 8192),
-    "base": Preset(1024, 24, 16, 8, 2816, 32000, "bfloat16", 8192),
+    # 40960 positions (32K + 8K, as some released models have): a 32768-token prompt fits with
+    # room for its output, for the transfer benchmark's 32K payloads.
+    "base": Preset(1024, 24, 16, 8, 2816, 32000, "bfloat16", 40960),
 }
 
 # Per-family config defaults. Rope theta and eps differ on purpose, as in the real models, so

@@ -6,20 +6,22 @@ it; once ``finish`` has sealed it, the receiver owns it and unlinks it after rea
 the outcome. A segment whose owner died is reclaimed by ``janitor.reclaim_orphans``.
 
 Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
-(``Tensor.copy_`` into a view over it; device-to-host when the engine is on a GPU). The receiver
-reads each layer once, with ``preadv`` into the payload's own buffer, and checks its CRC-32
-there; the engine's import then copies the payload into its blocks.
+(``Tensor.copy_`` into a view over it; device-to-host when the engine is on a GPU) and takes
+its XXH3-64 there (``checksum.py``). The receiver copies nothing: it unlinks the sealed
+segment, maps it privately, checks each layer's XXH3-64 over the mapping and hands the engine
+views over it; the engine's import is the one copy into its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
 import socket
+import threading
 import time
 import traceback
-import zlib
 from pathlib import Path
 
 import torch
@@ -38,8 +40,37 @@ from pdserve.transfer.base import (
     TransportKind,
     advance,
 )
+from pdserve.transfer.checksum import copy_and_checksum
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
 from pdserve.transfer.stream import check_layer, missing_layers
+
+_PIECE_BYTES = 1 << 20
+"""Bytes copied then hashed at a time: small enough to be hashed from cache."""
+
+
+class _Mapper(threading.Thread):
+    """Maps a new segment for writing in the background (``segment.map_for_writing``)."""
+
+    def __init__(self, fd: int, header: bytes, geom: segment.SegmentGeometry) -> None:
+        super().__init__(name="shm-map", daemon=True)
+        self._args = (fd, header, geom)
+        self._mm: mmap.mmap | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._mm = segment.map_for_writing(*self._args)
+        except BaseException as err:  # handed to whoever joins: result() raises it
+            self._error = err
+
+    def result(self) -> mmap.mmap:
+        """Wait for the mapping; raise what the mapping raised."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        if self._mm is None:
+            raise KVTransferError("shm segment mapper ended without a mapping")
+        return self._mm
 
 
 class ShmSender:
@@ -58,6 +89,7 @@ class ShmSender:
         self.name = ""
         """The segment's name, once ``begin`` created it."""
         self._mm: mmap.mmap | None = None
+        self._mapper: _Mapper | None = None
         self._geom = segment.SegmentGeometry(0, 0, 0)
         self._request_id = ""
         self._layout: KVLayout | None = None
@@ -78,10 +110,14 @@ class ShmSender:
         geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
         name = segment_name(request_id, prefix=self.prefix)
         try:
-            self._mm = segment.create(self.shm_dir / name, header, geom)
+            fd = segment.create(self.shm_dir / name, geom.total)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
+        # Mapping (and pre-faulting) the segment runs beside the prefill's compute; the first
+        # layer waits for it (``_mapping``). ``abort`` and ``finish`` join it on every path.
+        self._mapper = _Mapper(fd, header, geom)
+        self._mapper.start()
         self.name, self._geom, self._request_id = name, geom, request_id
         self._layout, self._num_tokens = layout, num_tokens
         self.stats.num_bytes = geom.total
@@ -103,29 +139,41 @@ class ShmSender:
         self.stats.first_layer_ns = self.stats.first_layer_ns or start
         self.stats.last_layer_ns = end
 
+    def _mapping(self) -> mmap.mmap:
+        """The segment's mapping, once the mapper thread has made it (or its error)."""
+        if self._mm is None and self._mapper is not None:
+            mapper, self._mapper = self._mapper, None
+            self._mm = mapper.result()
+        if self._mm is None:
+            raise KVTransferError(f"shm segment {self.name!r} is not mapped")
+        return self._mm
+
     def _write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.state is not TransferState.SENDING or self._mm is None or self._layout is None:
+        if self.state is not TransferState.SENDING or self._layout is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
+        mm = self._mapping()
         layout = self._layout
         check_layer(layout, self._num_tokens, layer, k, v, self._crcs)
-        shape = (self._num_tokens, layout.num_kv_heads, layout.head_dim)
-        dtype = DTYPES[layout.dtype]
         size, off = self._geom.layer_bytes, self._geom.layer_offset(layer)
         half = size // 2
-        # [layer_bytes] uint8 view over the mapping -> two [num_tokens, kvh, hd] views: the
-        # copy_ below is the only copy (a gather, or device-to-host, straight into shm).
-        dst = torch.frombuffer(self._mm, dtype=torch.uint8, count=size, offset=off)
-        dst[:half].view(dtype).view(shape).copy_(k)
-        dst[half:].view(dtype).view(shape).copy_(v)
+        # A [layer_bytes] uint8 view over the mapping: K then V [num_tokens, kvh, hd] are
+        # copied into it (the only copy: a gather, or device-to-host, straight into shm) and
+        # hashed piece by piece as written (``copy_and_checksum``).
+        dst = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
+        rows = max(1, _PIECE_BYTES // max(1, half // self._num_tokens))
+        self._crcs[layer] = copy_and_checksum(dst, (k, v), rows)
         del dst
-        with memoryview(self._mm) as whole, whole[off : off + size] as part:
-            self._crcs[layer] = zlib.crc32(part)
 
     def finish(self) -> TransferDescriptor:
         """Seal the segment and describe it; aborts (and raises) if a layer failed or is missing."""
         start = time.monotonic_ns()
-        if self.state is not TransferState.SENDING or self._mm is None or self._layout is None:
+        if self.state is not TransferState.SENDING or self._layout is None:
             raise KVTransferError(f"finish on a sender that is {self.state.name}")
+        if self._error is None:
+            try:
+                self._mapping()
+            except Exception as mapping_error:  # the mapper failed; no layer noticed it
+                self._error = mapping_error
         if self._error is not None:
             err = self._error
             self.abort()
@@ -135,7 +183,8 @@ class ShmSender:
             self.abort()
             raise KVTransferError(f"KV layers {missing} of {self._request_id!r} were never sent")
         crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
-        segment.seal(self._mm, self._geom, crcs)
+        mm = self._mapping()
+        segment.seal(mm, self._geom, crcs)
         segment.close_mapping(self._mm)
         self._mm = None
         self.state = advance(self.state, TransferState.SENT)
@@ -160,6 +209,10 @@ class ShmSender:
         """Unlink the segment (idempotent). After ``finish`` this revokes the hand-off."""
         if self.state is TransferState.FAILED:
             return
+        if self._mapper is not None:
+            mapper, self._mapper = self._mapper, None
+            with contextlib.suppress(Exception):  # aborting: the mapping's outcome is moot
+                self._mm = self._mm or mapper.result()
         segment.close_mapping(self._mm)
         self._mm = None
         if self.name:
@@ -235,9 +288,12 @@ class ShmReceiver:
         owned = False
         try:
             head = segment.read_header(fd, d.offset, d.name)
-            # Sealed, so ours now: single use, unlinked whatever happens from here on. (An
-            # unsealed or foreign file still belongs to its writer and is left alone.)
+            # Sealed, so ours now: single use, unlinked at once, whatever happens from here on
+            # (the open fd keeps it readable). Nobody can open it anew, so what the checksums
+            # pass is what the engine imports. (An unsealed or foreign file still belongs to
+            # its writer and is left alone.)
             owned = True
+            segment.unlink(path)
             self._check(d, head)
             return segment.read_payload(
                 fd, d.offset, head, d.layer_checksums or head.checksums, deadline

@@ -51,6 +51,7 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
+from pdserve.worker import decode_prefix
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
@@ -138,6 +139,10 @@ class DecodeWorker:
         self.links = LinkModel(self.host)
         self.fingerprint = kv_fingerprint(engine.layout)
         self._stores: dict[str, KVStoreClient] = {}
+        if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
+            inbox.route_lookups(
+                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
+            )
 
     async def close(self) -> None:
         """Close the KV store connections."""
@@ -186,9 +191,11 @@ class DecodeWorker:
                     f"KV handle fingerprint {kv.model_fingerprint!r} differs from this "
                     f"worker's {self.fingerprint!r}"
                 )
-            if kv.num_tokens != len(prompt_ids):
+            if kv.prefix_tokens + kv.num_tokens != len(prompt_ids):
                 raise InvalidArgumentError(
-                    "kv.num_tokens", f"{kv.num_tokens}, but the prompt has {len(prompt_ids)} tokens"
+                    "kv.num_tokens",
+                    f"{kv.prefix_tokens} + {kv.num_tokens}, but the prompt has "
+                    f"{len(prompt_ids)} tokens",
                 )
             arrival = await self._arrive(
                 request_id, prompt_ids, params, kv, inbound, tenant, reservation_id
@@ -207,6 +214,7 @@ class DecodeWorker:
             first_token=first_token,
             tag=reservation_id,
             timing=timing,
+            coalesce=True,  # a stream that fell behind catches up in one chunk
         )
         async with aclosing(stream):
             async for out in stream:
@@ -244,6 +252,10 @@ class DecodeWorker:
             start = time.perf_counter()
             try:
                 payload = await inbound.receive(timeout)
+                if kv.prefix_tokens:  # the rest of the prompt; its prefix is in our cache
+                    payload = await decode_prefix.join_cached_prefix(
+                        self.engine, payload, prompt_ids, kv.prefix_tokens, tenant
+                    )
             except FALLBACK_ERRORS as err:
                 transfer_ms = (time.perf_counter() - start) * 1000.0
                 reason = f"{kv.kind} receive failed: {err}"

@@ -21,14 +21,13 @@ copies per side. Here:
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
 from pdserve.errors import KVPayloadMismatchError, KVTransferError
-from pdserve.kvstore.crc import crc32_combine
+from pdserve.kvstore.crc import crc32_combine, fast_crc32
 from pdserve.transfer.compress import (
     Compression,
     QuantizedTensor,
@@ -108,7 +107,7 @@ class LayerCopy:
         for part in parts:
             for start in range(0, len(part), piece_bytes):
                 data = bytes(part[start : start + piece_bytes])
-                piece_crc = zlib.crc32(data)
+                piece_crc = fast_crc32(data)
                 crc = crc32_combine(crc, piece_crc, len(data))
                 pieces.append((data, piece_crc))
         half = len(parts[0])
@@ -118,8 +117,8 @@ class LayerCopy:
             # must not.
             bad = bytearray(pieces[0][0])
             bad[0] ^= 0xFF
-            pieces[0] = (bytes(bad), zlib.crc32(bad))
-        return [(head, zlib.crc32(head)), *pieces]
+            pieces[0] = (bytes(bad), fast_crc32(bad))
+        return [(head, fast_crc32(head)), *pieces]
 
 
 class FrameCollector:
@@ -199,7 +198,7 @@ class FrameCollector:
             raise KVTransferError(f"KV layer {layer} arrived twice")
         if kv_crc is None:
             with memoryview(frame) as view:
-                kv_crc = zlib.crc32(view[FRAME_HEAD.size :])
+                kv_crc = fast_crc32(view[FRAME_HEAD.size :])
         if kv_crc != crc:
             raise KVTransferError(f"KV layer {layer} failed its checksum")
         k_off, v_off = FRAME_HEAD.size, FRAME_HEAD.size + self.part

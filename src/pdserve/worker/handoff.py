@@ -26,7 +26,7 @@ class KVLocation:
     kind: TransportKind
     request_id: str
     num_tokens: int
-    """Tokens whose KV the payload holds (the prompt length)."""
+    """Tokens whose KV the payload holds (the prompt length, less ``prefix_tokens``)."""
     num_bytes: int
     """Size of the payload as it lies there (layer stream, or shm segment)."""
     model_fingerprint: str
@@ -41,6 +41,9 @@ class KVLocation:
     length: int = 0
     reason: str = ""
     """recompute: why nothing moved."""
+    prefix_tokens: int = 0
+    """Leading prompt tokens left out of the payload: the decode worker's prefix cache holds
+    them (``prefix.DecodePrefix``). ``prefix_tokens + num_tokens`` is the prompt length."""
 
     @classmethod
     def recompute(

@@ -69,6 +69,8 @@ class WorkerOptions:
     allow_recompute: bool = True
     kv_compression: str = "none"
     layerwise: bool = True
+    decode_prefix: bool = True
+    """Send only the KV blocks the decode worker's prefix cache lacks (``decode_prefix``)."""
     kv_transfer_timeout_s: float = 0.0
     """Bound on a hand-off's commit and read; 0: from payload size and measured bandwidth."""
     prefix_reuse: bool = False
@@ -92,6 +94,7 @@ class WorkerOptions:
             allow_recompute=self.allow_recompute,
             compression=Compression(self.kv_compression),
             layerwise=self.layerwise,
+            decode_prefix=self.decode_prefix,
             timeout_s=self.kv_transfer_timeout_s,
             lease_s=self.kv_lease_s,
             faults=parse_faults(self.faults),
@@ -198,6 +201,13 @@ def worker_parser(
         help="send the KV after the prefill instead of layer by layer during it",
     )
     t.add_argument(
+        "--no-decode-prefix",
+        dest="decode_prefix",
+        action="store_false",
+        default=True,
+        help="send the whole prompt's KV even when the decode worker caches a prefix of it",
+    )
+    t.add_argument(
         "--kv-transfer-timeout-s",
         type=float,
         default=float(d("kv_transfer_timeout_s", 0.0)),
@@ -293,6 +303,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         allow_recompute=args.allow_recompute,
         kv_compression=args.kv_compression,
         layerwise=args.layerwise,
+        decode_prefix=args.decode_prefix,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         prefix_reuse=args.prefix_reuse,
         prefix_chunk_tokens=args.prefix_chunk_tokens,

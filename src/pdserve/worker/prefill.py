@@ -5,7 +5,8 @@ Per request:
      the decode side would refuse fails here, before any compute).
   2. Choose the transport (``placement.TransportChooser``: forced, or shm on the decode
      worker's host, else direct/store, or recompute) and ``begin`` it: the shm segment or the
-     Put stream exists before the engine starts.
+     Put stream exists before the engine starts. Before that, ask the decode worker which
+     leading blocks of the prompt it caches; they are left out (``decode_prefix``).
   3. Optionally import the prompt's leading blocks from the KV store into the engine's prefix
      cache (``prefix.PrefixReuse``), so that only the rest is computed.
   4. Run the prompt with ``max_tokens=1`` and the transport's ``send_layer`` as the layer hook:
@@ -39,10 +40,11 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmSender
+from pdserve.worker import decode_prefix
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
-from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender
+from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
 from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.timing import RequestTiming
@@ -172,6 +174,11 @@ class PrefillWorker:
             forced=forced,
         )
         out = self._outbound(kind, decode_address)
+        if out is not None and decode_address and self.options.decode_prefix:
+            # Leave out the leading blocks the decode worker caches (decode_prefix).
+            endpoint = self._endpoint(decode_address)
+            skip = await decode_prefix.ask(endpoint, self.engine.layout, prompt_ids, tenant)
+            out = Suffix(out, skip) if skip else out
         fallback = ""
         if out is None:
             fallback = (
@@ -309,7 +316,10 @@ class PrefillWorker:
             layerwise=self.options.layerwise,
         )
         self.chooser.model.observe(peer, record)
-        return _Sent(KVLocation.of(descriptor, self.fingerprint), record)
+        location = KVLocation.of(descriptor, self.fingerprint)
+        if isinstance(out, Suffix):
+            location = dataclasses.replace(location, prefix_tokens=out.prefix_tokens)
+        return _Sent(location, record)
 
     def _finish_reason(
         self, out: RequestOutput, params: SamplingParams, prompt_len: int

@@ -30,6 +30,7 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
         num_tokens=kv.num_tokens,
         num_bytes=kv.num_bytes,
         model_fingerprint=kv.model_fingerprint,
+        prefix_tokens=kv.prefix_tokens,
     )
     if kv.kind is TransportKind.STORE:
         handle.store.CopyFrom(common_pb2.StoreLocation(address=kv.address, key=kv.key))
@@ -48,19 +49,20 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
     """The location of a handle; ``InvalidArgumentError`` names a missing or empty field."""
     where = handle.WhichOneof("location")
     common = (handle.request_id, handle.num_tokens, handle.num_bytes, handle.model_fingerprint)
+    skip = handle.prefix_tokens
     if where in ("store", "direct"):
         loc = handle.store if where == "store" else handle.direct
         if not loc.key:
             raise InvalidArgumentError(f"kv.{where}.key", "must not be empty")
         kind = TransportKind.STORE if where == "store" else TransportKind.DIRECT
-        return KVLocation(kind, *common, address=loc.address, key=loc.key)
+        return KVLocation(kind, *common, address=loc.address, key=loc.key, prefix_tokens=skip)
     if where == "shm":
         shm = handle.shm
         if not shm.name:
             raise InvalidArgumentError("kv.shm.name", "must not be empty")
         return KVLocation(
-            TransportKind.SHM, *common,
-            key=shm.name, host=shm.host, offset=shm.offset, length=shm.length,
+            TransportKind.SHM, *common, key=shm.name, host=shm.host, offset=shm.offset,
+            length=shm.length, prefix_tokens=skip,
         )  # fmt: skip
     if where == "recompute":
         return KVLocation(TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason)

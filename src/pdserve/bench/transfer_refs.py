@@ -1,0 +1,137 @@
+"""References of ``pdserve bench transfer``, measured in the same run as the transports.
+
+* memcpy: ``Tensor.copy_`` of a 256 MiB buffer, bytes of one copy per second (median of 5);
+* loopback TCP: one socket on 127.0.0.1, a sender thread ``sendall`` 1 MiB pieces of 256 MiB,
+  the receiver ``recv_into`` one buffer (median of 3);
+* raw gRPC: the same bytes as a ``KVStore.Put`` stream into a servicer in another process
+  that only counts them (grpcio, asyncio; median of 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.rpc.server import build_server
+from pdserve.service_process import ServiceProcess, terminate
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+_MIB = 1024 * 1024
+
+
+# -- references ----------------------------------------------------------------------------------
+def memcpy_bytes_per_s(size: int = 256 * _MIB, repeats: int = 5) -> float:
+    """One ``copy_`` of ``size`` bytes per second, median (first touch excluded)."""
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
+
+
+def tcp_bytes_per_s(size: int = 256 * _MIB, piece: int = _MIB, repeats: int = 3) -> float:
+    """Raw loopback TCP: bytes per second from the first send to the last byte received."""
+    data = memoryview(bytearray(os.urandom(piece)))
+
+    def send(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for _ in range(size // piece):
+                s.sendall(data)
+
+    rates = []
+    for _ in range(repeats):
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            sender = threading.Thread(target=send, args=(server.getsockname()[1],))
+            sender.start()
+            conn, _ = server.accept()
+            received = bytearray(piece)
+            with conn:
+                start, got = time.perf_counter(), 0
+                while got < size and (n := conn.recv_into(received)):
+                    got += n
+                rates.append(got / (time.perf_counter() - start))
+            sender.join()
+    return statistics.median(rates)
+
+
+class _Sink(kvstore_pb2_grpc.KVStoreServicer):
+    """A KVStore whose Put only counts bytes: gRPC's own cost, nothing of pdserve's."""
+
+    async def Put(  # noqa: N802 - gRPC method names
+        self, request_iterator: AsyncIterator[kvstore_pb2.KVChunk], context: object
+    ) -> kvstore_pb2.PutResponse:
+        n = 0
+        async for chunk in request_iterator:
+            n += len(chunk.data)
+        return kvstore_pb2.PutResponse(num_bytes=n)
+
+
+async def serve_sink(port_file: Path) -> None:
+    """Serve the byte-counting sink; its port goes to ``port_file``."""
+    server, port, health = build_server(
+        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, _Sink())], port=0
+    )
+    await server.start()
+    await health.set_serving()
+    port_file.write_text(f"{port}\n")
+    await server.wait_for_termination()
+
+
+def grpc_bytes_per_s(
+    log_dir: Path,
+    wait: Callable[[list[ServiceProcess], float], None],
+    size: int = 256 * _MIB,
+    repeats: int = 3,
+    piece_bytes: int = _MIB,
+) -> float:
+    """Raw gRPC (grpcio, asyncio): a Put stream of ``piece_bytes`` chunks into a sink in
+    another process, bytes per second (median): what a transport on gRPC in Python can reach
+    with messages of that size."""
+    sink = ServiceProcess(
+        "grpc-sink", "pdserve.bench.transfer", ["--grpc-sink"],
+        log_dir / "grpc-sink.port", log_dir / "grpc-sink.log",
+    )  # fmt: skip
+    sink.spawn({**os.environ})
+    try:
+        wait([sink], 60.0)
+        piece = os.urandom(piece_bytes)
+
+        async def put() -> float:
+            async with KVStoreClient(sink.address) as client:
+
+                async def pieces() -> AsyncIterator[tuple[bytes, int]]:
+                    crc = zlib.crc32(piece)
+                    for _ in range(size // piece_bytes):
+                        yield piece, crc
+
+                start = time.perf_counter()
+                await client.put_stream("k", pieces())
+                return size / (time.perf_counter() - start)
+
+        return statistics.median(asyncio.run(put()) for _ in range(repeats))
+    finally:
+        terminate([sink.proc] if sink.proc else [], 5.0)
+
+
+@dataclass(frozen=True)
+class References:
+    """Bytes per second of the references, measured in the same run."""
+
+    memcpy: float
+    tcp: float
+    grpc: float

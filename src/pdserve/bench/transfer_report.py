@@ -1,0 +1,153 @@
+"""Samples and the report of ``pdserve bench transfer`` (definitions in ``docs/benchmarks.md``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.bench.transfer_refs import References
+
+
+@dataclass
+class Sample:
+    """One hand-off as the workers measured it (ms, bytes, bytes/s)."""
+
+    transport: str
+    layerwise: bool
+    tokens: int
+    num_bytes: int
+    prefill_rpc_ms: float
+    compute_ms: float
+    overlap_ms: float
+    exposed_ms: float
+    send_bytes_per_s: float
+    recv_ms: float
+    recv_bytes_per_s: float
+    recompute_ms: float
+    send_start_ns: int
+    send_end_ns: int
+    recv_start_ns: int
+    recv_end_ns: int
+    reused: bool = False
+    """The prompt's KV came from the prefix cache (a bandwidth-only point: no compute)."""
+
+    @property
+    def send_span_bytes_per_s(self) -> float:
+        """Bytes over the sender's whole span, first layer to acknowledgement (deferred: the
+        pipeline of copy, checksum and wire with every layer at hand)."""
+        ns = self.send_end_ns - self.send_start_ns
+        return self.num_bytes / (ns / 1e9) if ns > 0 else 0.0
+
+    @property
+    def ready_ms(self) -> float:
+        """Until the decode worker can start: the Prefill RPC, then the read (or recompute)."""
+        return self.prefill_rpc_ms + self.recv_ms + self.recompute_ms
+
+    @property
+    def visible_ms(self) -> float:
+        """Transfer time not hidden behind the compute."""
+        return self.exposed_ms + self.recv_ms
+
+    @property
+    def share(self) -> float:
+        return self.visible_ms / self.ready_ms if self.ready_ms else 0.0
+
+    @property
+    def hidden(self) -> float:
+        """Of the sender's transfer time, the part that ran while the prefill computed."""
+        total = self.overlap_ms + self.exposed_ms
+        return self.overlap_ms / total if total else 0.0
+
+
+def peak_and_average(spans: Sequence[tuple[int, int, int]]) -> tuple[float, float]:
+    """Aggregate bytes/s of transfers ``(start_ns, end_ns, bytes)`` running together: the
+    peak (each spread evenly over its span, summed where they overlap) and the average
+    (all bytes over the whole window)."""
+    spans = [s for s in spans if s[1] > s[0]]
+    if not spans:
+        return 0.0, 0.0
+    events = sorted({t for s in spans for t in s[:2]})
+    peak = max(sum(b / ((e - s) / 1e9) for s, e, b in spans if s <= t < e) for t in events[:-1])
+    window = (max(s[1] for s in spans) - min(s[0] for s in spans)) / 1e9
+    return peak, sum(s[2] for s in spans) / window
+
+
+def _bandwidth_row(de: Sample, ref: References) -> str:
+    """A size prefilled once and reused from the prefix cache: its link rates only."""
+    t, gb = de.transport, 1e9
+    send, recv = de.send_span_bytes_per_s, de.recv_bytes_per_s
+    bw = send if t == "direct" else min(send, recv)
+    of_ref = f"{bw / (ref.memcpy if t == 'shm' else ref.tcp):.0%}"
+    of_grpc = "-" if t == "shm" else f"{bw / ref.grpc:.0%}"
+    recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
+    return (
+        f"| {t} | {de.tokens} | {de.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
+        f"{of_ref} | {of_grpc} | (reused prefill) | - / {de.visible_ms:.0f} | - | - |"
+    )
+
+
+def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: References) -> str:
+    """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
+    gb = 1e9
+    lines = [
+        f"References (this run): memcpy {ref.memcpy / gb:.2f} GB/s, loopback TCP "
+        f"{ref.tcp / gb:.2f} GB/s, raw gRPC {ref.grpc / gb:.2f} GB/s.",
+        "",
+        "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
+        "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
+        "| hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def find(t: str, n: int, layerwise: bool) -> Sample | None:
+        return next(
+            (x for x in samples if (x.transport, x.tokens, x.layerwise) == (t, n, layerwise)), None
+        )
+
+    for t in dict.fromkeys(x.transport for x in samples):
+        for n in dict.fromkeys(x.tokens for x in samples):
+            lw, de = find(t, n, True), find(t, n, False)
+            if lw is None and de is not None and de.reused:
+                lines.append(_bandwidth_row(de, ref))
+                continue
+            if lw is None:
+                continue
+            if t == "recompute":
+                lines.append(
+                    f"| recompute | {n} | - | - | - | - | - | {lw.prefill_rpc_ms:.0f} | "
+                    f"{lw.recompute_ms:.0f} (decode-side prefill) | "
+                    f"{lw.recompute_ms / lw.ready_ms:.0%} | - |"
+                )
+                continue
+            base = de or lw  # link rates from the no-overlap run: not paced by the compute
+            send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
+            # direct's read is in-process (assembled on arrival): its link is the send alone.
+            bw = send if t == "direct" else min(send, recv)
+            of_ref = f"{bw / (ref.memcpy if t == 'shm' else ref.tcp):.0%}"
+            of_grpc = "-" if t == "shm" else f"{bw / ref.grpc:.0%}"
+            visible = f"{lw.visible_ms:.0f} / {de.visible_ms:.0f}" if de else f"{lw.visible_ms:.0f}"
+            share = f"{lw.share:.1%} / {de.share:.1%}" if de else f"{lw.share:.1%}"
+            hidden = f"{1 - lw.visible_ms / de.visible_ms:.0%}" if de and de.visible_ms else "-"
+            # direct: assembled as it landed; the read only hands the payload over.
+            recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
+            lines.append(
+                f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
+                f"{of_ref} | {of_grpc} | {lw.prefill_rpc_ms:.0f} | {visible} | {share} | "
+                f"{hidden} |"
+            )
+    if bursts:
+        lines += [
+            "",
+            "| transport | send peak GB/s | send average | recv peak | recv average |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for t, b in bursts.items():
+            received = (
+                "on arrival | on arrival"
+                if t.startswith("direct")
+                else f"{b['recv_peak'] / gb:.2f} | {b['recv_avg'] / gb:.2f}"
+            )
+            lines.append(
+                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Prefix reuse from the chosen decode worker: send only the KV blocks it lacks.
+
+A decode worker's engine keeps the blocks of prompts it decoded in its prefix cache. Before a
+hand-off the prefill worker asks it (``ask``) how many leading blocks of the prompt it holds,
+with a ``Lookup`` on the decode worker's own KVStore endpoint, one key per whole block::
+
+    blk/{kv fingerprint}/{block size}/{chained block hash, hex}
+
+the hash being ``block_manager.chain_block_hashes(prompt, block_size, salt=tenant)``: it
+covers every token before it and the tenant, so a tenant never learns about (or gets) another
+tenant's blocks. The decode worker answers from its engine's cache map, on the engine thread
+(``DecodePrefixOracle``, installed on its endpoint's store with ``KVStore.route_lookups``);
+another model, dtype or block size answers 0.
+
+The prefill worker then computes as before, but its sender skips the first ``prefix_tokens``
+tokens of every layer (``outbound.Suffix``); the ``KVHandle`` carries ``prefix_tokens``. The
+decode worker, after receiving the rest, copies the prefix out of its cache and joins the two
+(``join_cached_prefix``). The answer is only a hint: if the blocks were evicted in between,
+the join raises ``UnknownRequestError`` and the decode worker recomputes, as after any failed
+receive. Nothing is pinned, so nothing can leak.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.block_manager import chain_block_hashes
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.errors import PdServeError, UnknownRequestError
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.heartbeat import kv_fingerprint
+
+logger = logging.getLogger(__name__)
+
+BLOCK_KEY_PREFIX = "blk/"
+
+
+def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int, tenant: str) -> list[bytes]:
+    """Chained hashes of the prompt's whole blocks; the last token is never in one (the
+    receiving side needs at least one token of payload)."""
+    n_full = (len(prompt_ids) - 1) // block_size
+    if n_full <= 0:
+        return []
+    return chain_block_hashes(list(prompt_ids[: n_full * block_size]), block_size, salt=tenant)
+
+
+def block_keys(layout: KVLayout, prompt_ids: Sequence[int], tenant: str) -> list[str]:
+    """The ``Lookup`` keys of the prompt's whole blocks (see the module docstring)."""
+    head = f"{BLOCK_KEY_PREFIX}{kv_fingerprint(layout)}/{layout.block_size}/"
+    return [head + h.hex() for h in prompt_block_hashes(prompt_ids, layout.block_size, tenant)]
+
+
+async def ask(
+    client: KVStoreClient, layout: KVLayout, prompt_ids: Sequence[int], tenant: str
+) -> int:
+    """Leading prompt tokens the decode worker behind ``client`` holds (whole blocks); 0 when
+    it holds none or cannot say (the hand-off then moves the whole prompt, as before)."""
+    keys = block_keys(layout, prompt_ids, tenant)
+    if not keys:
+        return 0
+    try:
+        found = await client.lookup(keys)
+    except PdServeError as err:
+        logger.warning("decode prefix lookup at %s failed: %s", client.address, err)
+        return 0
+    return min(found, len(keys)) * layout.block_size
+
+
+class DecodePrefixOracle:
+    """Answers ``blk/`` lookups from a decode worker's engine (``KVStore.route_lookups``)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        layout = engine.layout
+        self._head = f"{BLOCK_KEY_PREFIX}{kv_fingerprint(layout)}/{layout.block_size}/"
+
+    async def __call__(self, keys: Sequence[str]) -> int:
+        hashes: list[bytes] = []
+        for key in keys:
+            if not key.startswith(self._head):
+                break  # another model, dtype or block size: nothing of ours
+            try:
+                hashes.append(bytes.fromhex(key[len(self._head) :]))
+            except ValueError:
+                break
+        if not hashes:
+            return 0
+        # A hint: the blocks may be evicted before the hand-off lands (join_cached_prefix).
+        return await self.engine.call(lambda e: e.cached_prefix_blocks(hashes))
+
+
+async def join_cached_prefix(
+    engine: AsyncEngine,
+    payload: KVPayload,
+    prompt_ids: Sequence[int],
+    prefix_tokens: int,
+    tenant: str,
+) -> KVPayload:
+    """The whole prompt's KV: this engine's cached ``prompt_ids[:prefix_tokens]`` followed by
+    ``payload`` (the rest). ``UnknownRequestError`` if the prefix is no longer cached (the
+    caller recomputes)."""
+    layout = engine.layout
+    bs = layout.block_size
+    if prefix_tokens % bs or prefix_tokens + payload.num_tokens != len(prompt_ids):
+        raise UnknownRequestError(
+            f"a prefix of {prefix_tokens} tokens plus {payload.num_tokens} received does not "
+            f"make a prompt of {len(prompt_ids)} in blocks of {bs}"
+        )
+    hashes = chain_block_hashes(list(prompt_ids[:prefix_tokens]), bs, salt=tenant)
+    prefix = await engine.call(lambda e: e.export_cached_prefix(hashes))
+    if prefix is None:
+        raise UnknownRequestError(f"the cached prefix of {prefix_tokens} tokens was evicted")
+    layout.check_compatible(payload.layout)
+    n = layout.num_layers
+    return KVPayload(
+        payload.layout,
+        len(prompt_ids),
+        tuple(torch.cat([prefix.keys[i], payload.keys[i]]) for i in range(n)),
+        tuple(torch.cat([prefix.values[i], payload.values[i]]) for i in range(n)),
+    )

@@ -1,0 +1,142 @@
+"""Prefix reuse from the decode worker: what its engine says it caches, the prefix it copies
+out, the suffix a sender moves, and the joined payload against an independent export."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidArgumentError, UnknownRequestError
+from pdserve.kvstore.store import KVStore
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.worker import decode_prefix
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.outbound import ShmOutbound, Suffix
+from tests.unit.transfer.conftest import assert_same_payload, leftovers
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2048) for _ in range(n)]
+
+
+def load(model_dir: Path) -> Engine:
+    return Engine.from_pretrained(model_dir, dtype="float32", num_kv_blocks=64, block_size=8)
+
+
+def full_export(model_dir: Path, ids: list[int]) -> KVPayload:
+    """The prompt's KV from a separate engine (the independent reference)."""
+    ref = load(model_dir)
+    ref.add_request("ref", ids, ONE, hold_kv=True)
+    while ref.has_unfinished():
+        ref.step()
+    payload = ref.export_kv("ref")
+    ref.release_kv("ref")
+    return payload
+
+
+def cut(payload: KVPayload, start: int, end: int) -> KVPayload:
+    n = payload.layout.num_layers
+    return KVPayload(
+        payload.layout,
+        end - start,
+        tuple(payload.keys[i][start:end] for i in range(n)),
+        tuple(payload.values[i][start:end] for i in range(n)),
+    )
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout=120))
+
+
+def test_engine_reports_and_exports_its_cached_prefix(tiny_llama_dir: Path) -> None:
+    engine = load(tiny_llama_dir)
+    ids = prompt(1, 45)  # 5 whole blocks of 8 before the last token
+    engine.add_request("a", ids, ONE, cache_salt="t1")
+    while engine.has_unfinished():
+        engine.step()
+    hashes = decode_prefix.prompt_block_hashes(ids, 8, "t1")
+    assert len(hashes) == 5
+    assert engine.cached_prefix_blocks(hashes) == 5
+    assert engine.cached_prefix_blocks(decode_prefix.prompt_block_hashes(ids, 8, "t2")) == 0
+    longer = [*ids[:24], *prompt(2, 30)]  # shares 3 blocks, then differs
+    assert engine.cached_prefix_blocks(decode_prefix.prompt_block_hashes(longer, 8, "t1")) == 3
+
+    prefix = engine.export_cached_prefix(hashes[:3])
+    assert prefix is not None and prefix.num_tokens == 24
+    reference = full_export(tiny_llama_dir, ids)
+    assert_same_payload(prefix, cut(reference, 0, 24))
+    assert engine.export_cached_prefix([b"\0" * len(hashes[0])]) is None
+    engine.check_no_leaks()
+
+
+def test_suffix_moves_only_the_tokens_after_the_prefix(
+    tiny_llama_dir: Path, shm_prefix: str
+) -> None:
+    reference = full_export(tiny_llama_dir, prompt(3, 30))
+    layout = reference.layout
+
+    async def body() -> None:
+        out = Suffix(ShmOutbound(ShmSender(prefix=shm_prefix)), 16)
+        out.begin("r", layout, 30)
+        for i in range(layout.num_layers):
+            out.send_layer(i, reference.keys[i], reference.values[i])
+        descriptor = await out.commit(5.0)
+        assert descriptor.num_tokens == 14 and out.kind is TransportKind.SHM
+        got = await ShmReceiver().receive(descriptor, timeout_s=5.0)
+        assert_same_payload(got, cut(reference, 16, 30))
+        refused = Suffix(ShmOutbound(ShmSender(prefix=shm_prefix)), 30)
+        with pytest.raises(InvalidArgumentError):
+            refused.begin("s", layout, 30)  # nothing would be left to send
+        assert leftovers(shm_prefix) == []
+
+    run(body)
+
+
+def test_decode_worker_answers_and_joins(tiny_llama_dir: Path) -> None:
+    ids = prompt(4, 41)
+    reference = full_export(tiny_llama_dir, ids)
+
+    async def body() -> None:
+        ae = AsyncEngine(load(tiny_llama_dir))
+        ae.start()
+        try:
+            async for _ in ae.generate("warm", ids, ONE, cache_salt="t"):
+                pass  # the decode worker ran this prompt before: its blocks are cached
+            store = KVStore(1 << 20)
+            store.route_lookups(
+                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(ae)
+            )
+            keys = decode_prefix.block_keys(ae.layout, ids, "t")
+            route = store.lookup_route(keys)
+            assert route is not None and await route(keys) == 5
+            assert await route(decode_prefix.block_keys(ae.layout, ids, "u")) == 0
+            other_size = [k.replace("/8/", "/16/") for k in keys]
+            assert await route(other_size) == 0  # another block size: nothing of ours
+            assert store.lookup_route(["pfx/x"]) is None
+
+            joined = await decode_prefix.join_cached_prefix(
+                ae, cut(reference, 40, 41), ids, 40, "t"
+            )
+            assert_same_payload(joined, reference)
+            with pytest.raises(UnknownRequestError, match="evicted"):
+                await decode_prefix.join_cached_prefix(ae, cut(reference, 40, 41), ids, 40, "u")
+            with pytest.raises(UnknownRequestError, match="does not make"):
+                await decode_prefix.join_cached_prefix(ae, cut(reference, 36, 41), ids, 36, "t")
+        finally:
+            await ae.close()
+        ae.engine.check_no_leaks()
+        assert torch.equal(joined.keys[0][:40], reference.keys[0][:40])
+
+    run(body)
