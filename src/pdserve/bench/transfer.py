@@ -221,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, help="checkpoint (default: the base demo checkpoint)")
-    p.add_argument("--tokens", default="1024,2048,4096,8000", help="prompt sizes")
+    p.add_argument("--tokens", default="1024,2048,4096,8000,32768", help="prompt sizes")
     p.add_argument("--transports", default="shm,store,direct,recompute")
     p.add_argument("--repeats", type=int, default=1, help="runs per point; the best is kept")
     p.add_argument("--reference-mib", type=int, default=256, help="bytes moved by the references")
