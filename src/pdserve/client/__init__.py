@@ -16,7 +16,7 @@ from pdserve.client.errors import (
     ServerError,
     Unavailable,
 )
-from pdserve.client.request import RetryPolicy
+from pdserve.client.request import RequestOptions, RetryPolicy
 from pdserve.client.results import Completion, Delta, Timing, Usage
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream
 
@@ -33,6 +33,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PdServeClientError",
+    "RequestOptions",
     "RetryPolicy",
     "ServerError",
     "Timing",

@@ -20,12 +20,12 @@ import asyncio
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
 from pdserve.client.errors import error_from_rpc
-from pdserve.client.request import RetryPolicy, build_request, metadata
+from pdserve.client.request import RequestOptions, RetryPolicy, build_request, metadata
 from pdserve.client.results import Completion
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -56,7 +56,7 @@ class _Base:
         prompt: str | Sequence[int],
         timeout: float | None,
         tenant: str | None,
-        options: dict[str, Any],
+        options: RequestOptions,
     ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
         request = build_request(prompt, **options)
         deadline = Deadline(self.timeout if timeout is None else timeout)
@@ -82,30 +82,17 @@ class Client(_Base):
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         timeout: float | None = None,
         tenant: str | None = None,
-        request_id: str | None = None,
-        skip_special_tokens: bool = True,
+        **options: Unpack[RequestOptions],
     ) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids) and wait for all of it.
 
-        Unset sampling parameters take the server's defaults (temperature 1, max_tokens 16);
-        ``temperature=0`` is greedy.
+        ``options``: sampling parameters, stop conditions and request id (``RequestOptions``);
+        unset ones take the server's defaults (temperature 1, max_tokens 16); ``temperature=0``
+        is greedy. ``timeout`` and ``tenant`` override the client's defaults.
         """
-        request, deadline, md = self._prepare(
-            prompt, timeout, tenant,
-            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                 request_id=request_id, skip_special_tokens=skip_special_tokens),
-        )  # fmt: skip
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         attempt = 0
         while True:
             attempt += 1
@@ -126,26 +113,12 @@ class Client(_Base):
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         timeout: float | None = None,
         tenant: str | None = None,
-        request_id: str | None = None,
-        skip_special_tokens: bool = True,
+        **options: Unpack[RequestOptions],
     ) -> CompletionStream:
         """Like ``generate``, but yields ``Delta``s as tokens are produced."""
-        request, deadline, md = self._prepare(
-            prompt, timeout, tenant,
-            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                 request_id=request_id, skip_special_tokens=skip_special_tokens),
-        )  # fmt: skip
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         return CompletionStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=md),
             self.retry,
@@ -195,26 +168,12 @@ class AsyncClient(_Base):
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         timeout: float | None = None,
         tenant: str | None = None,
-        request_id: str | None = None,
-        skip_special_tokens: bool = True,
+        **options: Unpack[RequestOptions],
     ) -> Completion:
         """See ``Client.generate``."""
-        request, deadline, md = self._prepare(
-            prompt, timeout, tenant,
-            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                 request_id=request_id, skip_special_tokens=skip_special_tokens),
-        )  # fmt: skip
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         stub = self._get_stub()
         attempt = 0
         while True:
@@ -236,26 +195,12 @@ class AsyncClient(_Base):
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         timeout: float | None = None,
         tenant: str | None = None,
-        request_id: str | None = None,
-        skip_special_tokens: bool = True,
+        **options: Unpack[RequestOptions],
     ) -> AsyncCompletionStream:
         """See ``Client.stream``: ``async for delta in client.stream(...)``."""
-        request, deadline, md = self._prepare(
-            prompt, timeout, tenant,
-            dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                 seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                 request_id=request_id, skip_special_tokens=skip_special_tokens),
-        )  # fmt: skip
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         stub = self._get_stub()
         return AsyncCompletionStream(
             lambda left: stub.Generate(request, timeout=left, metadata=md),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypedDict, Unpack, cast
 
 import grpc
 
@@ -29,25 +29,45 @@ def _in_range(value: int, upper: int, field: str) -> int:
     return value
 
 
+class RequestOptions(TypedDict, total=False):
+    """The keyword arguments of ``Client.generate``/``stream`` that shape the request.
+
+    Unset (or ``None``) sampling parameters take the server's defaults (temperature 1,
+    max_tokens 16); ``temperature=0`` is greedy.
+    """
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    request_id: str | None
+    skip_special_tokens: bool
+    """Default True."""
+
+
 def build_request(
-    prompt: str | Sequence[int],
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    request_id: str | None = None,
-    skip_special_tokens: bool = True,
+    prompt: str | Sequence[int], **options: Unpack[RequestOptions]
 ) -> router_pb2.GenerateRequest:
     """The wire request; ``None`` leaves a parameter to the server's default."""
+    unknown = options.keys() - RequestOptions.__optional_keys__
+    if unknown:  # ``**options`` would otherwise swallow a misspelt keyword silently
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    max_tokens = options.get("max_tokens")
+    temperature = options.get("temperature")
+    top_p = options.get("top_p")
+    top_k = options.get("top_k")
+    seed = options.get("seed")
     sampling = common_pb2.SamplingParams(
-        stop=list(stop),
-        stop_token_ids=[_in_range(t, _UINT32, "sampling.stop_token_ids") for t in stop_token_ids],
-        ignore_eos=ignore_eos,
+        stop=list(options.get("stop", ())),
+        stop_token_ids=[
+            _in_range(t, _UINT32, "sampling.stop_token_ids")
+            for t in options.get("stop_token_ids", ())
+        ],
+        ignore_eos=options.get("ignore_eos", False),
     )
     if max_tokens is not None:
         sampling.max_tokens = _in_range(max_tokens, _UINT32, "sampling.max_tokens")
@@ -59,7 +79,9 @@ def build_request(
         sampling.temperature = float(temperature)
     if top_p is not None:
         sampling.top_p = float(top_p)
-    request = router_pb2.GenerateRequest(sampling=sampling, skip_special_tokens=skip_special_tokens)
+    request = router_pb2.GenerateRequest(
+        sampling=sampling, skip_special_tokens=options.get("skip_special_tokens", True)
+    )
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Sequence):
@@ -70,6 +92,7 @@ def build_request(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}",
         )
+    request_id = options.get("request_id")
     if request_id is not None:
         request.request_id = request_id
     return request
