@@ -45,6 +45,15 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.worker.coalesce import merge_ready
+from pdserve.worker.engine_commands import (
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    Command,
+    RequestStream,
+    StopCommand,
+    deliver,
+)
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -61,63 +70,6 @@ class EngineSnapshot:
     """Tags (scheduler reservation ids) of the requests the engine has admitted."""
     num_steps: int
     """Engine steps run so far."""
-
-
-# -- commands to the engine thread -----------------------------------------------------------
-@dataclass(eq=False, slots=True)
-class _Stream:
-    """The event-loop side of one request: where its outputs go."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    timing: RequestTiming
-    tag: str
-    hold_kv: bool
-
-    def post(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
-            logger.warning("dropping output of %s: its event loop is closed", self.request_id)
-
-
-@dataclass(slots=True)
-class _Add:
-    stream: _Stream
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    cache_salt: str
-    kv: KVPayload | None
-    first_token: tuple[int, float] | None
-    layer_hook: LayerHook | None
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-    stream: _Stream | None
-    """Abort only if this stream is still the request's (a failed duplicate must not abort
-    the request it collided with); None aborts whatever runs under the id."""
-
-
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[Engine], Any]
-    future: concurrent.futures.Future[Any]
-
-
-class _Stop:
-    pass
-
-
-def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """On the consumers' event loop: hand one step's outputs to their requests' queues."""
-    for stream, out in items:
-        stream.queue.put_nowait(out)
-
-
-_Command = _Add | _Abort | _Call | _Stop
 
 
 class AsyncEngine:
@@ -138,16 +90,16 @@ class AsyncEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.max_num_batched_tokens: int = engine.config.max_num_batched_tokens
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # Guards "accepting" together with the put, so that no command lands in the queue
         # after the engine thread's final drain (its sender would wait forever).
         self._gate = threading.Lock()
         self._accepting = False
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._unstarted: list[_Stream] = []  # engine thread only: admitted, no step yet
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._unstarted: list[RequestStream] = []  # engine thread only: admitted, no step yet
         # Engine thread only: finished hold_kv requests and the stream each finished on (an
         # abort from that stream still releases them: its consumer left before it saw the end).
-        self._held: dict[str, _Stream] = {}
+        self._held: dict[str, RequestStream] = {}
         self._num_steps = 0
         self._snapshot = EngineSnapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
@@ -188,10 +140,10 @@ class AsyncEngine:
         self._closed = True
         if self._thread is None:
             return
-        self._submit(_Stop(), required=False)
+        self._submit(StopCommand(), required=False)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def _submit(self, command: _Command, *, required: bool = True) -> None:
+    def _submit(self, command: Command, *, required: bool = True) -> None:
         """Queue a command for the engine thread.
 
         When the thread no longer takes commands: raise ``WorkerUnavailableError`` if
@@ -242,7 +194,7 @@ class AsyncEngine:
         ``pdserve.engine.sequence.LayerHook``): copy what you keep, hand heavy work to another
         thread, and never raise (an exception fails the engine's whole batch).
         """
-        stream = _Stream(
+        stream = RequestStream(
             request_id,
             asyncio.get_running_loop(),
             asyncio.Queue(),
@@ -251,7 +203,7 @@ class AsyncEngine:
             hold_kv,
         )
         self._submit(
-            _Add(
+            AddCommand(
                 stream,
                 prompt_ids,
                 params or SamplingParams(),
@@ -279,17 +231,17 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._submit(_Abort(request_id, stream), required=False)
+                self._submit(AbortCommand(request_id, stream), required=False)
 
     def abort(self, request_id: str) -> None:
         """Queue an abort (or release of held KV) of ``request_id``; it runs before any later
         command, so a following ``call`` sees its effect."""
-        self._submit(_Abort(request_id, None), required=False)
+        self._submit(AbortCommand(request_id, None), required=False)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its result or exception."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._submit(_Call(fn, future))
+        self._submit(CallCommand(fn, future))
         return await asyncio.wrap_future(future)
 
     async def export_and_release(self, request_id: str) -> KVPayload:
@@ -375,13 +327,13 @@ class AsyncEngine:
             if not self._apply(command):
                 return False
 
-    def _apply(self, command: _Command) -> bool:
-        if isinstance(command, _Stop):
+    def _apply(self, command: Command) -> bool:
+        if isinstance(command, StopCommand):
             return False
-        if isinstance(command, _Add):
+        if isinstance(command, AddCommand):
             self._adds_since_step += 1
             self._add(command)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, AbortCommand):
             self._abort(command)
         elif command.future.set_running_or_notify_cancel():
             try:
@@ -390,7 +342,7 @@ class AsyncEngine:
                 command.future.set_exception(err)
         return True
 
-    def _add(self, command: _Add) -> None:
+    def _add(self, command: AddCommand) -> None:
         stream = command.stream
         try:
             self._engine.add_request(
@@ -409,7 +361,7 @@ class AsyncEngine:
         self._streams[stream.request_id] = stream
         self._unstarted.append(stream)
 
-    def _abort(self, command: _Abort) -> None:
+    def _abort(self, command: AbortCommand) -> None:
         rid = command.request_id
         current = self._streams.get(rid)
         if command.stream is not None and current is not command.stream:
@@ -437,7 +389,7 @@ class AsyncEngine:
         self._num_steps += 1
         # One wake-up per event loop per step, whatever the batch size: each wake-up costs
         # the engine thread a GIL hand-over to the loop.
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -453,7 +405,7 @@ class AsyncEngine:
             deliveries.setdefault(stream.loop, []).append((stream, out))
         for loop, items in deliveries.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # the consumers' loop is closed: nobody is left to tell
                 logger.warning(
                     "dropping outputs of %d requests: their event loop is closed", len(items)
@@ -474,9 +426,9 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add):
+            if isinstance(command, AddCommand):
                 command.stream.post(closed)
-            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            elif isinstance(command, CallCommand) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(closed)
         if self._failure is None:
             for rid in [*self._streams, *self._held]:

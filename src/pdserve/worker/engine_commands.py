@@ -1,0 +1,86 @@
+"""What the event loop sends to ``AsyncEngine``'s engine thread, and how outputs come back.
+
+The engine thread takes ``Command``s from a thread-safe queue; each request's outputs go back
+to its ``RequestStream`` (an ``asyncio.Queue`` on the consumer's loop), one wake-up of that loop
+per engine step (``deliver``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import LayerHook
+from pdserve.worker.timing import RequestTiming
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class RequestStream:
+    """The event-loop side of one request: where its outputs go."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    timing: RequestTiming
+    tag: str
+    hold_kv: bool
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
+            logger.warning("dropping output of %s: its event loop is closed", self.request_id)
+
+
+@dataclass(slots=True)
+class AddCommand:
+    """Admit a request (see ``AsyncEngine.generate``)."""
+
+    stream: RequestStream
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    cache_salt: str
+    kv: KVPayload | None
+    first_token: tuple[int, float] | None
+    layer_hook: LayerHook | None
+
+
+@dataclass(slots=True)
+class AbortCommand:
+    """Abort a request and free its blocks."""
+
+    request_id: str
+    stream: RequestStream | None
+    """Abort only if this stream is still the request's (a failed duplicate must not abort
+    the request it collided with); None aborts whatever runs under the id."""
+
+
+@dataclass(slots=True)
+class CallCommand:
+    """Run ``fn`` on the engine thread; its result or exception resolves ``future``."""
+
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class StopCommand:
+    """Ends the engine thread's loop."""
+
+
+def deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On the consumers' event loop: hand one step's outputs to their requests' queues."""
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+Command = AddCommand | AbortCommand | CallCommand | StopCommand
