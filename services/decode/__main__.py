@@ -17,11 +17,13 @@ import os
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.kvstore.wire import add_kvstore_servicer
+from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
-from pdserve.v1 import decode_pb2_grpc, kvstore_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import load_engine, prefill_worker, run_worker
@@ -53,7 +55,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         servicers: list[tuple[AddServicerFn, object]] = [
             (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker)),
             (
-                kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+                add_kvstore_servicer,
                 InboxServicer(inbox, expected_layout=engine.layout),
             ),
         ]
@@ -79,7 +81,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             engine,
             servicers,
             on_bound=bound,
-            sweeps=[("inbox sweep", sweep)],
+            sweeps=[("inbox sweep", sweep), ("prefetch sweep", worker.sweep)],
             telemetry=telemetry,
         )
 
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
     asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
 
 

@@ -19,6 +19,7 @@ from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.chunks import ChunkReader
 from pdserve.kvstore.store import KVStore, Part
+from pdserve.kvstore.wire import Buffer
 from pdserve.worker.frames import FrameCollector, read_header
 from pdserve.worker.handoff import STORE_KEY_PREFIX
 from services.kvstore.servicer import KVStoreServicer, PutSink
@@ -36,7 +37,7 @@ class _Assembler:
         self.collector = collector
         self.error: PdServeError | None = None
 
-    def feed(self, data: bytes, crc32: int) -> None:
+    def feed(self, data: Buffer, crc32: int) -> None:
         if self.error is not None:
             return  # already refused: the rest is only read off the stream
         try:

@@ -40,6 +40,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for delta in stream:
                 yield chunk_to_proto(delta)
 
+    async def Prefetch(  # noqa: N802 - gRPC method names
+        self, request: decode_pb2.PrefetchRequest, context: Context
+    ) -> decode_pb2.PrefetchResponse:
+        if not request.HasField("kv"):
+            raise InvalidArgumentError("kv", "a KV handle is required")
+        accepted = await self.worker.prefetch(handle_from_proto(request.kv))
+        return decode_pb2.PrefetchResponse(accepted=accepted)
+
 
 class MixedServicer(decode_pb2_grpc.MixedServicer):
     """pdserve.v1.Mixed (colocated prefill + decode) on top of one DecodeWorker."""

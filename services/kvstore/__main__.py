@@ -20,10 +20,11 @@ from pathlib import Path
 
 from pdserve.kvstore.metrics import StoreCollector
 from pdserve.kvstore.store import KVStore
+from pdserve.kvstore.wire import add_kvstore_servicer
+from pdserve.rpc import allocator
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_KVSTORE
-from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.worker.observability import WorkerTelemetry
 from services.kvstore.observed import ObservedKVStoreServicer
 
@@ -91,7 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
     server, port, health = build_server(
         [
             (
-                kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+                add_kvstore_servicer,
                 ObservedKVStoreServicer(store, chunk_bytes=args.chunk_bytes, telemetry=telemetry),
             )
         ],
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
     asyncio.run(serve(args))
 
 

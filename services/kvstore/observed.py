@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.kvstore.wire import Chunk
 from pdserve.transfer.base import TransportKind
 from pdserve.v1 import kvstore_pb2
 from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
@@ -33,7 +34,7 @@ class ObservedKVStoreServicer(KVStoreServicer):
         self.transport = transport
 
     async def Put(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[kvstore_pb2.KVChunk], context: Context
+        self, request_iterator: AsyncIterator[Chunk], context: Context
     ) -> kvstore_pb2.PutResponse:
         started = time.perf_counter()
         response = await super().Put(request_iterator, context)
@@ -44,7 +45,7 @@ class ObservedKVStoreServicer(KVStoreServicer):
 
     async def Get(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.GetRequest, context: Context
-    ) -> AsyncIterator[kvstore_pb2.KVChunk]:
+    ) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         sent = 0
         async for chunk in super().Get(request, context):

@@ -14,9 +14,19 @@ from typing import Any, Protocol, TypeAlias
 from grpc.aio import ServicerContext
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.kvstore.chunks import DEFAULT_CHUNK_BYTES, ChunkReader, CrcPipeline, split_parts
+from pdserve.kvstore.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkReader,
+    CrcPipeline,
+    chunk_pieces,
+    data_chunk,
+    first_chunk_fields,
+    split_parts,
+)
+from pdserve.kvstore.follow import Follower, find_write
 from pdserve.kvstore.store import KVStore, Part, PendingPut
-from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from pdserve.kvstore.wire import Buffer, Chunk
+from pdserve.v1 import kvstore_pb2
 
 Context: TypeAlias = ServicerContext[Any, Any]
 
@@ -24,7 +34,7 @@ Context: TypeAlias = ServicerContext[Any, Any]
 class PutSink(Protocol):
     """Takes a Put's data instead of the store, and hands it over whole at the end."""
 
-    def feed(self, data: bytes, crc32: int) -> None:
+    def feed(self, data: Buffer, crc32: int) -> None:
         """The next chunk's data (its CRC-32 checked already)."""
         ...
 
@@ -33,8 +43,9 @@ class PutSink(Protocol):
         ...
 
 
-class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    """pdserve.v1.KVStore on top of one ``KVStore``."""
+class KVStoreServicer:
+    """pdserve.v1.KVStore on top of one ``KVStore``; register it with
+    ``pdserve.kvstore.wire.add_kvstore_servicer`` (its chunks skip protobuf's copies)."""
 
     def __init__(self, store: KVStore, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.store = store
@@ -46,7 +57,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return None
 
     async def Put(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[kvstore_pb2.KVChunk], context: Context
+        self, request_iterator: AsyncIterator[Chunk], context: Context
     ) -> kvstore_pb2.PutResponse:
         reader = ChunkReader(limit_bytes=self.store.capacity_bytes, verify=False)
         crcs = CrcPipeline()  # checks beside the loop; drained before the commit
@@ -99,7 +110,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Get(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.GetRequest, context: Context
-    ) -> AsyncIterator[kvstore_pb2.KVChunk]:
+    ) -> AsyncIterator[Chunk]:
+        write = await find_write(self.store, request.key) if request.follow else None
+        if write is not None:
+            async for chunk in self._follow(Follower(self.store, write), request):
+                yield chunk
+            return
         handle = self.store.open_read(request.key)
         entry = handle.payload
         complete = False
@@ -115,6 +131,28 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             # Only after the last chunk went out, so the status the reader sees follows it;
             # the version guards an entry replaced meanwhile.
             self.store.delete(entry.key, version=entry.version)
+
+    async def _follow(
+        self, follower: Follower, request: kvstore_pb2.GetRequest
+    ) -> AsyncIterator[Chunk]:
+        """An entry still being written, chunk by chunk as its pieces arrive; the last chunk
+        (empty) once it is committed."""
+        seq = 0
+        async for part in follower.parts():
+            for data, crc in chunk_pieces((part,), self.chunk_bytes):
+                chunk = data_chunk(seq, data, False, crc)
+                if seq == 0:
+                    first_chunk_fields(
+                        chunk, follower.key, follower.header, 0.0, follower.total_bytes
+                    )
+                seq += 1
+                yield chunk
+        last = data_chunk(seq, b"", True)
+        if seq == 0:
+            first_chunk_fields(last, follower.key, follower.header, 0.0, follower.total_bytes)
+        yield last
+        if request.delete_after_read:
+            self.store.delete(follower.key, version=follower.version)
 
     async def Lookup(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.LookupRequest, context: Context

@@ -14,6 +14,7 @@ import logging
 import os
 
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.rpc import allocator
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
     asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
 
 

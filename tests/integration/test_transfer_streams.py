@@ -26,12 +26,12 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import KVTransferError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc.server import build_server
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR, segment_name
 from pdserve.transfer.stream import StreamHeader
-from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.frames import FrameCollector, LayerCopy, stream_bytes
@@ -74,9 +74,7 @@ class Pair:
 
 
 async def _serve(stack: AsyncExitStack, servicer: KVStoreServicer) -> str:
-    server, port, _ = build_server(
-        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer)], port=0
-    )
+    server, port, _ = build_server([(add_kvstore_servicer, servicer)], port=0)
     await server.start()
     stack.push_async_callback(server.stop, None)
     return f"127.0.0.1:{port}"

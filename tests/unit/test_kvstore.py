@@ -15,8 +15,8 @@ from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError,
 from pdserve.kvstore.chunks import ChunkAssembler, split
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc.server import build_server
-from pdserve.v1 import kvstore_pb2_grpc
 from services.kvstore.servicer import KVStoreServicer
 
 
@@ -138,7 +138,7 @@ async def serving(store: KVStore, chunk_bytes: int = 1000) -> AsyncIterator[str]
     server, port, _ = build_server(
         [
             (
-                kvstore_pb2_grpc.add_KVStoreServicer_to_server,
+                add_kvstore_servicer,
                 KVStoreServicer(store, chunk_bytes=chunk_bytes),
             )
         ],

@@ -50,6 +50,7 @@ from pdserve.bench.transfer_refs import (
 from pdserve.bench.transfer_report import Sample, peak_and_average, report
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
+from pdserve.rpc import allocator
 from pdserve.service_process import ServiceProcess, healthy, terminate
 from pdserve.v1 import (
     common_pb2,
@@ -144,7 +145,7 @@ async def one(
         transport, sent.layerwise, len(prompt), sent.num_bytes, rpc_ms, resp.compute_ms,
         sent.overlap_ms, sent.exposed_ms, sent.bytes_per_s, got.recv_ms, got.bytes_per_s,
         timing.prefill_ms, sent.first_layer_ns or sent.send_start_ns, sent.send_end_ns,
-        got.recv_start_ns, got.recv_end_ns, reused,
+        got.recv_start_ns, got.recv_end_ns, reused, got.wait_ms,
     )  # fmt: skip
 
 
@@ -248,6 +249,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(list(argv))
+    allocator.tune_for_streams()  # as the KV-moving services do: references alike
     if args.grpc_sink:
         if args.port_file is None:
             raise InvalidArgumentError("--port-file", "the sink needs one")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.wire import Chunk, add_kvstore_servicer
 from pdserve.rpc.server import build_server
 from pdserve.service_process import ServiceProcess, terminate
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -73,7 +74,7 @@ class _Sink(kvstore_pb2_grpc.KVStoreServicer):
     """A KVStore whose Put only counts bytes: gRPC's own cost, nothing of pdserve's."""
 
     async def Put(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[kvstore_pb2.KVChunk], context: object
+        self, request_iterator: AsyncIterator[Chunk], context: object
     ) -> kvstore_pb2.PutResponse:
         n = 0
         async for chunk in request_iterator:
@@ -83,9 +84,7 @@ class _Sink(kvstore_pb2_grpc.KVStoreServicer):
 
 async def serve_sink(port_file: Path) -> None:
     """Serve the byte-counting sink; its port goes to ``port_file``."""
-    server, port, health = build_server(
-        [(kvstore_pb2_grpc.add_KVStoreServicer_to_server, _Sink())], port=0
-    )
+    server, port, health = build_server([(add_kvstore_servicer, _Sink())], port=0)
     await server.start()
     await health.set_serving()
     port_file.write_text(f"{port}\n")

@@ -30,6 +30,13 @@ class Sample:
     recv_end_ns: int
     reused: bool = False
     """The prompt's KV came from the prefix cache (a bandwidth-only point: no compute)."""
+    wait_ms: float = -1.0
+    """How long the Decode call waited for the KV (a prefetch: only its tail); -1: a run
+    recorded before it was measured, where the Decode call waited for the whole read."""
+
+    @property
+    def waited_ms(self) -> float:
+        return self.recv_ms if self.wait_ms < 0 else self.wait_ms
 
     @property
     def send_span_bytes_per_s(self) -> float:
@@ -40,13 +47,15 @@ class Sample:
 
     @property
     def ready_ms(self) -> float:
-        """Until the decode worker can start: the Prefill RPC, then the read (or recompute)."""
-        return self.prefill_rpc_ms + self.recv_ms + self.recompute_ms
+        """Until the decode worker can start: the Prefill RPC, then what is left of the read
+        (or the recompute)."""
+        return self.prefill_rpc_ms + self.waited_ms + self.recompute_ms
 
     @property
     def visible_ms(self) -> float:
-        """Transfer time not hidden behind the compute."""
-        return self.exposed_ms + self.recv_ms
+        """Transfer time not hidden behind the compute: the sender's after the compute, and
+        the decode worker's wait for the read."""
+        return self.exposed_ms + self.waited_ms
 
     @property
     def share(self) -> float:

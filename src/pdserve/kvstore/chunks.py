@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
 from pdserve.kvstore.crc import fast_crc32
-from pdserve.v1 import kvstore_pb2
+from pdserve.kvstore.wire import Buffer, Chunk
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
@@ -28,7 +28,7 @@ def split(
     lease_s: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     cache: bool = False,
-) -> Iterator[kvstore_pb2.KVChunk]:
+) -> Iterator[Chunk]:
     """``data`` as a chunk stream; always at least one chunk (the last), even for no data."""
     if chunk_bytes < 1:
         raise InvalidArgumentError("chunk_bytes", f"must be >= 1, got {chunk_bytes}")
@@ -43,22 +43,14 @@ def split(
 
 
 def split_parts(
-    parts: Sequence[tuple[bytes | bytearray, int | None]],
+    parts: Sequence[tuple[Buffer, int | None]],
     *,
     key: str = "",
     header: bytes = b"",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[kvstore_pb2.KVChunk]:
-    """Data kept in pieces as a chunk stream: a piece whose CRC-32 is known and that fits a
-    chunk goes out as it is (no copy, no second checksum); others are split."""
-    pieces: list[tuple[bytes | memoryview, int | None]] = []
-    for data, crc in parts:
-        if crc is not None and len(data) <= chunk_bytes and isinstance(data, bytes):
-            pieces.append((data, crc))
-            continue
-        view = memoryview(data)
-        pieces += [(view[i : i + chunk_bytes], None) for i in range(0, len(view), chunk_bytes)]
-    pieces = [p for p in pieces if len(p[0])] or [(b"", None)]
+) -> Iterator[Chunk]:
+    """Data kept in pieces as a chunk stream (``chunk_pieces``)."""
+    pieces = chunk_pieces(parts, chunk_bytes) or [(b"", None)]
     total = len(header) + sum(len(p) for p, _ in pieces)
     for seq, (piece, crc) in enumerate(pieces):
         chunk = data_chunk(seq, piece, seq == len(pieces) - 1, crc)
@@ -67,18 +59,32 @@ def split_parts(
         yield chunk
 
 
-def data_chunk(
-    seq: int, piece: bytes | bytearray | memoryview, last: bool, crc32: int | None = None
-) -> kvstore_pb2.KVChunk:
-    """One chunk carrying ``piece`` (copied into the message unless it is ``bytes``) and its
-    CRC-32 (``crc32`` if the caller computed it already)."""
-    data = piece if isinstance(piece, bytes) else bytes(piece)
-    crc = fast_crc32(data) if crc32 is None else crc32
-    return kvstore_pb2.KVChunk(seq=seq, data=data, crc32=crc, last=last)
+def chunk_pieces(
+    parts: Sequence[tuple[Buffer, int | None]], chunk_bytes: int
+) -> list[tuple[Buffer, int | None]]:
+    """The data of ``parts`` as chunk-sized pieces: a part whose CRC-32 is known and that fits
+    a chunk goes out as it is (no copy, no second checksum); others are split (views); empty
+    parts are left out."""
+    pieces: list[tuple[Buffer, int | None]] = []
+    for data, crc in parts:
+        if crc is not None and len(data) <= chunk_bytes:
+            pieces.append((data, crc))
+            continue
+        view = memoryview(data)
+        pieces += [(view[i : i + chunk_bytes], None) for i in range(0, len(view), chunk_bytes)]
+    return [p for p in pieces if len(p[0])]
+
+
+def data_chunk(seq: int, piece: Buffer, last: bool, crc32: int | None = None) -> Chunk:
+    """One chunk carrying ``piece`` (not copied: the wire codec copies it once, when gRPC
+    sends the chunk; keep it unchanged until then) and its CRC-32 (``crc32`` if the caller
+    computed it already)."""
+    crc = fast_crc32(piece) if crc32 is None else crc32
+    return Chunk(seq=seq, data=piece, crc32=crc, last=last)
 
 
 def first_chunk_fields(
-    chunk: kvstore_pb2.KVChunk,
+    chunk: Chunk,
     key: str,
     header: bytes,
     lease_s: float,
@@ -119,7 +125,7 @@ class ChunkReader:
         """Header + data bytes received so far."""
         return len(self.header) + self.num_data_bytes
 
-    def feed(self, chunk: kvstore_pb2.KVChunk) -> bytes:
+    def feed(self, chunk: Chunk) -> Buffer:
         if self.done:
             raise InvalidArgumentError("seq", f"chunk {chunk.seq} arrived after the last chunk")
         if chunk.seq != self.num_chunks:
@@ -175,7 +181,7 @@ class CrcPipeline:
         self.depth = depth
         self._pending: deque[tuple[int, asyncio.Future[int], int]] = deque()
 
-    async def check(self, chunk: kvstore_pb2.KVChunk) -> None:
+    async def check(self, chunk: Chunk) -> None:
         """Check ``chunk`` (now, or in a thread); raises for an earlier one that failed."""
         if len(chunk.data) < self.INLINE_BYTES:
             self._compare(chunk.seq, fast_crc32(chunk.data), chunk.crc32)
@@ -209,9 +215,9 @@ class ChunkAssembler(ChunkReader):
 
     def __init__(self, *, limit_bytes: int | None = None) -> None:
         super().__init__(limit_bytes=limit_bytes)
-        self._parts: list[bytes] = []
+        self._parts: list[Buffer] = []
 
-    def feed(self, chunk: kvstore_pb2.KVChunk) -> bytes:
+    def feed(self, chunk: Chunk) -> Buffer:
         data = super().feed(chunk)
         self._parts.append(data)
         return data

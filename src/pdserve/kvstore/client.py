@@ -39,11 +39,12 @@ from pdserve.kvstore.chunks import (
     split,
 )
 from pdserve.kvstore.stats import StoreStats
+from pdserve.kvstore.wire import Chunk, KVStoreCalls
 from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 Bytes = bytes | bytearray | memoryview
-Piece = tuple[bytes, int]
+Piece = tuple[Bytes, int]
 """A chunk's data with its CRC-32 already computed by the caller (sent as one chunk)."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -114,6 +115,7 @@ class KVStoreClient:
             address, options=list(CHANNEL_OPTIONS), interceptors=list(interceptors) or None
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._chunks = KVStoreCalls(self._channel)  # Put and Get without protobuf's copies
 
     async def put(
         self,
@@ -136,7 +138,7 @@ class KVStoreClient:
             cache=cache,
         )
         try:
-            resp: kvstore_pb2.PutResponse = await self._stub.Put(
+            resp: kvstore_pb2.PutResponse = await self._chunks.Put(
                 chunks, timeout=timeout_s or self.timeout_s
             )
         except AioRpcError as err:
@@ -166,7 +168,7 @@ class KVStoreClient:
 
         failure: list[Exception] = []
 
-        async def chunks() -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
+        async def chunks() -> AsyncGenerator[Chunk, None]:
             try:
                 async for chunk in _chunks():
                     yield chunk
@@ -174,7 +176,7 @@ class KVStoreClient:
                 failure.append(err)
                 raise
 
-        async def _chunks() -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
+        async def _chunks() -> AsyncGenerator[Chunk, None]:
             seq = 0
             async for piece in pieces:
                 if isinstance(piece, tuple):
@@ -197,7 +199,7 @@ class KVStoreClient:
             yield last
 
         try:
-            resp: kvstore_pb2.PutResponse = await self._stub.Put(chunks(), timeout=timeout_s)
+            resp: kvstore_pb2.PutResponse = await self._chunks.Put(chunks(), timeout=timeout_s)
         except AioRpcError as err:
             raise _translate(err, f"put {key!r} to {self.address}") from err
         except asyncio.CancelledError:
@@ -209,9 +211,15 @@ class KVStoreClient:
         return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
 
     async def stream(
-        self, key: str, *, delete_after_read: bool = False, timeout_s: float | None = None
-    ) -> AsyncGenerator[kvstore_pb2.KVChunk, None]:
-        """The chunks of ``key`` as they arrive; the first one carries the header.
+        self,
+        key: str,
+        *,
+        delete_after_read: bool = False,
+        timeout_s: float | None = None,
+        follow: bool = False,
+    ) -> AsyncGenerator[Chunk, None]:
+        """The chunks of ``key`` as they arrive; the first one carries the header. With
+        ``follow``, an entry still being written streams as its writer puts it.
 
         Seq is checked at once, CRC-32s beside the loop (``CrcPipeline``): a chunk may come
         out before its check is done, and the stream raises before it ends if one fails, or if
@@ -219,8 +227,8 @@ class KVStoreClient:
         """
         reader = ChunkReader(verify=False)
         crcs = CrcPipeline(key)
-        call = self._stub.Get(
-            kvstore_pb2.GetRequest(key=key, delete_after_read=delete_after_read),
+        call = self._chunks.Get(
+            kvstore_pb2.GetRequest(key=key, delete_after_read=delete_after_read, follow=follow),
             timeout=timeout_s or self.timeout_s,
         )
         try:
@@ -260,7 +268,7 @@ class KVStoreClient:
         when this returns, the deletion has happened (it precedes the end of the stream).
         """
         assembler = ChunkAssembler()
-        call = self._stub.Get(
+        call = self._chunks.Get(
             kvstore_pb2.GetRequest(key=key, delete_after_read=delete_after_read),
             timeout=timeout_s or self.timeout_s,
         )

@@ -77,7 +77,9 @@ class DiskTier:
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
 
-    def write(self, name: str, header: bytes, parts: Sequence[bytes | bytearray]) -> None:
+    def write(
+        self, name: str, header: bytes, parts: Sequence[bytes | bytearray | memoryview]
+    ) -> None:
         """Store ``header`` and the data ``parts`` as ``name``; ``CapacityError`` if over the
         budget."""
         size = len(header) + sum(len(p) for p in parts)

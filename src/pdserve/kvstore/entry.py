@@ -13,7 +13,7 @@ class Tier(StrEnum):
     DISK = "disk"
 
 
-Part = tuple[bytes | bytearray, int | None]
+Part = tuple[bytes | bytearray | memoryview, int | None]
 """A piece of an entry's data as it was written, with its CRC-32 if known (the chunk's)."""
 
 

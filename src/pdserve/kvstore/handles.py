@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
@@ -28,7 +29,8 @@ class ReadHandle:
 
 
 class PendingPut:
-    """A write in progress: data arrives in pieces; readers see nothing before ``commit``.
+    """A write in progress: data arrives in pieces; readers see nothing before ``commit``
+    (except followers: ``listen`` and ``appended``, see ``kvstore.follow``).
 
     The room is reserved up front when the size is known (``total_bytes``), else piece by
     piece. ``abort`` gives it back, as does ``KVStore.sweep`` once no piece arrived for a whole
@@ -57,16 +59,44 @@ class PendingPut:
         self._parts: list[Part] = []
         self._closed = False
         self._failure = ""
+        self._listeners: list[Callable[[], None]] = []
+        self.version = 0
+        """The committed entry's version (0 before the commit)."""
 
     @property
     def open(self) -> bool:
         return not self._closed
 
-    def append(self, data: bytes, crc32: int | None = None) -> None:
+    @property
+    def failure(self) -> str:
+        """Why the write was aborted; empty while open or once committed."""
+        return self._failure
+
+    def appended(self, start: int) -> list[Part]:
+        """The pieces appended so far, from the ``start``-th on (empty once closed)."""
+        return self._parts[start:]
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` after every append, the commit and an abort; returns the
+        function that stops it."""
+        self._listeners.append(callback)
+
+        def stop() -> None:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+        return stop
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            callback()
+
+    def append(self, data: bytes | bytearray | memoryview, crc32: int | None = None) -> None:
         """Add the next piece (``crc32``: its checked CRC-32, kept for readers); raises
         ``CapacityError`` if the store cannot hold it."""
         self._append_size(len(data))
         self._parts.append((data, crc32))
+        self._notify()
 
     def _append_size(self, nbytes: int) -> None:
         self._check_open()
@@ -107,7 +137,9 @@ class PendingPut:
         parts = tuple(self._parts) if parts is None else parts
         self._parts = []
         self._closed = True
-        return self._store._commit(self, parts, attachment)
+        lease = self._store._commit(self, parts, attachment)
+        self._notify()
+        return lease
 
     def abort(self, reason: str = "aborted") -> None:
         """Give the reservation back (idempotent)."""
@@ -117,6 +149,7 @@ class PendingPut:
         self._failure = reason
         self._parts = []
         self._store._end_write(self)
+        self._notify()
 
     def _check_open(self) -> None:
         if self._closed:

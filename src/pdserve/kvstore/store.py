@@ -84,6 +84,7 @@ class KVStore:
         # Live entries, least recently used first (both tiers).
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._writes: set[PendingPut] = set()
+        self._write_watchers: dict[str, list[Callable[[PendingPut], None]]] = {}
         self._ram_used = 0
         """RAM entries (live, or dead but still pinned) plus reservations of writes."""
         self._reserved = 0
@@ -126,7 +127,23 @@ class KVStore:
         )
         self._reserve(write, max(total_bytes, len(header)))
         self._writes.add(write)
+        for callback in self._write_watchers.pop(key, []):
+            callback(write)
         return write
+
+    def watch_writes(self, key: str, callback: Callable[[PendingPut], None]) -> Callable[[], None]:
+        """Call ``callback`` once with the next write that begins under ``key`` (a follower
+        that came before its writer); returns the function that stops it."""
+        self._write_watchers.setdefault(key, []).append(callback)
+
+        def stop() -> None:
+            watchers = self._write_watchers.get(key, [])
+            if callback in watchers:
+                watchers.remove(callback)
+            if not watchers:
+                self._write_watchers.pop(key, None)
+
+        return stop
 
     def put(
         self,
@@ -165,6 +182,10 @@ class KVStore:
         for write in [w for w in self._writes if w.deadline <= now]:
             write.abort("its lease ran out before it was committed")
         return len(expired)
+
+    def pending_write(self, key: str) -> PendingPut | None:
+        """The write in progress under ``key``, if any (what a follower reads)."""
+        return next((w for w in self._writes if w.key == key), None)
 
     # -- reads -----------------------------------------------------------------------------
     def open_read(self, key: str) -> ReadHandle:
@@ -320,6 +341,7 @@ class KVStore:
         self._ram_used += size
         self._bytes_in += size
         write.reserved = 0
+        write.version = entry.version
         return write.lease_s
 
     def _end_write(self, write: PendingPut) -> None:

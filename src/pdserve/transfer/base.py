@@ -251,13 +251,23 @@ class TransportRegistry:
 
 
 def default_registry(*, host: str | None = None) -> TransportRegistry:
-    """A registry with the transports that need no service: shm (on this host)."""
+    """A registry with the transports that need no service: shm (on this host).
+
+    Its shm senders and receivers share one copy thread (a ``ThreadPoolExecutor`` owned by
+    the registry, started on first use): each hand-off copies or checks K there while its own
+    thread does V. A pool task never waits on another, so sharing it cannot deadlock.
+    """
     # Imported here: shm imports this module (and torch), which callers of the policy avoid.
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.transfer.shm import ShmReceiver, ShmSender
 
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
     registry = TransportRegistry()
     registry.register(
         TransportKind.SHM,
-        Transport(lambda: ShmSender(host=host), lambda: ShmReceiver(host=host)),
+        Transport(
+            lambda: ShmSender(host=host, pool=pool), lambda: ShmReceiver(host=host, pool=pool)
+        ),
     )
     return registry

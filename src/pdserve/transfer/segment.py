@@ -2,14 +2,16 @@
 
 Segment layout (little-endian, offsets relative to the segment's start)::
 
-    0   b"PDSHMKV2"  magic
-    8   u32 state    0 = being written, 1 = sealed (the writer's commit point)
+    0   b"PDSHMKV3"  magic
+    8   u32 state    0 = being written, 1 = sealed (the writer's commit point), 2 = aborted
     12  u32 header_len
     16  u32 num_layers
     20  u32 reserved
     24  header       ``KVPayload.header_bytes()`` (layout + num_tokens, JSON)
-    T   u64[num_layers]  XXH3-64 of each layer's bytes (T = header end, 64-aligned)
-    D   layer 0 K, layer 0 V, layer 1 K, ...            (D = table end, 64-aligned)
+    T   u64[num_layers]  checksum of each layer (T = header end, 64-aligned): XXH3-64 over
+                         the 16 bytes of XXH3-64(K) and XXH3-64(V) (``checksum.kv_checksum``)
+    R   u32[num_layers]  1 once the layer and its checksum are written (R = table end)
+    D   layer 0 K, layer 0 V, layer 1 K, ...            (D = marks end, 64-aligned)
 
 Each K or V is ``[num_tokens, kv_heads, head_dim]`` in the layout's dtype. The segment is
 self-describing, so a reader that got only a ``KVHandle`` (name, offset, length) can use it.
@@ -29,20 +31,25 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
-from pdserve.transfer.checksum import layer_checksum
+from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 
-_MAGIC = b"PDSHMKV2"
+_MAGIC = b"PDSHMKV3"  # 3: per-layer checksums combine K's and V's digests
 _PREAMBLE = struct.Struct("<8sIIII")  # magic, state, header_len, num_layers, reserved
 _STATE_OFFSET = 8
-_WRITING, _SEALED = 0, 1
+_WRITING, _SEALED, _ABORTED = 0, 1, 2
 _ALIGN = 64
+_MADV_POPULATE_READ = 22
+"""Linux >= 5.14; not in Python 3.11's ``mmap`` module."""
 
 
 def _align(n: int) -> int:
@@ -67,8 +74,12 @@ class SegmentGeometry:
         return _align(_PREAMBLE.size + self.header_len)
 
     @property
+    def ready_offset(self) -> int:
+        return self.table_offset + 8 * self.num_layers
+
+    @property
     def data_offset(self) -> int:
-        return _align(self.table_offset + 8 * self.num_layers)
+        return _align(self.ready_offset + 4 * self.num_layers)
 
     @property
     def total(self) -> int:
@@ -124,6 +135,18 @@ def _reserve(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a file system without fallocate: size only
 
 
+def mark_layer(mm: mmap.mmap, geom: SegmentGeometry, layer: int, checksum: int) -> None:
+    """Publish one written layer to a reader following the writer (``shm_follow``): its
+    checksum, then its ready mark (x86 keeps the two stores in order)."""
+    struct.pack_into("<Q", mm, geom.table_offset + 8 * layer, checksum)
+    struct.pack_into("<I", mm, geom.ready_offset + 4 * layer, 1)
+
+
+def mark_aborted(mm: mmap.mmap) -> None:
+    """Tell a following reader that the writer gave up (before it unlinks the segment)."""
+    struct.pack_into("<I", mm, _STATE_OFFSET, _ABORTED)
+
+
 def seal(mm: mmap.mmap, geom: SegmentGeometry, checksums: tuple[int, ...]) -> None:
     """Write the checksum table, then flip the state word: the segment is complete."""
     struct.pack_into(f"<{len(checksums)}Q", mm, geom.table_offset, *checksums)
@@ -143,6 +166,46 @@ def unlink(path: Path) -> None:
     # Not found: the other side (or the janitor) already removed it.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+# -- following a writer (``shm_follow``) ----------------------------------------------------
+class SegmentState(IntEnum):
+    WRITING = _WRITING
+    SEALED = _SEALED
+    ABORTED = _ABORTED
+
+
+def mapped_state(mm: mmap.mmap) -> SegmentState | None:
+    """The state word; None while the writer has not written the preamble yet."""
+    if len(mm) < _PREAMBLE.size or mm[: len(_MAGIC)] != _MAGIC:
+        return None
+    (state,) = struct.unpack_from("<I", mm, _STATE_OFFSET)
+    return SegmentState(state) if state in (_WRITING, _SEALED, _ABORTED) else None
+
+
+def mapped_header(mm: mmap.mmap, name: str) -> tuple[KVLayout, int, SegmentGeometry]:
+    """Layout, token count and geometry from a mapping whose preamble is written."""
+    magic, _, header_len, num_layers, _ = _PREAMBLE.unpack_from(mm, 0)
+    if magic != _MAGIC:
+        raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
+    layout, num_tokens = parse_header(bytes(mm[_PREAMBLE.size : _PREAMBLE.size + header_len]))
+    if num_layers != layout.num_layers:
+        raise KVTransferError(
+            f"shm segment {name!r}: {num_layers} layers, its header says {layout.num_layers}"
+        )
+    geom = SegmentGeometry.of(header_len, layout, num_tokens)
+    if len(mm) < geom.total:
+        raise KVTransferError(f"shm segment {name!r} is truncated")
+    return layout, num_tokens, geom
+
+
+def mapped_layer(mm: mmap.mmap, geom: SegmentGeometry, layer: int) -> int | None:
+    """Layer ``layer``'s checksum once its writer marked it written, else None."""
+    (ready,) = struct.unpack_from("<I", mm, geom.ready_offset + 4 * layer)
+    if ready != 1:
+        return None
+    (checksum,) = struct.unpack_from("<Q", mm, geom.table_offset + 8 * layer)
+    return int(checksum)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -178,44 +241,90 @@ def read_header(fd: int, offset: int, name: str) -> SegmentHeader:
 
 
 def read_payload(
-    fd: int, offset: int, head: SegmentHeader, checksums: tuple[int, ...], deadline: float
+    fd: int,
+    offset: int,
+    head: SegmentHeader,
+    checksums: tuple[int, ...],
+    deadline: float,
+    pool: Executor | None = None,
 ) -> KVPayload:
     """Every layer, as views over a private mapping of the segment, each checked against its
-    XXH3-64 (``deadline``, ``time.monotonic``, checked between layers).
+    checksum (``deadline``, ``time.monotonic``, checked between layers).
 
     No copy: the payload's K and V ``[num_tokens, kvh, hd]`` are views over the mapping, which
     they keep alive; the engine's import is the only copy into its blocks. The mapping is
     ``MAP_PRIVATE`` (writable views, and a stray write stays in this process). Unlink the
     segment before calling this: then no one can open it anew, and its writer closed its own
     mapping when it sealed, so the bytes checked are the bytes imported.
+
+    With a ``pool``, one of its threads hashes every layer's K while this thread hashes the
+    V's; the first layer that fails its checksum is reported once both are done.
     """
     geom, layout, n = head.geom, head.layout, head.num_tokens
     if len(checksums) != geom.num_layers:
         raise KVTransferError(f"{len(checksums)} layer checksums for {geom.num_layers} layers")
     size = geom.layer_bytes
+    half = size // 2
     # mmap's offset must be page-aligned: map from 0 and index from ``offset``.
     mm = mmap.mmap(
         fd, offset + geom.total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
     )
+    populate_for_reading(mm)
     with memoryview(mm) as whole:
-        for i in range(geom.num_layers):
-            if time.monotonic() > deadline:
-                raise KVTransferError(f"shm read timed out at layer {i} of {geom.num_layers}")
-            start = offset + geom.layer_offset(i)
-            with whole[start : start + size] as part:
-                if layer_checksum(part) != checksums[i]:
-                    raise KVTransferError(f"KV layer {i} failed its checksum")
+
+        def digests(start: int) -> Callable[[], list[int]]:
+            # The XXH3-64 of each layer's K (start 0) or V (start half), in layer order.
+            def run() -> list[int]:
+                out = []
+                for i in range(geom.num_layers):
+                    if time.monotonic() > deadline:
+                        raise KVTransferError(
+                            f"shm read timed out at layer {i} of {geom.num_layers}"
+                        )
+                    at = offset + geom.layer_offset(i) + start
+                    with whole[at : at + half] as part:
+                        out.append(layer_checksum(part))
+                return out
+
+            return run
+
+        ks, vs = in_pair(pool, digests(0), digests(half))
+    for i, (kd, vd) in enumerate(zip(ks, vs, strict=True)):
+        if combine(kd, vd) != checksums[i]:
+            raise KVTransferError(f"KV layer {i} failed its checksum")
+    return payload_views(mm, offset, layout, n, geom)
+
+
+def payload_views(
+    mm: mmap.mmap, offset: int, layout: KVLayout, num_tokens: int, geom: SegmentGeometry
+) -> KVPayload:
+    """The payload as K and V ``[num_tokens, kvh, hd]`` views over a (private) mapping of the
+    segment at ``offset``, which they keep alive."""
+    size, half = geom.layer_bytes, geom.layer_bytes // 2
     body = torch.frombuffer(mm, dtype=torch.uint8, count=geom.num_layers * size,
                             offset=offset + geom.data_offset)  # fmt: skip
-    dtype, shape = DTYPES[layout.dtype], (n, layout.num_kv_heads, layout.head_dim)
-    half = size // 2
+    dtype, shape = DTYPES[layout.dtype], (num_tokens, layout.num_kv_heads, layout.head_dim)
     layers = [body[i * size : (i + 1) * size] for i in range(geom.num_layers)]
     return KVPayload(
         layout,
-        n,
+        num_tokens,
         tuple(t[:half].view(dtype).view(shape) for t in layers),
         tuple(t[half:].view(dtype).view(shape) for t in layers),
     )
+
+
+def populate_for_reading(mm: mmap.mmap) -> None:
+    """Fill in the page tables of a private mapping read-only, in one call.
+
+    Else each 4 KiB page is a minor fault when first hashed. ``MAP_POPULATE`` would not do:
+    on a writable private mapping it write-faults, copying every page. On a kernel without
+    ``MADV_POPULATE_READ`` (EINVAL) the pages fault in as they are read, as they always did.
+    """
+    try:
+        mm.madvise(_MADV_POPULATE_READ)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
 
 
 def _pread_exact(fd: int, n: int, offset: int) -> bytes:

@@ -6,10 +6,18 @@ it; once ``finish`` has sealed it, the receiver owns it and unlinks it after rea
 the outcome. A segment whose owner died is reclaimed by ``janitor.reclaim_orphans``.
 
 Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
-(``Tensor.copy_`` into a view over it; device-to-host when the engine is on a GPU) and takes
-its XXH3-64 there (``checksum.py``). The receiver copies nothing: it unlinks the sealed
-segment, maps it privately, checks each layer's XXH3-64 over the mapping and hands the engine
-views over it; the engine's import is the one copy into its blocks.
+(``Tensor.copy_`` into a view over it, device-to-host when the engine is on a GPU; numpy
+copies on CPU when two threads share the layer) and hashes K and V there (``checksum.py``).
+The receiver copies nothing: it unlinks the sealed segment, maps it privately, checks each
+layer's checksum over the mapping and hands the engine views over it; the engine's import is
+the one copy into its blocks.
+
+Threads: given a ``pool`` (an ``Executor`` its creator owns and shuts down, e.g. the one of
+``base.default_registry``), the sender copies and hashes each layer's K on a pool thread while
+the engine's thread does V (layers of ``_MIN_PARALLEL_BYTES`` or more), and the receiver
+hashes the K's on a pool thread while its own does the V's: one core alone does not reach
+memory bandwidth with a hash in the loop. Without one, everything runs on the calling thread
+(the same checksums).
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
@@ -42,10 +53,15 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.checksum import copy_and_checksum
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
+from pdserve.transfer.shm_follow import follow_segment
 from pdserve.transfer.stream import check_layer, missing_layers
 
 _PIECE_BYTES = 1 << 20
-"""Bytes copied then hashed at a time: small enough to be hashed from cache."""
+"""Bytes copied then hashed at a time: small enough to be hashed from cache (L2)."""
+_MIN_PARALLEL_BYTES = 4 << 20
+"""A smaller layer (K and V) is copied on the calling thread alone: handing half of it to
+the pool costs a thread wake-up there and another one back (about 100 us each on a busy
+or virtualised host), more than the second thread saves on a few MiB."""
 
 
 class _Mapper(threading.Thread):
@@ -79,13 +95,22 @@ class ShmSender:
     kind = TransportKind.SHM
 
     def __init__(
-        self, *, host: str | None = None, shm_dir: Path = SHM_DIR, prefix: str = SEGMENT_PREFIX
+        self,
+        *,
+        host: str | None = None,
+        shm_dir: Path = SHM_DIR,
+        prefix: str = SEGMENT_PREFIX,
+        pool: Executor | None = None,
     ) -> None:
         self.host = host or socket.gethostname()
         self.shm_dir = shm_dir
         self.prefix = prefix
+        self.pool = pool
+        """Copies each layer's K beside the caller's V; None: the caller copies both."""
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
+        self.tamper: Callable[[np.ndarray], None] | None = None
+        """Fault tests only: changes layer 0's bytes after they were hashed."""
         self.name = ""
         """The segment's name, once ``begin`` created it."""
         self._mm: mmap.mmap | None = None
@@ -155,14 +180,39 @@ class ShmSender:
         layout = self._layout
         check_layer(layout, self._num_tokens, layer, k, v, self._crcs)
         size, off = self._geom.layer_bytes, self._geom.layer_offset(layer)
-        half = size // 2
         # A [layer_bytes] uint8 view over the mapping: K then V [num_tokens, kvh, hd] are
         # copied into it (the only copy: a gather, or device-to-host, straight into shm) and
         # hashed piece by piece as written (``copy_and_checksum``).
-        dst = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
-        rows = max(1, _PIECE_BYTES // max(1, half // self._num_tokens))
-        self._crcs[layer] = copy_and_checksum(dst, (k, v), rows)
+        dst = np.frombuffer(mm, dtype=np.uint8, count=size, offset=off)
+        self._crcs[layer] = copy_and_checksum(
+            dst,
+            k,
+            v,
+            piece_bytes=_PIECE_BYTES,
+            pool=self.pool,
+            min_parallel_bytes=_MIN_PARALLEL_BYTES,
+        )
+        if self.tamper is not None and not layer:  # fault tests: after the hash, before the mark
+            self.tamper(dst)
         del dst
+        segment.mark_layer(mm, self._geom, layer, self._crcs[layer])
+
+    def planned(self) -> TransferDescriptor:
+        """What ``finish`` will describe (no checksums yet): for announcing the hand-off."""
+        if self._layout is None:
+            raise KVTransferError("planned() before begin()")
+        return TransferDescriptor(
+            kind=TransportKind.SHM,
+            request_id=self._request_id,
+            num_tokens=self._num_tokens,
+            num_bytes=self._geom.total,
+            model_fingerprint=self._layout.model_fingerprint,
+            name=self.name,
+            host=self.host,
+            offset=0,
+            length=self._geom.total,
+            layout=self._layout,
+        )
 
     def finish(self) -> TransferDescriptor:
         """Seal the segment and describe it; aborts (and raises) if a layer failed or is missing."""
@@ -213,6 +263,8 @@ class ShmSender:
             mapper, self._mapper = self._mapper, None
             with contextlib.suppress(Exception):  # aborting: the mapping's outcome is moot
                 self._mm = self._mm or mapper.result()
+        if self._mm is not None:
+            segment.mark_aborted(self._mm)  # a reader following the writes stops at once
         segment.close_mapping(self._mm)
         self._mm = None
         if self.name:
@@ -231,13 +283,20 @@ class ShmReceiver:
         expected_layout: KVLayout | None = None,
         host: str | None = None,
         shm_dir: Path = SHM_DIR,
+        pool: Executor | None = None,
+        follow: bool = False,
     ) -> None:
         self.expected_layout = expected_layout
         self.host = host or socket.gethostname()
         self.shm_dir = shm_dir
+        self.pool = pool
+        """Hashes the K's beside the reading thread's V's; None: that thread hashes both."""
+        self.follow = follow
+        """Read the segment while its writer fills it (``shm_follow``), not once sealed."""
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
         self._path: Path | None = None
+        self._stop = threading.Event()
 
     async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
         """Read, verify and unlink the segment; ``timeout_s`` bounds the read.
@@ -252,7 +311,8 @@ class ShmReceiver:
         try:
             self._path = self._segment_path(descriptor)
             deadline = time.monotonic() + timeout_s
-            payload = await asyncio.to_thread(self._read, self._path, descriptor, deadline)
+            read = self._follow_read if self.follow else self._read
+            payload = await asyncio.to_thread(read, self._path, descriptor, deadline)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
@@ -262,7 +322,9 @@ class ShmReceiver:
         return payload
 
     def cleanup(self) -> None:
-        """Unlink the segment if ``receive`` did not get to (idempotent)."""
+        """Unlink the segment if ``receive`` did not get to, and stop a follow-read still
+        waiting for its writer (idempotent)."""
+        self._stop.set()
         if self._path is not None:
             segment.unlink(self._path)
 
@@ -296,12 +358,23 @@ class ShmReceiver:
             segment.unlink(path)
             self._check(d, head)
             return segment.read_payload(
-                fd, d.offset, head, d.layer_checksums or head.checksums, deadline
+                fd, d.offset, head, d.layer_checksums or head.checksums, deadline, self.pool
             )
         finally:
             os.close(fd)
             if owned:
                 segment.unlink(path)
+
+    def _follow_read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+        got = follow_segment(path, deadline, self._stop, self.pool)
+        segment.unlink(path)  # sealed: ours now, single use
+        try:
+            head = segment.SegmentHeader(got.layout, got.num_tokens, got.geom, got.checksums)
+            self._check(d, head)
+            return segment.payload_views(got.mm, 0, got.layout, got.num_tokens, got.geom)
+        except BaseException:
+            segment.close_mapping(got.mm)
+            raise
 
     def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:
         """The segment's own header against the descriptor and this engine's layout."""

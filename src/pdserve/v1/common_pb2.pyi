@@ -94,7 +94,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., transfer: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
 
 class TransferTiming(_message.Message):
-    __slots__ = ("transport", "num_bytes", "send_start_ns", "first_layer_ns", "last_layer_ns", "compute_end_ns", "send_end_ns", "recv_start_ns", "recv_end_ns", "bytes_per_s", "overlap_ms", "exposed_ms", "hook_ms", "recv_ms", "compression", "layerwise", "fallback_reason")
+    __slots__ = ("transport", "num_bytes", "send_start_ns", "first_layer_ns", "last_layer_ns", "compute_end_ns", "send_end_ns", "recv_start_ns", "recv_end_ns", "bytes_per_s", "overlap_ms", "exposed_ms", "hook_ms", "recv_ms", "compression", "layerwise", "fallback_reason", "wait_ms", "prefetched")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEND_START_NS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class TransferTiming(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     transport: str
     num_bytes: int
     send_start_ns: int
@@ -129,7 +131,9 @@ class TransferTiming(_message.Message):
     compression: str
     layerwise: bool
     fallback_reason: str
-    def __init__(self, transport: _Optional[str] = ..., num_bytes: _Optional[int] = ..., send_start_ns: _Optional[int] = ..., first_layer_ns: _Optional[int] = ..., last_layer_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., send_end_ns: _Optional[int] = ..., recv_start_ns: _Optional[int] = ..., recv_end_ns: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., overlap_ms: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., hook_ms: _Optional[float] = ..., recv_ms: _Optional[float] = ..., compression: _Optional[str] = ..., layerwise: _Optional[bool] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    wait_ms: float
+    prefetched: bool
+    def __init__(self, transport: _Optional[str] = ..., num_bytes: _Optional[int] = ..., send_start_ns: _Optional[int] = ..., first_layer_ns: _Optional[int] = ..., last_layer_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., send_end_ns: _Optional[int] = ..., recv_start_ns: _Optional[int] = ..., recv_end_ns: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., overlap_ms: _Optional[float] = ..., exposed_ms: _Optional[float] = ..., hook_ms: _Optional[float] = ..., recv_ms: _Optional[float] = ..., compression: _Optional[str] = ..., layerwise: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., wait_ms: _Optional[float] = ..., prefetched: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -28,6 +28,18 @@ class DecodeRequest(_message.Message):
     tenant: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., reservation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: _common_pb2.KVHandle
+    def __init__(self, kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

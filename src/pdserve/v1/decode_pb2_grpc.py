@@ -39,6 +39,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/pdserve.v1.Decode/Prefetch',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -51,6 +56,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Start reading a hand-off's KV while the prefill worker is still writing it (store, shm;
+        direct streams arrive here anyway), so that the Decode call finds it ready: the read
+        overlaps the prefill's compute. Answers at once. The read ends when the last layer has
+        landed; the Decode call naming the same request and location takes its payload. A
+        prefetch that no Decode call takes is dropped after its timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +74,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +108,33 @@ class Decode:
             '/pdserve.v1.Decode/Decode',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Prefetch',
+            pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

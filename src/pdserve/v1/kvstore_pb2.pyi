@@ -42,12 +42,14 @@ class PutResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "delete_after_read")
+    __slots__ = ("key", "delete_after_read", "follow")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DELETE_AFTER_READ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     key: str
     delete_after_read: bool
-    def __init__(self, key: _Optional[str] = ..., delete_after_read: _Optional[bool] = ...) -> None: ...
+    follow: bool
+    def __init__(self, key: _Optional[str] = ..., delete_after_read: _Optional[bool] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys",)

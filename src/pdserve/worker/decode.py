@@ -9,6 +9,10 @@
 * ``shm``: read the segment on this host (the reader unlinks it);
 * ``recompute``: nothing was moved; prefill the prompt here.
 
+A ``store`` or ``shm`` hand-off announced by the prefill worker when it began
+(``prefetch``, ``worker.prefetch``) is read while the prefill computes; ``decode`` then only
+waits for what is left of it.
+
 Every receive is bounded (``--kv-transfer-timeout-s``, or from the payload's size and the
 bandwidth measured so far). On a timeout, a broken stream, a bad checksum or a missing entry,
 the worker falls back to recompute and the request completes; a payload of another model
@@ -29,11 +33,13 @@ Closing a stream early (a cancelled RPC) aborts the request: its blocks are free
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import socket
 import time
 from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -57,6 +63,7 @@ from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
 from pdserve.worker.placement import LinkModel
+from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
 from pdserve.worker.timing import RequestTiming
 
@@ -138,14 +145,19 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.links = LinkModel(self.host)
         self.fingerprint = kv_fingerprint(engine.layout)
+        self.prefetches = Prefetches()
         self._stores: dict[str, KVStoreClient] = {}
+        # Checks the K half of shm layers beside the reading thread's V half.
+        self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
             inbox.route_lookups(
                 decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
             )
 
     async def close(self) -> None:
-        """Close the KV store connections."""
+        """Drop the prefetches, close the KV store connections."""
+        await self.prefetches.close()
+        self._hash_pool.shutdown(wait=True)
         stores, self._stores = self._stores, {}
         for client in stores.values():
             await client.close()
@@ -156,18 +168,37 @@ class DecodeWorker:
             client = self._stores[address] = KVStoreClient(address, timeout_s=self.store_timeout_s)
         return client
 
-    def _inbound(self, kv: KVLocation) -> Inbound | None:
+    def _inbound(self, kv: KVLocation, *, follow: bool = False) -> Inbound | None:
+        """The receiver of ``kv``; ``follow``: one that reads while the writer writes."""
         layout = self.engine.layout
         if kv.kind is TransportKind.RECOMPUTE:
             return None
         if kv.kind is TransportKind.SHM:
-            return ShmInbound(ShmReceiver(expected_layout=layout, host=self.host), kv)
+            receiver = ShmReceiver(
+                expected_layout=layout, host=self.host, pool=self._hash_pool, follow=follow
+            )
+            return ShmInbound(receiver, kv)
         local = self.inbox is not None and kv.address == self.address
         if kv.kind is TransportKind.DIRECT and local and self.inbox is not None:
             return LocalInbound(self.inbox, kv, expected_layout=layout)
         if not kv.address:
             raise InvalidArgumentError(f"kv.{kv.kind}.address", "must be the endpoint's host:port")
-        return StreamInbound(self._store(kv.address), kv, expected_layout=layout)
+        return StreamInbound(self._store(kv.address), kv, expected_layout=layout, follow=follow)
+
+    # -- Prefetch --------------------------------------------------------------------------
+    async def prefetch(self, kv: KVLocation) -> bool:
+        """Start reading a hand-off that is still being written (see ``worker.prefetch``);
+        False when this location is not one to prefetch (the ``Decode`` call reads it)."""
+        if kv.kind not in PREFETCHED or kv.model_fingerprint != self.fingerprint:
+            return False
+        if kv.kind is TransportKind.STORE and not kv.address:
+            raise InvalidArgumentError("kv.store.address", "must be the store's host:port")
+        inbound = self._inbound(kv, follow=True)  # holds nothing until it receives
+        return inbound is not None and self.prefetches.start(kv, inbound, PREFETCH_TIMEOUT_S)
+
+    async def sweep(self) -> None:
+        """Drop prefetches that no Decode call took in time."""
+        await self.prefetches.sweep()
 
     # -- Decode ----------------------------------------------------------------------------
     async def decode(
@@ -183,7 +214,8 @@ class DecodeWorker:
     ) -> AsyncGenerator[DecodeDelta, None]:
         """The tokens after ``first_token``; the transport's copy is gone when this ends."""
         started = time.perf_counter()
-        inbound = self._inbound(kv)
+        prefetch = await self.prefetches.take(kv)
+        inbound = prefetch.inbound if prefetch is not None else self._inbound(kv)
         try:
             check_request(self.engine, request_id, prompt_ids, params)
             if kv.model_fingerprint != self.fingerprint:
@@ -198,7 +230,7 @@ class DecodeWorker:
                     f"{len(prompt_ids)} tokens",
                 )
             arrival = await self._arrive(
-                request_id, prompt_ids, params, kv, inbound, tenant, reservation_id
+                request_id, prompt_ids, params, kv, inbound, tenant, reservation_id, prefetch
             )
         finally:
             if inbound is not None:
@@ -242,8 +274,10 @@ class DecodeWorker:
         inbound: Inbound | None,
         tenant: str,
         reservation_id: str,
+        prefetch: Prefetch | None = None,
     ) -> _Arrival:
-        """The KV: received, or recomputed when nothing was sent or the receive failed."""
+        """The KV: received (or its prefetch waited for), or recomputed when nothing was sent
+        or the receive failed."""
         reason = kv.reason or "nothing was sent"
         transfer_ms = 0.0
         if inbound is not None:
@@ -251,7 +285,10 @@ class DecodeWorker:
             timeout = self.links.timeout_s(peer, kv.kind, kv.num_bytes, self.transfer_timeout_s)
             start = time.perf_counter()
             try:
-                payload = await inbound.receive(timeout)
+                if prefetch is not None:  # only its tail is left: the transfer's own bound
+                    payload = await asyncio.wait_for(prefetch.task, timeout)
+                else:
+                    payload = await inbound.receive(timeout)
                 if kv.prefix_tokens:  # the rest of the prompt; its prefix is in our cache
                     payload = await decode_prefix.join_cached_prefix(
                         self.engine, payload, prompt_ids, kv.prefix_tokens, tenant
@@ -261,9 +298,15 @@ class DecodeWorker:
                 reason = f"{kv.kind} receive failed: {err}"
                 logger.warning("%s: %s; recomputing", request_id, reason)
             else:
-                record = TransferRecord.received(inbound.stats, compression=inbound.compression)
-                self.links.observe(peer, record)
-                return _Arrival(payload, record, (time.perf_counter() - start) * 1000.0, 0.0)
+                waited = (time.perf_counter() - start) * 1000.0
+                record = TransferRecord.received(
+                    inbound.stats,
+                    compression=inbound.compression,
+                    wait_ms=waited if prefetch is not None else None,
+                )
+                if prefetch is None:  # a prefetch's read is paced by the prefill, not the link
+                    self.links.observe(peer, record)
+                return _Arrival(payload, record, waited, 0.0)
         start = time.perf_counter()
         payload = await self._recompute(request_id, prompt_ids, params, tenant, reservation_id)
         record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)

@@ -62,7 +62,7 @@ def stream_bytes(header: StreamHeader) -> int:
     )
 
 
-Piece = tuple[bytes, int]
+Piece = tuple[bytes | memoryview, int]
 """Chunk data and its CRC-32 (``kvstore.client.Piece``)."""
 
 
@@ -106,7 +106,9 @@ class LayerCopy:
         crc = 0  # CRC-32 of nothing
         for part in parts:
             for start in range(0, len(part), piece_bytes):
-                data = bytes(part[start : start + piece_bytes])
+                # A view: the chunk codec copies it once, into the message gRPC sends (the
+                # LayerCopy's tensors, which the view keeps alive, are this layer's own).
+                data = part[start : start + piece_bytes]
                 piece_crc = fast_crc32(data)
                 crc = crc32_combine(crc, piece_crc, len(data))
                 pieces.append((data, piece_crc))

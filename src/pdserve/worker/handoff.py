@@ -97,6 +97,10 @@ class TransferRecord:
     compression: str = "none"
     layerwise: bool = True
     fallback_reason: str = ""
+    wait_ms: float = 0.0
+    """Receiver: how long the Decode call waited for the payload (a prefetch: its tail)."""
+    prefetched: bool = False
+    """Receiver: the read began at the prefill's announcement, before the Decode call."""
 
     @classmethod
     def sent(
@@ -124,14 +128,21 @@ class TransferRecord:
         )
 
     @classmethod
-    def received(cls, stats: TransferStats, *, compression: str = "none") -> TransferRecord:
-        return cls(
+    def received(
+        cls, stats: TransferStats, *, compression: str = "none", wait_ms: float | None = None
+    ) -> TransferRecord:
+        """The receiver's side; ``wait_ms`` None: the Decode call waited for the whole read,
+        else the read was a prefetch and the call waited ``wait_ms`` for its tail."""
+        record = cls(
             transport=stats.transport.value,
             num_bytes=stats.num_bytes,
             recv_start_ns=stats.recv_start_ns,
             recv_end_ns=stats.recv_end_ns,
             compression=compression,
         )
+        if wait_ms is None:
+            return record.replace(wait_ms=record.recv_ms)
+        return record.replace(wait_ms=wait_ms, prefetched=True)
 
     def replace(self, **changes: object) -> TransferRecord:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -98,15 +98,20 @@ class StreamInbound(_Timed):
         location: KVLocation,
         *,
         expected_layout: KVLayout | None = None,
+        follow: bool = False,
     ) -> None:
+        """``follow``: read the entry while its writer still puts it (a prefetch)."""
         super().__init__(location.kind, location)
         self.client = client
         self.expected_layout = expected_layout
+        self.follow = follow
         self._consumed = False
 
     async def _read(self, location: KVLocation, timeout_s: float) -> KVPayload:
         collector: FrameCollector | None = None
-        stream = self.client.stream(location.key, delete_after_read=True, timeout_s=timeout_s)
+        stream = self.client.stream(
+            location.key, delete_after_read=True, timeout_s=timeout_s, follow=self.follow
+        )
         try:
             async for chunk in stream:
                 if collector is None:

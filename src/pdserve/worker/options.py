@@ -71,6 +71,8 @@ class WorkerOptions:
     layerwise: bool = True
     decode_prefix: bool = True
     """Send only the KV blocks the decode worker's prefix cache lacks (``decode_prefix``)."""
+    kv_prefetch: bool = True
+    """Announce layer-wise store/shm hand-offs to the decode worker as they begin."""
     kv_transfer_timeout_s: float = 0.0
     """Bound on a hand-off's commit and read; 0: from payload size and measured bandwidth."""
     prefix_reuse: bool = False
@@ -95,6 +97,7 @@ class WorkerOptions:
             compression=Compression(self.kv_compression),
             layerwise=self.layerwise,
             decode_prefix=self.decode_prefix,
+            prefetch=self.kv_prefetch,
             timeout_s=self.kv_transfer_timeout_s,
             lease_s=self.kv_lease_s,
             faults=parse_faults(self.faults),
@@ -208,6 +211,14 @@ def worker_parser(
         help="send the whole prompt's KV even when the decode worker caches a prefix of it",
     )
     t.add_argument(
+        "--no-kv-prefetch",
+        dest="kv_prefetch",
+        action="store_false",
+        default=True,
+        help="do not announce layer-wise store/shm hand-offs to the decode worker as they "
+        "begin (it then reads them only when the Decode call comes)",
+    )
+    t.add_argument(
         "--kv-transfer-timeout-s",
         type=float,
         default=float(d("kv_transfer_timeout_s", 0.0)),
@@ -304,6 +315,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         kv_compression=args.kv_compression,
         layerwise=args.layerwise,
         decode_prefix=args.decode_prefix,
+        kv_prefetch=args.kv_prefetch,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         prefix_reuse=args.prefix_reuse,
         prefix_chunk_tokens=args.prefix_chunk_tokens,

@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_payload import KVLayout
@@ -83,6 +84,10 @@ class Outbound(Protocol):
         ...
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None: ...
+
+    def planned(self) -> TransferDescriptor:
+        """After ``begin``: where the data is going (what ``commit`` will describe)."""
+        ...
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -185,6 +190,9 @@ class StreamSender:
         sent = 0
         sealing: asyncio.Task[list[Piece]] | None = None
         ended = False
+        # At once, before any layer: the first chunk (key, header, size) opens the write at
+        # the endpoint, so a reader told of the hand-off (a prefetch) finds it there.
+        yield b"", 0  # CRC-32 of nothing
         try:
             while not ended:
                 if sealing is None:
@@ -216,6 +224,22 @@ class StreamSender:
     def _seal(self, copy: LayerCopy, corrupt: bool) -> asyncio.Task[list[Piece]]:
         return asyncio.ensure_future(
             asyncio.to_thread(copy.seal, self.client.chunk_bytes, self.compression, corrupt=corrupt)
+        )
+
+    def planned(self) -> TransferDescriptor:
+        h = self._header
+        if h is None:
+            raise KVTransferError("planned() before begin()")
+        return TransferDescriptor(
+            kind=self.kind,
+            request_id=h.request_id,
+            num_tokens=h.num_tokens,
+            num_bytes=self.stats.num_bytes,
+            model_fingerprint=h.layout.model_fingerprint,
+            name=self.key,
+            host=self.client.address,
+            layout=h.layout,
+            compression=self.compression.value,
         )
 
     def _finish(self) -> TransferDescriptor:
@@ -285,7 +309,7 @@ class ShmOutbound:
     """``shm``: ``ShmSender`` behind the ``Outbound`` interface.
 
     Faults: ``stall_after_layers`` leaves the segment unsealed and lets the commit run into
-    its timeout; ``corrupt`` is not offered (a test corrupts the segment file itself).
+    its timeout; ``corrupt`` flips a byte of layer 0 after it was hashed.
     """
 
     kind = TransportKind.SHM
@@ -302,7 +326,12 @@ class ShmOutbound:
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         self._request_id = request_id
+        if self.faults is not None and self.faults.corrupts(request_id):
+            self.sender.tamper = _flip_first_byte
         self.sender.begin(request_id, layout, num_tokens)
+
+    def planned(self) -> TransferDescriptor:
+        return self.sender.planned()
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.sender.send_layer(layer, k, v)
@@ -315,6 +344,10 @@ class ShmOutbound:
 
     async def discard(self) -> None:
         self.sender.abort()  # unlinks the segment (revokes it after a commit)
+
+
+def _flip_first_byte(data: np.ndarray) -> None:
+    data[0] ^= 0xFF
 
 
 class Deferred:
@@ -332,6 +365,9 @@ class Deferred:
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         self.inner.begin(request_id, layout, num_tokens)
+
+    def planned(self) -> TransferDescriptor:
+        return self.inner.planned()
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # Keeping them is the engine's export, done layer by layer (the views die after this).
@@ -371,6 +407,9 @@ class Suffix:
                 "prefix_tokens", f"{self.prefix_tokens} leaves nothing of {num_tokens} tokens"
             )
         self.inner.begin(request_id, layout, num_tokens - self.prefix_tokens)
+
+    def planned(self) -> TransferDescriptor:
+        return self.inner.planned()
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.inner.send_layer(layer, k[self.prefix_tokens :], v[self.prefix_tokens :])

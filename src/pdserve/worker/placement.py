@@ -49,6 +49,8 @@ class TransferOptions:
     """Send layers as the engine produces them (False: all at the end, the no-overlap baseline)."""
     decode_prefix: bool = True
     """Ask the decode worker which leading blocks it caches and send only the rest."""
+    prefetch: bool = True
+    """Announce layer-wise store/shm hand-offs to the decode worker as they begin."""
     timeout_s: float = 0.0
     """Bound on a commit (sender) or a read (receiver); 0: from payload size and bandwidth."""
     lease_s: float = 60.0

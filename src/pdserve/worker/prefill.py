@@ -41,11 +41,13 @@ from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmSender
 from pdserve.worker import decode_prefix
+from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
+from pdserve.worker.prefetch import PREFETCHED
 from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.timing import RequestTiming
 
@@ -111,7 +113,10 @@ class PrefillWorker:
         host: str | None = None,
         options: TransferOptions | None = None,
         prefix: PrefixReuse | None = None,
+        announcers: Announcers | None = None,
     ) -> None:
+        """``announcers``: tell decode workers of layer-wise store/shm hand-offs as they
+        begin (``worker.announce``); None: they read them at the Decode call."""
         if not lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {lease_s}")
         self.engine = engine
@@ -122,11 +127,14 @@ class PrefillWorker:
         self.prefix = prefix
         self.fingerprint = kv_fingerprint(engine.layout)
         self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
+        self.announcers = announcers
 
     async def close(self) -> None:
         """Close the connections to decode workers' endpoints, wait for prefix publishing."""
         if self.prefix is not None:
             await self.prefix.close()
+        if self.announcers is not None:
+            await self.announcers.close()
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
             await client.close()
@@ -151,7 +159,11 @@ class PrefillWorker:
             out = StreamSender(
                 client, kind, lease_s=o.lease_s, compression=o.compression, faults=o.faults
             )
-        return out if o.layerwise else Deferred(out)
+        if not o.layerwise:
+            return Deferred(out)
+        if o.prefetch and self.announcers is not None and decode_address and kind in PREFETCHED:
+            return Announced(out, self.announcers.announcer(decode_address), self.fingerprint)
+        return out
 
     async def prefill(
         self,

@@ -91,6 +91,8 @@ def transfer_to_proto(r: TransferRecord) -> common_pb2.TransferTiming:
         compression=r.compression,
         layerwise=r.layerwise,
         fallback_reason=r.fallback_reason,
+        wait_ms=r.wait_ms,
+        prefetched=r.prefetched,
     )
 
 

@@ -27,6 +27,7 @@ from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, 
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
@@ -71,6 +72,7 @@ def prefill_worker(
         host=options.host_name,
         options=options.transfer_options(),
         prefix=prefix,
+        announcers=DecodeStubs() if options.kv_prefetch else None,
         telemetry=telemetry,
     )
 

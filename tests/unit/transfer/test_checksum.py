@@ -1,19 +1,24 @@
-"""Layer checksums: XXH3-64, computed piecewise while copying, and the shm segment's use."""
+"""Layer checksums: XXH3-64 of K and of V combined, computed piecewise while copying (on one
+thread or two), and the shm segment's use."""
 
 from __future__ import annotations
 
 import asyncio
 import mmap
 import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import xxhash
 
-from pdserve.errors import KVTransferError
+from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.transfer import segment, shm
 from pdserve.transfer.base import TransferState
-from pdserve.transfer.checksum import copy_and_checksum, layer_checksum
+from pdserve.transfer.checksum import copy_and_checksum, in_pair, kv_checksum, layer_checksum
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -29,23 +34,113 @@ def test_layer_checksum_is_xxh3_64() -> None:
     assert layer_checksum(memoryview(data)[3:]) == xxhash.xxh3_64(data[3:]).intdigest()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 1000])
-def test_copy_and_checksum_copies_then_hashes_what_it_wrote(rows: int) -> None:
+def reference_bytes(*parts: torch.Tensor) -> bytes:
+    """The bytes of ``parts`` back to back, each made contiguous by torch (the reference)."""
+    return (
+        torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts]).numpy().tobytes()
+    )
+
+
+def reference_checksum(k: bytes, v: bytes) -> int:
+    digests = struct.pack("<QQ", xxhash.xxh3_64(k).intdigest(), xxhash.xxh3_64(v).intdigest())
+    return xxhash.xxh3_64(digests).intdigest()
+
+
+def test_kv_checksum_combines_the_two_digests() -> None:
+    k, v = bytes(range(256)) * 9, bytes(range(255, -1, -1)) * 9
+    assert kv_checksum(k, v) == reference_checksum(k, v)
+    assert kv_checksum(k, v) != kv_checksum(v, k)  # the order of K and V counts
+
+
+def strided_kv(dtype: torch.dtype, tokens: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K that is every other head of a wider tensor and a V that is a [T, kvh, hd] view of
+    a [kvh, T, hd] tensor (both non-contiguous), [tokens, 2, 8] each."""
     g = torch.Generator().manual_seed(1)
-    # A strided K (every other head of a wider tensor) and a contiguous V, [11, 2, 8] each.
-    k = torch.randn(11, 4, 8, generator=g).to(torch.bfloat16)[:, ::2]
-    v = torch.randn(11, 2, 8, generator=g).to(torch.bfloat16)
-    dst = torch.empty(2 * k.numel() * 2, dtype=torch.uint8)
-    digest = copy_and_checksum(dst, (k, v), rows)
-    half = dst.numel() // 2
-    assert torch.equal(dst[:half].view(torch.bfloat16).view(11, 2, 8), k)
-    assert torch.equal(dst[half:].view(torch.bfloat16).view(11, 2, 8), v)
-    raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (k, v)]
-    expected = xxhash.xxh3_64(raw[0] + raw[1])
-    assert digest == expected.intdigest()
+    k = torch.randn(tokens, 4, 8, generator=g).to(dtype)[:, ::2]
+    v = torch.randn(2, tokens, 8, generator=g).to(dtype).transpose(0, 1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    return k, v
 
 
-def test_segment_table_holds_the_layers_xxh3(shm_prefix: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("piece_bytes", [1, 48, 100, 1 << 20])
+def test_copy_and_checksum_copies_strided_views_then_hashes_what_it_wrote(
+    dtype: torch.dtype, piece_bytes: int
+) -> None:
+    k, v = strided_kv(dtype)
+    expected = reference_bytes(k, v)
+    half = len(expected) // 2
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        results = []
+        for executor in (None, pool):
+            dst = np.full(len(expected), 0xEE, dtype=np.uint8)
+            digest = copy_and_checksum(dst, k, v, piece_bytes=piece_bytes, pool=executor)
+            assert dst.tobytes() == expected
+            results.append(digest)
+    # One thread or two: the same value, and the reference's.
+    assert results[0] == results[1] == reference_checksum(expected[:half], expected[half:])
+
+
+class CountingPool(ThreadPoolExecutor):
+    """A one-thread pool that counts what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_small_layers_stay_on_the_calling_thread() -> None:
+    k, v = strided_kv(torch.bfloat16)
+    size = 2 * k.numel() * k.element_size()
+    with CountingPool() as pool:
+        for limit, used in ((size + 1, 0), (size, 1)):
+            dst = np.empty(size, dtype=np.uint8)
+            copy_and_checksum(dst, k, v, piece_bytes=64, pool=pool, min_parallel_bytes=limit)
+            assert pool.submitted == used
+            assert dst.tobytes() == reference_bytes(k, v)
+
+
+def test_copy_and_checksum_refuses_a_destination_of_the_wrong_size() -> None:
+    k, v = strided_kv(torch.float32)
+    with pytest.raises(InvalidArgumentError) as err:
+        copy_and_checksum(np.empty(10, dtype=np.uint8), k, v, piece_bytes=64)
+    assert err.value.field == "dst"
+
+
+def fail(err: Exception) -> int:
+    raise err
+
+
+def test_in_pair_waits_for_the_pool_half_before_raising() -> None:
+    second_failed, first_done = threading.Event(), threading.Event()
+
+    def first() -> int:
+        # Runs on until the caller's half has failed: in_pair must still wait for it.
+        if not second_failed.wait(timeout=30):
+            raise RuntimeError("second never ran")
+        first_done.set()
+        raise KeyError("first broke too")
+
+    def second() -> int:
+        second_failed.set()
+        raise OSError("second broke")
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        with pytest.raises(OSError, match="second broke") as err:
+            in_pair(pool, first, second)
+        assert first_done.is_set()
+        assert any("first broke too" in note for note in err.value.__notes__)
+        with pytest.raises(KeyError, match="alone"):
+            in_pair(pool, lambda: fail(KeyError("alone")), lambda: 2)
+        assert in_pair(pool, lambda: 1, lambda: 2) == (1, 2)
+    assert in_pair(None, lambda: 1, lambda: 2) == (1, 2)
+
+
+def test_segment_table_holds_the_layers_checksums(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 5)
     sender = ShmSender(prefix=shm_prefix)
     sender.begin("r", payload.layout, 5)
@@ -53,8 +148,8 @@ def test_segment_table_holds_the_layers_xxh3(shm_prefix: str) -> None:
         sender.send_layer(i, payload.keys[i], payload.values[i])
     desc = sender.finish()
     for i in range(2):
-        raw = payload.keys[i].numpy().tobytes() + payload.values[i].numpy().tobytes()
-        assert desc.layer_checksums[i] == xxhash.xxh3_64(raw).intdigest()
+        k, v = (t.numpy().tobytes() for t in (payload.keys[i], payload.values[i]))
+        assert desc.layer_checksums[i] == reference_checksum(k, v)
     got = asyncio.run(ShmReceiver().receive(desc, timeout_s=5.0))
     assert_same_payload(got, payload)
 

@@ -1,0 +1,93 @@
+"""The prefill side of a prefetch: tell the decode worker of a hand-off as it begins.
+
+``Announced`` wraps a layer-wise ``store`` or ``shm`` ``Outbound``: right after ``begin`` it
+calls ``Decode.Prefetch`` on the chosen decode worker with the location being written (a
+tracked task, beside the prefill's compute), so that the decode worker reads the layers as
+they land (``worker.prefetch``). ``commit`` waits for that call's answer before it returns
+the descriptor, so the prefetch is registered before the router can send the ``Decode`` call.
+A decode worker that does not answer, or declines, changes nothing: its ``Decode`` call reads
+the KV as it always did.
+
+``decode_stubs.DecodeStubs`` makes the ``Announce`` functions, one channel per address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import torch
+from grpc.aio import AioRpcError
+
+from pdserve.engine.kv_payload import KVLayout
+from pdserve.transfer.base import TransferDescriptor
+from pdserve.worker.handoff import KVLocation
+from pdserve.worker.outbound import Outbound
+
+logger = logging.getLogger(__name__)
+
+Announce = Callable[[KVLocation], Coroutine[Any, Any, bool]]
+"""Sends one announcement; True if the decode worker started a prefetch."""
+
+
+class Announcers(Protocol):
+    """Makes the ``Announce`` of a decode worker address (``decode_stubs.DecodeStubs``)."""
+
+    def announcer(self, address: str) -> Announce: ...
+
+    async def close(self) -> None: ...
+
+
+class Announced:
+    """An ``Outbound`` whose hand-off is announced to the decode worker at ``begin``."""
+
+    def __init__(self, inner: Outbound, announce: Announce, fingerprint: str) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.stats = inner.stats
+        self.announce = announce
+        self.fingerprint = fingerprint
+        self.accepted = False
+        """Whether the decode worker started a prefetch (known after ``commit``)."""
+        self._task: asyncio.Task[bool] | None = None
+
+    @property
+    def busy_ns(self) -> int:
+        return self.inner.busy_ns
+
+    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
+        self.inner.begin(request_id, layout, num_tokens)
+        location = KVLocation.of(self.inner.planned(), self.fingerprint)
+        self._task = asyncio.get_running_loop().create_task(
+            self.announce(location), name=f"kv-announce-{request_id}"
+        )
+
+    def planned(self) -> TransferDescriptor:
+        return self.inner.planned()
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.send_layer(layer, k, v)
+
+    async def commit(self, timeout_s: float) -> TransferDescriptor:
+        descriptor = await self.inner.commit(timeout_s)
+        task, self._task = self._task, None
+        if task is not None:
+            try:
+                self.accepted = await task
+            except AioRpcError as err:  # an old or busy decode worker: it reads at Decode
+                logger.info(
+                    "%s: prefetch not announced (%s)", descriptor.request_id, err.code().name
+                )
+        return descriptor
+
+    async def discard(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Discarding: the announcement's outcome no longer matters.
+            with contextlib.suppress(asyncio.CancelledError, AioRpcError):
+                await task
+        await self.inner.discard()

@@ -1,0 +1,43 @@
+"""``Decode`` stubs of the decode workers a prefill worker hands off to: the ``Announce``
+functions of ``worker.announce`` (``Decode.Prefetch`` calls), one channel per address."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.telemetry import tracing
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.worker.announce import Announce
+from pdserve.worker.handoff import KVLocation
+from pdserve.worker.protocol import handle_to_proto
+
+ANNOUNCE_TIMEOUT_S = 5.0
+
+
+class DecodeStubs:
+    """``Decode`` stubs by decode worker address, for announcements."""
+
+    def __init__(self, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def announcer(self, address: str) -> Announce:
+        channel = self._channels.get(address)
+        if channel is None:
+            interceptors = tracing.client_interceptors()
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, interceptors=list(interceptors) or None
+            )
+        stub = decode_pb2_grpc.DecodeStub(channel)
+
+        async def announce(location: KVLocation) -> bool:
+            request = decode_pb2.PrefetchRequest(kv=handle_to_proto(location))
+            response = await stub.Prefetch(request, timeout=self.timeout_s)
+            return bool(response.accepted)
+
+        return announce
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()

@@ -1,0 +1,125 @@
+"""Reads of hand-offs that begin before their ``Decode`` call (``Decode.Prefetch``).
+
+Without them the decode worker learns of a ``store`` or ``shm`` hand-off only from the
+``Decode`` call, after the prefill answered, and its whole read adds to the time before
+decoding starts. With them:
+
+  1. Announce (prefill): at ``begin``, as the layers start to leave, the prefill worker calls
+     ``Decode.Prefetch`` with the location being written.
+  2. Start (decode): ``Prefetches.start`` runs the location's ``Inbound.receive`` as a task
+     that follows the writer (a store ``Get`` with ``follow``, or the shm segment's per-layer
+     ready marks), checking each layer as it lands: the read overlaps the prefill's compute.
+  3. Take (decode): the ``Decode`` call for the same request and location takes the task
+     (``take``) and waits only for what is left, usually the last layer. A ``Decode`` call
+     naming another location (the hand-off fell back to recompute, or went elsewhere) drops
+     the prefetch instead.
+  4. Drop: a prefetch that no ``Decode`` call takes is cancelled and its transport's copy
+     freed once its timeout has passed (``sweep``), and all of them at ``close``.
+
+Every task is owned here: cancelled, awaited and discarded on every path; nothing leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.errors import PdServeError
+from pdserve.transfer.base import TransportKind
+from pdserve.worker.handoff import KVLocation
+from pdserve.worker.inbound import Inbound
+
+logger = logging.getLogger(__name__)
+
+PREFETCHED = (TransportKind.STORE, TransportKind.SHM)
+"""What can be prefetched (``direct`` arrives in this worker's endpoint by itself)."""
+
+PREFETCH_TIMEOUT_S = 900.0
+"""Bound on a read that follows a prefill: it lasts as long as the prompt's compute (minutes
+for 32K tokens on a few CPU cores). A writer that stalls or dies ends it sooner: a store
+write is aborted once its lease passes without progress, an shm writer marks its segment
+aborted, and the reader checks that a segment's owner is alive."""
+
+
+@dataclass(eq=False, slots=True)
+class Prefetch:
+    """One read started early: its inbound, the task running ``receive``, its expiry."""
+
+    location: KVLocation
+    inbound: Inbound
+    task: asyncio.Task[KVPayload]
+    expires_at: float
+    """``time.monotonic``: dropped by ``sweep`` after this unless taken."""
+
+    def matches(self, location: KVLocation) -> bool:
+        a, b = self.location, location
+        return (a.kind, a.key, a.address, a.host, a.num_tokens) == (
+            b.kind,
+            b.key,
+            b.address,
+            b.host,
+            b.num_tokens,
+        )
+
+    async def drop(self) -> None:
+        """Cancel the read, wait for it, free the transport's copy."""
+        self.task.cancel()
+        # Dropping: the read's own outcome no longer matters.
+        with contextlib.suppress(asyncio.CancelledError, PdServeError):
+            await self.task
+        await self.inbound.discard()
+
+
+class Prefetches:
+    """The prefetches of one decode worker, by request id (see the module docstring)."""
+
+    def __init__(self, *, max_pending: int = 256) -> None:
+        self.max_pending = max_pending
+        self._pending: dict[str, Prefetch] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def start(self, location: KVLocation, inbound: Inbound, timeout_s: float) -> bool:
+        """Start reading ``location``; False (nothing started) for a request that already has
+        one, or when ``max_pending`` are running (the ``Decode`` call reads it then)."""
+        rid = location.request_id
+        if rid in self._pending or len(self._pending) >= self.max_pending:
+            return False
+        task = asyncio.get_running_loop().create_task(
+            inbound.receive(timeout_s), name=f"kv-prefetch-{rid}"
+        )
+        # The read is bounded by timeout_s; the grace covers a Decode call on its way.
+        expires_at = time.monotonic() + timeout_s + 30.0
+        self._pending[rid] = Prefetch(location, inbound, task, expires_at)
+        return True
+
+    async def take(self, location: KVLocation) -> Prefetch | None:
+        """The prefetch of ``location``'s request if it read that very location; one that
+        read somewhere else is dropped (and None returned)."""
+        prefetch = self._pending.pop(location.request_id, None)
+        if prefetch is None:
+            return None
+        if prefetch.matches(location):
+            return prefetch
+        await prefetch.drop()
+        return None
+
+    async def sweep(self) -> int:
+        """Drop the prefetches past their expiry; how many."""
+        now = time.monotonic()
+        stale = [rid for rid, p in self._pending.items() if p.expires_at <= now]
+        for rid in stale:
+            prefetch = self._pending.pop(rid)
+            logger.warning("%s: prefetched KV never taken by a Decode call; dropped", rid)
+            await prefetch.drop()
+        return len(stale)
+
+    async def close(self) -> None:
+        pending, self._pending = self._pending, {}
+        for prefetch in pending.values():
+            await prefetch.drop()

@@ -1,0 +1,159 @@
+"""The shm transport with a copy pool: K on a pool thread, V on the caller's, on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.errors import KVTransferError
+from pdserve.transfer import checksum, segment, shm
+from pdserve.transfer.base import TransferDescriptor, TransferState, TransportKind, default_registry
+from pdserve.transfer.janitor import SHM_DIR
+from pdserve.transfer.shm import ShmReceiver, ShmSender
+from tests.unit.transfer.conftest import (
+    assert_same_payload,
+    leftovers,
+    make_layout,
+    random_payload,
+)
+from tests.unit.transfer.test_checksum import CountingPool, reference_bytes, reference_checksum
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingPool]:
+    """A counting one-thread pool; every layer of these small payloads goes to it."""
+    monkeypatch.setattr(shm, "_MIN_PARALLEL_BYTES", 0)
+    with CountingPool() as executor:
+        yield executor
+
+
+def strided_payload(num_tokens: int, num_layers: int = 3) -> KVPayload:
+    """A bfloat16 payload whose K and V are non-contiguous views, as the engine's hook may
+    give them: K every other head of a wider tensor, V a [T, kvh, hd] view of [kvh, T, hd]."""
+    layout = make_layout("bfloat16", num_layers=num_layers)
+    g = torch.Generator().manual_seed(3)
+    kvh, hd = layout.num_kv_heads, layout.head_dim
+    keys = tuple(
+        torch.randn(num_tokens, 2 * kvh, hd, generator=g).to(torch.bfloat16)[:, ::2]
+        for _ in range(num_layers)
+    )
+    values = tuple(
+        torch.randn(kvh, num_tokens, hd, generator=g).to(torch.bfloat16).transpose(0, 1)
+        for _ in range(num_layers)
+    )
+    return KVPayload(layout, num_tokens, keys, values)
+
+
+def send(
+    prefix: str, payload: KVPayload, pool: CountingPool | None, rid: str
+) -> TransferDescriptor:
+    sender = ShmSender(prefix=prefix, pool=pool)
+    sender.begin(rid, payload.layout, payload.num_tokens)
+    for i in range(payload.layout.num_layers):
+        sender.send_layer(i, payload.keys[i], payload.values[i])
+    return sender.finish()
+
+
+def test_one_thread_and_two_write_the_same_segment(shm_prefix: str, pool: CountingPool) -> None:
+    payload = strided_payload(num_tokens=37)
+    alone = send(shm_prefix, payload, None, "alone")
+    assert pool.submitted == 0
+    paired = send(shm_prefix, payload, pool, "paired")
+    assert pool.submitted == payload.layout.num_layers  # one K per layer went to the pool
+    expected = tuple(
+        reference_checksum(reference_bytes(k), reference_bytes(v))
+        for k, v in zip(payload.keys, payload.values, strict=True)
+    )
+    assert alone.layer_checksums == paired.layer_checksums == expected
+    on_disk = [(SHM_DIR / d.name).read_bytes() for d in (alone, paired)]
+    assert on_disk[0] == on_disk[1]
+    for desc in (alone, paired):
+        got = asyncio.run(ShmReceiver(pool=pool).receive(desc, timeout_s=5.0))
+        assert_same_payload(got, payload)  # the strided views' values, byte for byte
+    assert pool.submitted == 3 + 2  # and one K pass per receive
+    assert leftovers(shm_prefix) == []
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+@pytest.mark.parametrize("where", ["K", "V"])
+def test_a_flipped_byte_in_k_or_v_fails_its_layer(
+    shm_prefix: str, pool: CountingPool, with_pool: bool, where: str
+) -> None:
+    payload = random_payload(make_layout(num_layers=3), 9)
+    desc = send(shm_prefix, payload, pool if with_pool else None, "r")
+    path = SHM_DIR / desc.name
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        geom = segment.read_header(fd, 0, desc.name).geom
+    finally:
+        os.close(fd)
+    # A byte inside layer 1's K (its 5th) or V (the 5th of its second half).
+    at = geom.layer_offset(1) + 5 + (geom.layer_bytes // 2 if where == "V" else 0)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    receiver = ShmReceiver(pool=pool if with_pool else None)
+    with pytest.raises(KVTransferError, match="layer 1 failed its checksum"):
+        asyncio.run(receiver.receive(desc, timeout_s=5.0))
+    assert receiver.state is TransferState.FAILED and leftovers(shm_prefix) == []
+
+
+def test_the_deadline_holds_on_both_threads(shm_prefix: str, pool: CountingPool) -> None:
+    desc = send(shm_prefix, random_payload(make_layout(num_layers=3), 6), pool, "r")
+    fd = os.open(SHM_DIR / desc.name, os.O_RDONLY)
+    try:
+        head = segment.read_header(fd, 0, desc.name)
+        with pytest.raises(KVTransferError, match="timed out at layer 0") as err:
+            segment.read_payload(fd, 0, head, head.checksums, deadline=0.0, pool=pool)
+        # The pool's half timed out as well, and says so rather than vanishing.
+        assert any("timed out at layer 0" in note for note in err.value.__notes__)
+    finally:
+        os.close(fd)
+        segment.unlink(SHM_DIR / desc.name)
+
+
+def test_a_failed_pool_half_fails_the_send_and_leaves_nothing(
+    shm_prefix: str, pool: CountingPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = checksum.copy_and_hash
+
+    def broken_off_the_main_thread(dst: np.ndarray, src: torch.Tensor, piece_bytes: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError("the pool's copy broke")
+        return real(dst, src, piece_bytes)
+
+    monkeypatch.setattr(checksum, "copy_and_hash", broken_off_the_main_thread)
+    payload = random_payload(make_layout(num_layers=2), 4)
+    sender = ShmSender(prefix=shm_prefix, pool=pool)
+    sender.begin("r", payload.layout, 4)
+    for i in range(2):
+        sender.send_layer(i, payload.keys[i], payload.values[i])  # never raises: recorded
+    assert pool.submitted == 1  # the first failure stops the later layers
+    with pytest.raises(KVTransferError, match="the pool's copy broke"):
+        sender.finish()
+    assert sender.state is TransferState.FAILED and leftovers(shm_prefix) == []
+
+
+def test_default_registry_shares_one_pool(shm_prefix: str) -> None:
+    transport = default_registry(host="h").get(TransportKind.SHM)
+    sender, receiver = transport.sender(), transport.receiver()
+    assert isinstance(sender, ShmSender) and isinstance(receiver, ShmReceiver)
+    assert sender.pool is not None and sender.pool is receiver.pool
+    sender.prefix = shm_prefix
+    payload = strided_payload(num_tokens=20)
+    sender.begin("r", payload.layout, payload.num_tokens)
+    for i in range(payload.layout.num_layers):
+        sender.send_layer(i, payload.keys[i], payload.values[i])
+    got = asyncio.run(receiver.receive(sender.finish(), timeout_s=5.0))
+    assert_same_payload(got, payload)
+    assert leftovers(shm_prefix) == []
+    sender.pool.shutdown()
