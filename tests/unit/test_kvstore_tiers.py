@@ -357,3 +357,65 @@ def test_prometheus_collector_reads_the_stats(tmp_path: Path) -> None:
     assert value("pdserve_kvstore_events_total", event="spill") == 2
     assert value("pdserve_kvstore_events_total", event="reload") == 1
     store.close()
+
+
+def test_a_follow_read_streams_a_write_as_it_lands() -> None:
+    """The reader asks before the writer has begun; it gets the first piece while the writer
+    still holds back the rest (the writer waits for exactly that), then the whole entry,
+    which it deletes after the last chunk."""
+    pieces = [blob(i, 1500) for i in range(4)]
+
+    async def body() -> None:
+        store = KVStore(100_000)
+        first_seen = asyncio.Event()
+
+        async def source() -> AsyncIterator[bytes]:
+            yield pieces[0]
+            await first_seen.wait()  # only a follow-read can get it here
+            for p in pieces[1:]:
+                yield p
+
+        async with serving(store) as address, KVStoreClient(address, timeout_s=10) as client:
+
+            async def read() -> list[bytes]:
+                got = []
+                async for chunk in client.stream("k", delete_after_read=True, follow=True):
+                    got.append(bytes(chunk.data))
+                    if b"".join(got) == pieces[0]:
+                        first_seen.set()
+                return got
+
+            reading = asyncio.create_task(read())
+            total = 3 + sum(map(len, pieces))
+            await client.put_stream("k", source(), header=b"HDR", total_bytes=total)
+            got = await reading
+            assert b"".join(got) == b"".join(pieces)
+            totals = (await client.stat()).totals
+            assert totals is not None and (totals.num_entries, totals.used_bytes) == (0, 0)
+
+    run(body)
+
+
+def test_a_follow_read_of_a_write_that_breaks_off_fails() -> None:
+    async def body() -> None:
+        store = KVStore(100_000)
+        first_seen = asyncio.Event()
+
+        async def source() -> AsyncIterator[bytes]:
+            yield blob(1, 500)
+            await first_seen.wait()
+            raise KVTransferError("the producer died")
+
+        async with serving(store) as address, KVStoreClient(address, timeout_s=10) as client:
+
+            async def read() -> None:
+                async for _ in client.stream("k", follow=True):
+                    first_seen.set()
+
+            reading = asyncio.create_task(read())
+            with pytest.raises(KVTransferError):
+                await client.put_stream("k", source(), total_bytes=1000)
+            with pytest.raises(KVTransferError, match="broke off"):
+                await reading
+
+    run(body)

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 class LayerHook(Protocol):
     """Called once per layer when a prefill's KV of that layer is complete.
 
-    ``keys``/``values``: ``[num_prompt_tokens, num_kv_heads, head_dim]``, views that are only
-    valid during the call (copy what you keep).
+    ``keys``/``values``: ``[num_prompt_tokens, num_kv_heads, head_dim]``, gathered out of the
+    paged cache for this call (``ModelRunner.read_layer``): the hook may keep them past the
+    call (a transport writing them out on another thread); nothing writes into them again.
     """
 
     def __call__(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...

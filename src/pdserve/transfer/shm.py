@@ -13,17 +13,18 @@ layer's checksum over the mapping and hands the engine views over it; the engine
 the one copy into its blocks.
 
 Threads: given a ``pool`` (an ``Executor`` its creator owns and shuts down, e.g. the one of
-``base.default_registry``), the sender copies and hashes each layer's K on a pool thread while
-the engine's thread does V (layers of ``_MIN_PARALLEL_BYTES`` or more), and the receiver
-hashes the K's on a pool thread while its own does the V's: one core alone does not reach
-memory bandwidth with a hash in the loop. Without one, everything runs on the calling thread
-(the same checksums).
+``base.default_registry``), the sender writes the layers in two lanes: every other layer goes
+to a pool thread while the engine's thread writes the next one (at most one layer in flight;
+its mark is published once it is done), and the receiver hashes the K's on a pool thread
+while its own does the V's: one core alone does not reach memory bandwidth with a hash in the
+loop. Without one, everything runs on the calling thread (the same checksums).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import os
 import socket
@@ -31,7 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import numpy as np
@@ -51,17 +52,15 @@ from pdserve.transfer.base import (
     TransportKind,
     advance,
 )
-from pdserve.transfer.checksum import copy_and_checksum
+from pdserve.transfer.checksum import combine, copy_and_hash
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
 from pdserve.transfer.shm_follow import follow_segment
 from pdserve.transfer.stream import check_layer, missing_layers
 
+logger = logging.getLogger(__name__)
+
 _PIECE_BYTES = 1 << 20
 """Bytes copied then hashed at a time: small enough to be hashed from cache (L2)."""
-_MIN_PARALLEL_BYTES = 4 << 20
-"""A smaller layer (K and V) is copied on the calling thread alone: handing half of it to
-the pool costs a thread wake-up there and another one back (about 100 us each on a busy
-or virtualised host), more than the second thread saves on a few MiB."""
 
 
 class _Mapper(threading.Thread):
@@ -89,6 +88,11 @@ class _Mapper(threading.Thread):
         return self._mm
 
 
+def _log_failure(done: Future[None]) -> None:
+    if (err := done.exception()) is not None:
+        logger.warning("could not unmap a sealed shm segment: %r", err)
+
+
 class ShmSender:
     """Prefill side: one segment per hand-off, written layer by layer from the layer hook."""
 
@@ -101,12 +105,17 @@ class ShmSender:
         shm_dir: Path = SHM_DIR,
         prefix: str = SEGMENT_PREFIX,
         pool: Executor | None = None,
+        closer: Executor | None = None,
     ) -> None:
         self.host = host or socket.gethostname()
         self.shm_dir = shm_dir
         self.prefix = prefix
         self.pool = pool
         """Copies each layer's K beside the caller's V; None: the caller copies both."""
+        self.closer = closer
+        """Unmaps the sealed segment after ``finish`` returned (tearing down the page tables
+        of a large segment takes ~40 ms per GB); None: ``finish`` unmaps it itself. Owned by
+        the caller, who shuts it down (waiting) when done."""
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
         self.tamper: Callable[[np.ndarray], None] | None = None
@@ -120,6 +129,9 @@ class ShmSender:
         self._layout: KVLayout | None = None
         self._num_tokens = 0
         self._crcs: dict[int, int] = {}
+        self._seen: set[int] = set()
+        self._lane: tuple[int, Future[int]] | None = None
+        """The layer being written on the pool thread, if any."""
         self._error: Exception | None = None
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
@@ -177,25 +189,53 @@ class ShmSender:
         if self.state is not TransferState.SENDING or self._layout is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
         mm = self._mapping()
-        layout = self._layout
-        check_layer(layout, self._num_tokens, layer, k, v, self._crcs)
+        check_layer(self._layout, self._num_tokens, layer, k, v, self._seen)
+        self._seen.add(layer)
         size, off = self._geom.layer_bytes, self._geom.layer_offset(layer)
         # A [layer_bytes] uint8 view over the mapping: K then V [num_tokens, kvh, hd] are
         # copied into it (the only copy: a gather, or device-to-host, straight into shm) and
-        # hashed piece by piece as written (``copy_and_checksum``).
+        # hashed piece by piece as written. The hook's K and V are the engine's gathered
+        # copies (``LayerHook``), so the pool thread may still read them after the call.
         dst = np.frombuffer(mm, dtype=np.uint8, count=size, offset=off)
-        self._crcs[layer] = copy_and_checksum(
-            dst,
-            k,
-            v,
-            piece_bytes=_PIECE_BYTES,
-            pool=self.pool,
-            min_parallel_bytes=_MIN_PARALLEL_BYTES,
+        if self.pool is not None and self._lane is None:
+            self._lane = (layer, self.pool.submit(self._copy, layer, dst, k, v, False))
+            return
+        checksum = self._copy(layer, dst, k, v, self.pool is None)
+        del dst
+        self._collect()  # the pool's layer first: marks go out in layer order
+        self._publish(layer, checksum)
+
+    def _copy(
+        self, layer: int, dst: np.ndarray, k: torch.Tensor, v: torch.Tensor, torch_copy: bool
+    ) -> int:
+        """Copy and hash one layer into ``dst``; ``torch_copy``: with torch's intra-op threads
+        (the only lane), else on this thread alone (numpy; two lanes run at once)."""
+        half = k.numel() * k.element_size()
+        checksum = combine(
+            copy_and_hash(dst[:half], k, _PIECE_BYTES, torch_copy=torch_copy),
+            copy_and_hash(dst[half:], v, _PIECE_BYTES, torch_copy=torch_copy),
         )
         if self.tamper is not None and not layer:  # fault tests: after the hash, before the mark
             self.tamper(dst)
-        del dst
-        segment.mark_layer(mm, self._geom, layer, self._crcs[layer])
+        return checksum
+
+    def _collect(self) -> None:
+        """Wait for the pool thread's layer, if any, and publish it (raises its failure)."""
+        if self._lane is not None:
+            layer, future = self._lane
+            self._lane = None
+            self._publish(layer, future.result())
+
+    def _settle(self) -> None:
+        """Wait for the pool thread's layer, whatever its outcome (before unmapping)."""
+        if self._lane is not None:
+            _, future = self._lane
+            self._lane = None
+            future.exception()  # waits; an abort does not care why it failed
+
+    def _publish(self, layer: int, checksum: int) -> None:
+        self._crcs[layer] = checksum
+        segment.mark_layer(self._mapping(), self._geom, layer, checksum)
 
     def planned(self) -> TransferDescriptor:
         """What ``finish`` will describe (no checksums yet): for announcing the hand-off."""
@@ -222,8 +262,10 @@ class ShmSender:
         if self._error is None:
             try:
                 self._mapping()
-            except Exception as mapping_error:  # the mapper failed; no layer noticed it
-                self._error = mapping_error
+                self._collect()
+            except Exception as failure:  # the mapper or the last pooled layer failed
+                traceback.clear_frames(failure.__traceback__)
+                self._error = failure
         if self._error is not None:
             err = self._error
             self.abort()
@@ -235,8 +277,11 @@ class ShmSender:
         crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
         mm = self._mapping()
         segment.seal(mm, self._geom, crcs)
-        segment.close_mapping(self._mm)
         self._mm = None
+        if self.closer is None:
+            segment.close_mapping(mm)
+        else:
+            self.closer.submit(segment.close_mapping, mm).add_done_callback(_log_failure)
         self.state = advance(self.state, TransferState.SENT)
         end = time.monotonic_ns()
         self.stats.hook_ns += end - start
@@ -259,6 +304,7 @@ class ShmSender:
         """Unlink the segment (idempotent). After ``finish`` this revokes the hand-off."""
         if self.state is TransferState.FAILED:
             return
+        self._settle()  # the pool thread may still be writing into the mapping
         if self._mapper is not None:
             mapper, self._mapper = self._mapper, None
             with contextlib.suppress(Exception):  # aborting: the mapping's outcome is moot

@@ -1,4 +1,4 @@
-"""Layer frames as the worker moves them: built with one copy, parsed without copying again.
+"""Layer frames as the worker moves them: sent without a copy of their own, parsed with one.
 
 The wire format is ``pdserve.transfer.stream``'s (a ``StreamHeader``, then one ``LayerFrame``
 per layer)::
@@ -8,10 +8,11 @@ per layer)::
 ``stream.py`` builds frames from ``bytes`` objects; on multi-MB layers that means several
 copies per side. Here:
 
-* ``LayerCopy.take`` (engine thread, inside the layer hook) copies the hooked K and V once
-  into private tensors. ``LayerCopy.seal`` (a worker thread) cuts them into chunk pieces,
-  computing each piece's CRC-32 once; the frame's CRC is combined from those
-  (``kvstore.crc``), and int8 compression happens here too.
+* ``LayerCopy.take`` (engine thread, inside the layer hook) keeps the hooked K and V (the
+  engine's gathered copies; device-to-host on a GPU). ``LayerCopy.seal`` (a worker thread)
+  cuts them into chunk pieces (views), computing each piece's CRC-32 once; the frame's CRC is
+  combined from those (``kvstore.crc``), and int8 compression happens here too. The chunk
+  codec (``kvstore.wire``) copies each piece once, into the message gRPC sends.
 * ``FrameCollector`` (receiving side) accepts the byte stream in pieces of any size, copies
   each frame once into a buffer of its own, checks the CRC and sizes there (combining the
   chunks' already checked CRCs when the pieces line up with the frame), and views K and V as
@@ -71,6 +72,14 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
 @dataclass(slots=True)
 class LayerCopy:
     """One layer taken out of the engine: private copies of its K and V."""
@@ -81,16 +90,13 @@ class LayerCopy:
 
     @classmethod
     def take(cls, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerCopy:
-        """Copy the hooked ``[num_tokens, kvh, hd]`` K and V (views valid only now) once.
+        """The hooked ``[num_tokens, kvh, hd]`` K and V as contiguous CPU tensors.
 
-        ``copy_`` into uninitialised tensors: one pass (a gather from a non-contiguous view,
-        or device-to-host on a GPU), no zero-filling first.
+        They are the engine's gathered copies (``LayerHook``), kept as they are when already
+        contiguous on the CPU; else copied once (``copy_`` into uninitialised tensors: a
+        gather from a strided view, or device-to-host on a GPU, no zero-filling first).
         """
-        kc = torch.empty(k.shape, dtype=k.dtype)
-        vc = torch.empty(v.shape, dtype=v.dtype)
-        kc.copy_(k)
-        vc.copy_(v)
-        return cls(layer, kc, vc)
+        return cls(layer, _on_cpu(k), _on_cpu(v))
 
     def seal(
         self, piece_bytes: int, compression: Compression, *, corrupt: bool = False

@@ -3,7 +3,7 @@
 
 * ``StreamSender`` (``store`` and ``direct``): a ``KVStore.Put`` stream, opened at ``begin``,
   into the KV store or straight into the decode worker's own KVStore endpoint. The layer hook
-  copies each layer once into a frame buffer (engine thread) and hands it to the event loop;
+  takes each layer (engine thread; a GPU's is copied to the host) and hands it to the event loop;
   there the frame's CRC is computed in a worker thread and the frame goes out at once, while
   the engine computes the next layers. ``commit`` ends the stream and waits, bounded, for the
   store's acknowledgement.
@@ -157,7 +157,7 @@ class StreamSender:
         )
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The layer hook (engine thread): copy the layer out, queue it. Never raises."""
+        """The layer hook (engine thread): take the layer, queue it. Never raises."""
         start = time.monotonic_ns()
         if self._error is None:
             try:

@@ -28,6 +28,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -128,6 +129,10 @@ class PrefillWorker:
         self.fingerprint = kv_fingerprint(engine.layout)
         self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
         self.announcers = announcers
+        # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
+        # sealed segments off the request's path.
+        self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
+        self._shm_closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-unmap")
 
     async def close(self) -> None:
         """Close the connections to decode workers' endpoints, wait for prefix publishing."""
@@ -135,6 +140,8 @@ class PrefillWorker:
             await self.prefix.close()
         if self.announcers is not None:
             await self.announcers.close()
+        self._shm_pool.shutdown(wait=True)
+        self._shm_closer.shutdown(wait=True)
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
             await client.close()
@@ -153,7 +160,8 @@ class PrefillWorker:
         if kind is TransportKind.RECOMPUTE:
             return None
         if kind is TransportKind.SHM:
-            out = ShmOutbound(ShmSender(host=self.host), faults=o.faults)
+            sender = ShmSender(host=self.host, pool=self._shm_pool, closer=self._shm_closer)
+            out = ShmOutbound(sender, faults=o.faults)
         else:
             client = self.store if kind is TransportKind.STORE else self._endpoint(decode_address)
             out = StreamSender(
