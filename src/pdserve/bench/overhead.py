@@ -127,7 +127,15 @@ def measure(
             ref_tokens, ref_first = run_engine(f"ref{i}", prompt)
             t2 = time.perf_counter()
             if done.token_ids != ref_tokens:
-                raise RuntimeError(f"request {i}: the service path and the engine disagree")
+                at = next(
+                    (j for j, (a, b) in enumerate(zip(done.token_ids, ref_tokens)) if a != b),
+                    min(len(done.token_ids), len(ref_tokens)),
+                )
+                how = done.timing.transport if done.timing is not None else "?"
+                raise RuntimeError(
+                    f"request {i}: the service path and the engine disagree from output "
+                    f"token {at} (hand-off: {how}): {done.token_ids} vs {ref_tokens}"
+                )
             if done.timing is None:
                 raise RuntimeError(f"request {i}: the router sent no timing breakdown")
             if i < 2:  # warm-up: first requests pay for channel set-up and allocator growth

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 PREFETCHED = (TransportKind.STORE, TransportKind.SHM)
 """What can be prefetched (``direct`` arrives in this worker's endpoint by itself)."""
 
+TAKE_GRACE_S = 30.0
+"""How long a finished read waits for its Decode call (which normally follows the prefill's
+answer at once; a request that ended at its first token never sends one)."""
+
 PREFETCH_TIMEOUT_S = 900.0
 """Bound on a read that follows a prefill: it lasts as long as the prompt's compute (minutes
 for 32K tokens on a few CPU cores). A writer that stalls or dies ends it sooner: a store
@@ -54,6 +58,12 @@ class Prefetch:
     task: asyncio.Task[KVPayload]
     expires_at: float
     """``time.monotonic``: dropped by ``sweep`` after this unless taken."""
+    done_at: float = 0.0
+    """``time.monotonic`` when the read ended (0: still reading)."""
+
+    def expired(self, now: float) -> bool:
+        """Past its read's bound, or ended and not taken within ``TAKE_GRACE_S``."""
+        return now >= self.expires_at or (self.done_at > 0 and now >= self.done_at + TAKE_GRACE_S)
 
     def matches(self, location: KVLocation) -> bool:
         a, b = self.location, location
@@ -94,8 +104,9 @@ class Prefetches:
             inbound.receive(timeout_s), name=f"kv-prefetch-{rid}"
         )
         # The read is bounded by timeout_s; the grace covers a Decode call on its way.
-        expires_at = time.monotonic() + timeout_s + 30.0
-        self._pending[rid] = Prefetch(location, inbound, task, expires_at)
+        prefetch = Prefetch(location, inbound, task, time.monotonic() + timeout_s + TAKE_GRACE_S)
+        task.add_done_callback(lambda _: setattr(prefetch, "done_at", time.monotonic()))
+        self._pending[rid] = prefetch
         return True
 
     async def take(self, location: KVLocation) -> Prefetch | None:
@@ -112,7 +123,7 @@ class Prefetches:
     async def sweep(self) -> int:
         """Drop the prefetches past their expiry; how many."""
         now = time.monotonic()
-        stale = [rid for rid, p in self._pending.items() if p.expires_at <= now]
+        stale = [rid for rid, p in self._pending.items() if p.expired(now)]
         for rid in stale:
             prefetch = self._pending.pop(rid)
             logger.warning("%s: prefetched KV never taken by a Decode call; dropped", rid)

@@ -154,7 +154,11 @@ class PrefillWorker:
             )
         return client
 
-    def _outbound(self, kind: TransportKind, decode_address: str) -> Outbound | None:
+    def _outbound(
+        self, kind: TransportKind, decode_address: str, *, announce: bool = True
+    ) -> Outbound | None:
+        """The hand-off's sender; ``announce``: tell the decode worker as it begins (only
+        worth it when a Decode call will follow)."""
         o = self.options
         out: Outbound
         if kind is TransportKind.RECOMPUTE:
@@ -169,8 +173,9 @@ class PrefillWorker:
             )
         if not o.layerwise:
             return Deferred(out)
-        if o.prefetch and self.announcers is not None and decode_address and kind in PREFETCHED:
-            return Announced(out, self.announcers.announcer(decode_address), self.fingerprint)
+        announcers = self.announcers if announce and o.prefetch and decode_address else None
+        if announcers is not None and kind in PREFETCHED:
+            return Announced(out, announcers.announcer(decode_address), self.fingerprint)
         return out
 
     async def prefill(
@@ -193,7 +198,8 @@ class PrefillWorker:
             decode_host=decode_host,
             forced=forced,
         )
-        out = self._outbound(kind, decode_address)
+        # A request that ends at its first token sends no Decode call: nothing to announce.
+        out = self._outbound(kind, decode_address, announce=params.max_tokens > 1)
         if out is not None and decode_address and self.options.decode_prefix:
             # Leave out the leading blocks the decode worker caches (decode_prefix).
             endpoint = self._endpoint(decode_address)

@@ -1,0 +1,97 @@
+"""The decode worker's prefetches (``worker.prefetch``): taken by the matching Decode call,
+dropped otherwise, every read cancelled and its copy freed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pdserve.engine.kv_payload import KVPayload
+from pdserve.transfer.base import TransferStats, TransportKind
+from pdserve.worker.handoff import KVLocation
+from pdserve.worker.prefetch import TAKE_GRACE_S, Prefetch, Prefetches
+
+
+class FakeInbound:
+    """Receives once ``release`` is set; counts discards."""
+
+    def __init__(self) -> None:
+        self.kind = TransportKind.STORE
+        self.stats = TransferStats(TransportKind.STORE)
+        self.compression = "none"
+        self.release = asyncio.Event()
+        self.discarded = 0
+        self.finished = False
+
+    async def receive(self, timeout_s: float) -> KVPayload:
+        await self.release.wait()
+        self.finished = True
+        return KVPayload.__new__(KVPayload)
+
+    async def discard(self) -> None:
+        self.discarded += 1
+
+
+def location(rid: str = "r", key: str = "kv/r") -> KVLocation:
+    return KVLocation(TransportKind.STORE, rid, 8, 100, "fp", address="s:1", key=key)
+
+
+def test_the_matching_decode_call_takes_the_read() -> None:
+    async def body() -> None:
+        prefetches, inbound = Prefetches(), FakeInbound()
+        assert prefetches.start(location(), inbound, 10.0)
+        assert not prefetches.start(location(), FakeInbound(), 10.0)  # one per request
+        taken = await prefetches.take(location())
+        assert taken is not None and taken.inbound is inbound and len(prefetches) == 0
+        inbound.release.set()
+        await taken.task
+        assert inbound.finished and inbound.discarded == 0  # the Decode call owns it now
+
+    asyncio.run(body())
+
+
+def test_a_decode_call_naming_another_location_drops_the_read() -> None:
+    async def body() -> None:
+        prefetches, inbound = Prefetches(), FakeInbound()
+        prefetches.start(location(), inbound, 10.0)
+        moved = dataclasses.replace(location(), kind=TransportKind.RECOMPUTE, key="")
+        assert await prefetches.take(moved) is None
+        inbound.release.set()  # too late: the read was cancelled
+        await asyncio.sleep(0)
+        assert not inbound.finished and inbound.discarded == 1 and len(prefetches) == 0
+
+    asyncio.run(body())
+
+
+def test_close_cancels_and_frees_every_read() -> None:
+    async def body() -> None:
+        prefetches = Prefetches(max_pending=2)
+        inbounds = [FakeInbound() for _ in range(3)]
+        started = [prefetches.start(location(f"r{i}"), b, 10.0) for i, b in enumerate(inbounds)]
+        assert started == [True, True, False]  # the cap: the Decode call reads the third
+        await prefetches.close()
+        assert [b.discarded for b in inbounds] == [1, 1, 0]
+        assert len(prefetches) == 0
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("done_at", "now", "expired"),
+    [
+        (0.0, 99.0, False),  # still reading, within its bound
+        (0.0, 100.0, True),  # still reading, past its bound
+        (50.0, 50.0 + TAKE_GRACE_S - 1, False),  # ended, its Decode call may be on its way
+        (50.0, 50.0 + TAKE_GRACE_S, True),  # ended and never taken
+    ],
+)
+def test_expiry(done_at: float, now: float, expired: bool) -> None:
+    async def body() -> None:
+        task = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+        prefetch = Prefetch(location(), FakeInbound(), task, expires_at=100.0, done_at=done_at)
+        assert prefetch.expired(now) is expired
+        await task
+
+    asyncio.run(body())
