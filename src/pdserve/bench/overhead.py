@@ -127,8 +127,9 @@ def measure(
             ref_tokens, ref_first = run_engine(f"ref{i}", prompt)
             t2 = time.perf_counter()
             if done.token_ids != ref_tokens:
+                pairs = zip(done.token_ids, ref_tokens, strict=False)  # lengths may differ
                 at = next(
-                    (j for j, (a, b) in enumerate(zip(done.token_ids, ref_tokens)) if a != b),
+                    (j for j, (a, b) in enumerate(pairs) if a != b),
                     min(len(done.token_ids), len(ref_tokens)),
                 )
                 how = done.timing.transport if done.timing is not None else "?"
