@@ -45,8 +45,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.PrefetchResponse:
         if not request.HasField("kv"):
             raise InvalidArgumentError("kv", "a KV handle is required")
-        accepted = await self.worker.prefetch(handle_from_proto(request.kv))
-        return decode_pb2.PrefetchResponse(accepted=accepted)
+        outcome = await self.worker.prefetch(handle_from_proto(request.kv))
+        return decode_pb2.PrefetchResponse(
+            accepted=outcome.accepted, ready=outcome.ready, reason=outcome.reason
+        )
 
 
 class MixedServicer(decode_pb2_grpc.MixedServicer):

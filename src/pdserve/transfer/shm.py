@@ -358,7 +358,11 @@ class ShmReceiver:
             self._path = self._segment_path(descriptor)
             deadline = time.monotonic() + timeout_s
             read = self._follow_read if self.follow else self._read
-            payload = await asyncio.to_thread(read, self._path, descriptor, deadline)
+            try:
+                payload = await asyncio.to_thread(read, self._path, descriptor, deadline)
+            except asyncio.CancelledError:
+                self._stop.set()  # a follow-read's thread would wait on for its writer
+                raise
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise

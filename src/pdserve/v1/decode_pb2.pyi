@@ -35,10 +35,14 @@ class PrefetchRequest(_message.Message):
     def __init__(self, kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "ready", "reason")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
-    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+    ready: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., ready: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id")

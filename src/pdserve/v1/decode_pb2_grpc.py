@@ -57,11 +57,13 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Start reading a hand-off's KV while the prefill worker is still writing it (store, shm;
-        direct streams arrive here anyway), so that the Decode call finds it ready: the read
-        overlaps the prefill's compute. Answers at once. The read ends when the last layer has
-        landed; the Decode call naming the same request and location takes its payload. A
-        prefetch that no Decode call takes is dropped after its timeout.
+        """Read a hand-off's KV while the prefill worker is still writing it (store, shm; direct
+        streams arrive here anyway), so that the Decode call finds it ready: the read overlaps
+        the prefill's compute. The prefill worker calls this when the hand-off begins; it answers
+        once the last layer has landed and been checked (or the read failed), so the caller knows
+        the decode worker holds the KV when its commit returns. The Decode call naming the same
+        request and location takes the payload; one that no Decode call takes is dropped soon
+        after. Cancelling the call stops the read and leaves the KV where it was.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

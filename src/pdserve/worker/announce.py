@@ -3,10 +3,11 @@
 ``Announced`` wraps a layer-wise ``store`` or ``shm`` ``Outbound``: right after ``begin`` it
 calls ``Decode.Prefetch`` on the chosen decode worker with the location being written (a
 tracked task, beside the prefill's compute), so that the decode worker reads the layers as
-they land (``worker.prefetch``). ``commit`` waits for that call's answer before it returns
-the descriptor, so the prefetch is registered before the router can send the ``Decode`` call.
-A decode worker that does not answer, or declines, changes nothing: its ``Decode`` call reads
-the KV as it always did.
+they land (``worker.prefetch``). That call answers once the decode worker holds the checked
+KV; ``commit`` waits for the answer (bounded by the commit's own timeout, then cancelled)
+before it returns the descriptor, so when the prefill answers, the ``Decode`` call finds the
+KV ready. A decode worker that declines, fails or is late changes nothing: its ``Decode``
+call reads the KV as it always did.
 
 ``decode_stubs.DecodeStubs`` makes the ``Announce`` functions, one channel per address.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -29,8 +31,9 @@ from pdserve.worker.outbound import Outbound
 
 logger = logging.getLogger(__name__)
 
-Announce = Callable[[KVLocation], Coroutine[Any, Any, bool]]
-"""Sends one announcement; True if the decode worker started a prefetch."""
+Announce = Callable[[KVLocation], Coroutine[Any, Any, str]]
+"""Sends one announcement and waits for the decode worker's read: "" once it holds the
+checked KV, else why not."""
 
 
 class Announcers(Protocol):
@@ -50,9 +53,9 @@ class Announced:
         self.stats = inner.stats
         self.announce = announce
         self.fingerprint = fingerprint
-        self.accepted = False
-        """Whether the decode worker started a prefetch (known after ``commit``)."""
-        self._task: asyncio.Task[bool] | None = None
+        self.outcome = "not announced"
+        """"" once the decode worker held the checked KV, else why not (after ``commit``)."""
+        self._task: asyncio.Task[str] | None = None
 
     @property
     def busy_ns(self) -> int:
@@ -76,11 +79,16 @@ class Announced:
         task, self._task = self._task, None
         if task is not None:
             try:
-                self.accepted = await task
-            except AioRpcError as err:  # an old or busy decode worker: it reads at Decode
-                logger.info(
-                    "%s: prefetch not announced (%s)", descriptor.request_id, err.code().name
-                )
+                self.outcome = await asyncio.wait_for(task, timeout_s)  # cancels it if late
+            except TimeoutError:
+                self.outcome = f"no answer within {timeout_s:.3g} s"
+            except AioRpcError as err:  # an old or failing decode worker
+                self.outcome = f"{err.code().name}: {err.details()}"
+            if self.outcome:  # the Decode call reads the KV the usual way
+                logger.info("%s: prefetch: %s", descriptor.request_id, self.outcome)
+            # The hand-off ends when the decode worker holds the KV: the wait for its read's
+            # tail is transfer time the first token waits for (``exposed_ms``).
+            self.stats.send_end_ns = time.monotonic_ns()
         return descriptor
 
     async def discard(self) -> None:

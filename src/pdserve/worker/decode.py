@@ -107,6 +107,15 @@ class DecodeDelta:
     """Prompt tokens served from the prefix cache (``generate``, last delta only)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PrefetchOutcome:
+    """What ``DecodeWorker.prefetch`` answers (``PrefetchResponse``)."""
+
+    accepted: bool
+    ready: bool = False
+    reason: str = ""
+
+
 @dataclass(slots=True)
 class _Arrival:
     payload: KVPayload
@@ -186,15 +195,23 @@ class DecodeWorker:
         return StreamInbound(self._store(kv.address), kv, expected_layout=layout, follow=follow)
 
     # -- Prefetch --------------------------------------------------------------------------
-    async def prefetch(self, kv: KVLocation) -> bool:
-        """Start reading a hand-off that is still being written (see ``worker.prefetch``);
-        False when this location is not one to prefetch (the ``Decode`` call reads it)."""
+    async def prefetch(self, kv: KVLocation) -> PrefetchOutcome:
+        """Read a hand-off that is still being written, until its last layer has landed (see
+        ``worker.prefetch``). Not accepted when this location is not one to prefetch (the
+        ``Decode`` call reads it). Cancelling this stops the read and leaves the KV."""
         if kv.kind not in PREFETCHED or kv.model_fingerprint != self.fingerprint:
-            return False
+            return PrefetchOutcome(accepted=False)
         if kv.kind is TransportKind.STORE and not kv.address:
             raise InvalidArgumentError("kv.store.address", "must be the store's host:port")
         inbound = self._inbound(kv, follow=True)  # holds nothing until it receives
-        return inbound is not None and self.prefetches.start(kv, inbound, PREFETCH_TIMEOUT_S)
+        if inbound is None or not self.prefetches.start(kv, inbound, PREFETCH_TIMEOUT_S):
+            return PrefetchOutcome(accepted=False)
+        try:
+            reason = await self.prefetches.wait(kv.request_id)
+        except asyncio.CancelledError:
+            await self.prefetches.cancel(kv.request_id)
+            raise
+        return PrefetchOutcome(accepted=True, ready=not reason, reason=reason)
 
     async def sweep(self) -> None:
         """Drop prefetches that no Decode call took in time."""

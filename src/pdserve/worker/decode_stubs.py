@@ -11,14 +11,11 @@ from pdserve.worker.announce import Announce
 from pdserve.worker.handoff import KVLocation
 from pdserve.worker.protocol import handle_to_proto
 
-ANNOUNCE_TIMEOUT_S = 5.0
-
 
 class DecodeStubs:
     """``Decode`` stubs by decode worker address, for announcements."""
 
-    def __init__(self, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def announcer(self, address: str) -> Announce:
@@ -30,10 +27,14 @@ class DecodeStubs:
             )
         stub = decode_pb2_grpc.DecodeStub(channel)
 
-        async def announce(location: KVLocation) -> bool:
+        async def announce(location: KVLocation) -> str:
+            # No deadline: the call lasts as long as the prefill; ``Announced.commit`` bounds
+            # the wait for its answer and cancels it.
             request = decode_pb2.PrefetchRequest(kv=handle_to_proto(location))
-            response = await stub.Prefetch(request, timeout=self.timeout_s)
-            return bool(response.accepted)
+            response = await stub.Prefetch(request)
+            if not response.accepted:
+                return "declined"
+            return "" if response.ready else response.reason or "not ready"
 
         return announce
 

@@ -6,15 +6,19 @@ decoding starts. With them:
 
   1. Announce (prefill): at ``begin``, as the layers start to leave, the prefill worker calls
      ``Decode.Prefetch`` with the location being written.
-  2. Start (decode): ``Prefetches.start`` runs the location's ``Inbound.receive`` as a task
+  2. Follow (decode): ``Prefetches.start`` runs the location's ``Inbound.receive`` as a task
      that follows the writer (a store ``Get`` with ``follow``, or the shm segment's per-layer
      ready marks), checking each layer as it lands: the read overlaps the prefill's compute.
-  3. Take (decode): the ``Decode`` call for the same request and location takes the task
-     (``take``) and waits only for what is left, usually the last layer. A ``Decode`` call
-     naming another location (the hand-off fell back to recompute, or went elsewhere) drops
-     the prefetch instead.
-  4. Drop: a prefetch that no ``Decode`` call takes is cancelled and its transport's copy
-     freed once its timeout has passed (``sweep``), and all of them at ``close``.
+     The ``Prefetch`` call answers when the read has ended (its trace spans nest in the
+     call's); the prefill worker's commit waits for that answer (bounded), so when the
+     prefill answers, the decode worker holds the checked KV.
+  3. Take (decode): the ``Decode`` call for the same request and location takes the read
+     (``take``) and waits only for what may be left of it. A ``Decode`` call naming another
+     location (the hand-off fell back to recompute, or went elsewhere) drops it instead.
+  4. Drop: a read that no ``Decode`` call takes is cancelled and its transport's copy freed
+     after ``TAKE_GRACE_S`` (``sweep``, or its own bound if it never ends), and all of them at
+     ``close``. A ``Prefetch`` call cancelled by its caller (whose commit gave up waiting)
+     stops the read and leaves the KV where it was (``cancel``): the ``Decode`` call reads it.
 
 Every task is owned here: cancelled, awaited and discarded on every path; nothing leaks.
 """
@@ -119,6 +123,28 @@ class Prefetches:
             return prefetch
         await prefetch.drop()
         return None
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop the read of ``request_id`` and forget it, leaving the transport's copy for a
+        ``Decode`` call to read the usual way."""
+        prefetch = self._pending.pop(request_id, None)
+        if prefetch is not None:
+            prefetch.task.cancel()
+            # Cancelling: the read's own outcome no longer matters.
+            with contextlib.suppress(asyncio.CancelledError, PdServeError):
+                await prefetch.task
+
+    async def wait(self, request_id: str) -> str:
+        """Wait until the read of ``request_id`` has ended; why it failed, "" if it did not
+        (the ``Decode`` call then takes the payload, or recomputes)."""
+        prefetch = self._pending.get(request_id)
+        if prefetch is None:
+            return "no prefetch of this request"
+        try:
+            await asyncio.shield(prefetch.task)  # a cancelled wait is ``cancel``'s business
+        except PdServeError as err:
+            return str(err)
+        return ""
 
     async def sweep(self) -> int:
         """Drop the prefetches past their expiry; how many."""
