@@ -48,11 +48,14 @@ STAGE_SERVICE = {
 ROUTER_CALL = "/pdserve.v1.Router/Generate"
 TRANSPORT = "store"
 """Forced (``--transport store``): the KV goes through the KV store service, which then shows
-in the traces and counts the same bytes as the workers; the choice never depends on timing."""
+in the traces and counts the same bytes as the workers; the choice never depends on timing.
+Every hand-off is prefetched (``--kv-prefetch-min-bytes 0``), so the decode worker's follow
+read of the store shows in the traces too, nested in its ``Prefetch`` call."""
 
 KV_BLOCKS = 256
 WORKER_ARGS = ("--dtype", "float32", "--threads", "1", "--kv-blocks", str(KV_BLOCKS),
-               "--heartbeat-interval-s", "0.2", "--transport", "store")  # fmt: skip
+               "--heartbeat-interval-s", "0.2", "--transport", "store",
+               "--kv-prefetch-min-bytes", "0")  # fmt: skip
 PROMPTS = (
     "the quick brown fox",
     "a tale of two cities, it was the best of times",

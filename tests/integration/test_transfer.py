@@ -46,6 +46,7 @@ WORKER_ARGS = (
     "--dtype", "float32", "--threads", "1", "--kv-blocks", "256",
     "--heartbeat-interval-s", "0.2", "--janitor-interval-s", "0.5",
     "--prefix-reuse", "--prefix-chunk-tokens", str(CHUNK), "--fault", "corrupt@bad-",
+    "--kv-prefetch-min-bytes", "0",  # the test model's payloads are small: prefetch them all
 )  # fmt: skip
 
 

@@ -73,6 +73,8 @@ class WorkerOptions:
     """Send only the KV blocks the decode worker's prefix cache lacks (``decode_prefix``)."""
     kv_prefetch: bool = True
     """Announce layer-wise store/shm hand-offs to the decode worker as they begin."""
+    kv_prefetch_min_bytes: int = 4 * 1024 * 1024
+    """Hand-offs smaller than this are not announced (read after the fact)."""
     kv_transfer_timeout_s: float = 0.0
     """Bound on a hand-off's commit and read; 0: from payload size and measured bandwidth."""
     prefix_reuse: bool = False
@@ -98,6 +100,7 @@ class WorkerOptions:
             layerwise=self.layerwise,
             decode_prefix=self.decode_prefix,
             prefetch=self.kv_prefetch,
+            prefetch_min_bytes=self.kv_prefetch_min_bytes,
             timeout_s=self.kv_transfer_timeout_s,
             lease_s=self.kv_lease_s,
             faults=parse_faults(self.faults),
@@ -219,6 +222,13 @@ def worker_parser(
         "begin (it then reads them only when the Decode call comes)",
     )
     t.add_argument(
+        "--kv-prefetch-min-bytes",
+        type=int,
+        default=int(d("kv_prefetch_min_bytes", 4 * 1024 * 1024)),
+        help="announce only hand-offs of at least this many bytes (smaller ones are read "
+        "faster than an announcement costs)",
+    )
+    t.add_argument(
         "--kv-transfer-timeout-s",
         type=float,
         default=float(d("kv_transfer_timeout_s", 0.0)),
@@ -316,6 +326,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         layerwise=args.layerwise,
         decode_prefix=args.decode_prefix,
         kv_prefetch=args.kv_prefetch,
+        kv_prefetch_min_bytes=args.kv_prefetch_min_bytes,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         prefix_reuse=args.prefix_reuse,
         prefix_chunk_tokens=args.prefix_chunk_tokens,

@@ -51,6 +51,9 @@ class TransferOptions:
     """Ask the decode worker which leading blocks it caches and send only the rest."""
     prefetch: bool = True
     """Announce layer-wise store/shm hand-offs to the decode worker as they begin."""
+    prefetch_min_bytes: int = 4 * 1024 * 1024
+    """Smaller payloads are not announced: an announcement (one more RPC, a reader following
+    the writer) costs about a millisecond here, more than reading 4 MiB takes after the fact."""
     timeout_s: float = 0.0
     """Bound on a commit (sender) or a read (receiver); 0: from payload size and bandwidth."""
     lease_s: float = 60.0
@@ -69,6 +72,10 @@ class TransferOptions:
             raise InvalidArgumentError("timeout_s", f"must be >= 0, got {self.timeout_s}")
         if not self.lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {self.lease_s}")
+        if self.prefetch_min_bytes < 0:
+            raise InvalidArgumentError(
+                "prefetch_min_bytes", f"must be >= 0, got {self.prefetch_min_bytes}"
+            )
 
 
 def parse_transport(value: str, *, field: str = "transport") -> TransportKind | None:

@@ -198,8 +198,12 @@ class PrefillWorker:
             decode_host=decode_host,
             forced=forced,
         )
-        # A request that ends at its first token sends no Decode call: nothing to announce.
-        out = self._outbound(kind, decode_address, announce=params.max_tokens > 1)
+        # A request that ends at its first token sends no Decode call, and a small payload is
+        # read faster than an announcement costs: nothing to announce then.
+        kv_bytes = len(prompt_ids) * self.engine.layout.num_layers
+        kv_bytes *= self.engine.layout.bytes_per_token_per_layer
+        announce = params.max_tokens > 1 and kv_bytes >= self.options.prefetch_min_bytes
+        out = self._outbound(kind, decode_address, announce=announce)
         if out is not None and decode_address and self.options.decode_prefix:
             # Leave out the leading blocks the decode worker caches (decode_prefix).
             endpoint = self._endpoint(decode_address)
