@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -286,19 +287,7 @@ class ShmSender:
         end = time.monotonic_ns()
         self.stats.hook_ns += end - start
         self.stats.send_end_ns = end
-        return TransferDescriptor(
-            kind=TransportKind.SHM,
-            request_id=self._request_id,
-            num_tokens=self._num_tokens,
-            num_bytes=self._geom.total,
-            model_fingerprint=self._layout.model_fingerprint,
-            name=self.name,
-            host=self.host,
-            offset=0,
-            length=self._geom.total,
-            layout=self._layout,
-            layer_checksums=crcs,
-        )
+        return dataclasses.replace(self.planned(), layer_checksums=crcs)
 
     def abort(self) -> None:
         """Unlink the segment (idempotent). After ``finish`` this revokes the hand-off."""

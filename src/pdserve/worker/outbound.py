@@ -255,17 +255,7 @@ class StreamSender:
         # call_soon_threadsafe, whose callbacks run in order with this one.
         assert self._loop is not None  # set by begin, like the header
         self._loop.call_soon(self._queue.put_nowait, None)
-        return TransferDescriptor(
-            kind=self.kind,
-            request_id=h.request_id,
-            num_tokens=h.num_tokens,
-            num_bytes=self.stats.num_bytes,
-            model_fingerprint=h.layout.model_fingerprint,
-            name=self.key,
-            host=self.client.address,
-            layout=h.layout,
-            compression=self.compression.value,
-        )
+        return self.planned()
 
     async def commit(self, timeout_s: float) -> TransferDescriptor:
         """End the stream and wait (at most ``timeout_s``) until the endpoint holds it all."""

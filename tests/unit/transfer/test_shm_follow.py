@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,44 +20,48 @@ from tests.unit.transfer.conftest import (
 )
 
 LAYERS = 4
+PAYLOAD = random_payload(make_layout(num_layers=LAYERS), 9)
 
 
-def _payload(num_tokens: int = 9) -> KVPayload:
-    return random_payload(make_layout(num_layers=LAYERS), num_tokens)
+def following(
+    prefix: str,
+    *,
+    pool: Executor | None = None,
+    tamper: Callable[[np.ndarray], None] | None = None,
+) -> tuple[ShmSender, ShmReceiver, asyncio.Task[KVPayload]]:
+    """A sender that has begun, and a reader following it from then on (call in a loop)."""
+    sender = ShmSender(prefix=prefix)
+    sender.tamper = tamper
+    sender.begin("r", PAYLOAD.layout, PAYLOAD.num_tokens)
+    receiver = ShmReceiver(follow=True, pool=pool)
+    reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
+    return sender, receiver, reading
+
+
+def send_all(sender: ShmSender) -> None:
+    for i in range(LAYERS):
+        sender.send_layer(i, PAYLOAD.keys[i], PAYLOAD.values[i])
+    sender.finish()
 
 
 @pytest.mark.parametrize("threads", [0, 1])
 def test_the_reader_follows_the_writer_to_a_verified_payload(shm_prefix: str, threads: int) -> None:
     """The read starts right after ``begin`` and ends once the segment is sealed."""
-    payload = _payload()
 
     async def body() -> None:
-        pool = ThreadPoolExecutor(1) if threads else None
-        sender = ShmSender(prefix=shm_prefix)
-        sender.begin("r", payload.layout, payload.num_tokens)
-        receiver = ShmReceiver(follow=True, pool=pool)
-        reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
-        for i in range(LAYERS):
-            sender.send_layer(i, payload.keys[i], payload.values[i])
-        sender.finish()
-        got = await reading
-        assert_same_payload(got, payload)
+        with ThreadPoolExecutor(1) as pool:
+            sender, _, reading = following(shm_prefix, pool=pool if threads else None)
+            send_all(sender)
+            assert_same_payload(await reading, PAYLOAD)
         assert leftovers(shm_prefix) == []  # the reader unlinked it at the seal
-        if pool is not None:
-            pool.shutdown()
 
     asyncio.run(body())
 
 
 def test_a_writer_that_gives_up_ends_the_read(shm_prefix: str) -> None:
-    payload = _payload()
-
     async def body() -> None:
-        sender = ShmSender(prefix=shm_prefix)
-        sender.begin("r", payload.layout, payload.num_tokens)
-        receiver = ShmReceiver(follow=True)
-        reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
-        sender.send_layer(0, payload.keys[0], payload.values[0])
+        sender, receiver, reading = following(shm_prefix)
+        sender.send_layer(0, PAYLOAD.keys[0], PAYLOAD.values[0])
         sender.abort()
         with pytest.raises(KVTransferError, match=r"gave up|gone"):
             await reading
@@ -67,13 +72,8 @@ def test_a_writer_that_gives_up_ends_the_read(shm_prefix: str) -> None:
 
 
 def test_cleanup_stops_a_reader_still_waiting(shm_prefix: str) -> None:
-    payload = _payload()
-
     async def body() -> None:
-        sender = ShmSender(prefix=shm_prefix)
-        sender.begin("r", payload.layout, payload.num_tokens)
-        receiver = ShmReceiver(follow=True)
-        reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
+        sender, receiver, reading = following(shm_prefix)
         receiver.cleanup()  # before or while it waits for layer 0: it ends either way
         with pytest.raises(KVTransferError, match=r"cancelled|gone"):
             await reading
@@ -84,20 +84,12 @@ def test_cleanup_stops_a_reader_still_waiting(shm_prefix: str) -> None:
 
 
 def test_a_layer_changed_after_its_hash_fails_the_follow_read(shm_prefix: str) -> None:
-    payload = _payload()
-
     def flip(data: np.ndarray) -> None:
         data[-1] ^= 0xFF
 
     async def body() -> None:
-        sender = ShmSender(prefix=shm_prefix)
-        sender.tamper = flip
-        sender.begin("r", payload.layout, payload.num_tokens)
-        receiver = ShmReceiver(follow=True)
-        reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
-        for i in range(LAYERS):
-            sender.send_layer(i, payload.keys[i], payload.values[i])
-        sender.finish()
+        sender, receiver, reading = following(shm_prefix, tamper=flip)
+        send_all(sender)
         with pytest.raises(KVTransferError, match="layer 0 failed its checksum"):
             await reading
         receiver.cleanup()
