@@ -1,0 +1,160 @@
+"""The decode side of an shm hand-off: ``ShmReceiver`` (see ``shm.py`` for the transport).
+
+It reads and checks one sealed segment and unlinks it, on every outcome; with ``follow`` it
+reads the segment while its writer still fills it (``shm_follow``), for a prefetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Executor
+from pathlib import Path
+
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError, KVTransferError
+from pdserve.transfer import segment
+from pdserve.transfer.base import (
+    TransferDescriptor,
+    TransferState,
+    TransferStats,
+    TransportKind,
+    advance,
+)
+from pdserve.transfer.janitor import SHM_DIR
+from pdserve.transfer.shm_follow import follow_segment
+
+
+class ShmReceiver:
+    """Decode side: reads and checks one sealed segment, then unlinks it (on every outcome)."""
+
+    kind = TransportKind.SHM
+
+    def __init__(
+        self,
+        *,
+        expected_layout: KVLayout | None = None,
+        host: str | None = None,
+        shm_dir: Path = SHM_DIR,
+        pool: Executor | None = None,
+        follow: bool = False,
+    ) -> None:
+        self.expected_layout = expected_layout
+        self.host = host or socket.gethostname()
+        self.shm_dir = shm_dir
+        self.pool = pool
+        """Hashes the K's beside the reading thread's V's; None: that thread hashes both."""
+        self.follow = follow
+        """Read the segment while its writer fills it (``shm_follow``), not once sealed."""
+        self.state = TransferState.PENDING
+        self.stats = TransferStats(TransportKind.SHM)
+        self._path: Path | None = None
+        self._stop = threading.Event()
+
+    async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
+        """Read, verify and unlink the segment; ``timeout_s`` bounds the read.
+
+        The read runs in a worker thread (a memory copy of up to GBs must not stall the event
+        loop) and checks the deadline between layers.
+        """
+        if not timeout_s > 0:
+            raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
+        self.state = advance(self.state, TransferState.RECEIVING)
+        self.stats.recv_start_ns = time.monotonic_ns()
+        try:
+            self._path = self._segment_path(descriptor)
+            deadline = time.monotonic() + timeout_s
+            read = self._follow_read if self.follow else self._read
+            try:
+                payload = await asyncio.to_thread(read, self._path, descriptor, deadline)
+            except asyncio.CancelledError:
+                self._stop.set()  # a follow-read's thread would wait on for its writer
+                raise
+        except BaseException:
+            self.state = advance(self.state, TransferState.FAILED)
+            raise
+        self.stats.recv_end_ns = time.monotonic_ns()
+        self.stats.num_bytes = descriptor.length or descriptor.num_bytes
+        self.state = advance(self.state, TransferState.DONE)
+        return payload
+
+    def cleanup(self) -> None:
+        """Unlink the segment if ``receive`` did not get to, and stop a follow-read still
+        waiting for its writer (idempotent)."""
+        self._stop.set()
+        if self._path is not None:
+            segment.unlink(self._path)
+
+    def _segment_path(self, d: TransferDescriptor) -> Path:
+        if d.kind is not TransportKind.SHM:
+            raise InvalidArgumentError("descriptor.kind", f"expected shm, got {d.kind.value!r}")
+        if d.host and d.host != self.host:
+            raise KVTransferError(
+                f"shm segment {d.name!r} is on host {d.host!r}, not {self.host!r}"
+            )
+        # The name comes off the network: it must name a file directly in shm_dir.
+        if not d.name or "/" in d.name or "\0" in d.name or d.name in (".", ".."):
+            raise InvalidArgumentError("descriptor.name", f"not a segment name: {d.name!r}")
+        return self.shm_dir / d.name
+
+    def _read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise KVTransferError(
+                f"shm segment {d.name!r} is gone (already read, aborted or reclaimed)"
+            ) from None
+        owned = False
+        try:
+            head = segment.read_header(fd, d.offset, d.name)
+            # Sealed, so ours now: single use, unlinked at once, whatever happens from here on
+            # (the open fd keeps it readable). Nobody can open it anew, so what the checksums
+            # pass is what the engine imports. (An unsealed or foreign file still belongs to
+            # its writer and is left alone.)
+            owned = True
+            segment.unlink(path)
+            self._check(d, head)
+            return segment.read_payload(
+                fd, d.offset, head, d.layer_checksums or head.checksums, deadline, self.pool
+            )
+        finally:
+            os.close(fd)
+            if owned:
+                segment.unlink(path)
+
+    def _follow_read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+        got = follow_segment(path, deadline, self._stop, self.pool)
+        segment.unlink(path)  # sealed: ours now, single use
+        try:
+            head = segment.SegmentHeader(got.layout, got.num_tokens, got.geom, got.checksums)
+            self._check(d, head)
+            return segment.payload_views(got.mm, 0, got.layout, got.num_tokens, got.geom)
+        except BaseException:
+            segment.close_mapping(got.mm)
+            raise
+
+    def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:
+        """The segment's own header against the descriptor and this engine's layout."""
+        name, layout = d.name, head.layout
+        if d.length and d.length != head.geom.total:
+            raise KVTransferError(
+                f"shm segment {name!r}: descriptor length {d.length}, layout implies "
+                f"{head.geom.total}"
+            )
+        if head.num_tokens != d.num_tokens:
+            raise KVPayloadMismatchError(
+                f"shm segment {name!r} holds {head.num_tokens} tokens; "
+                f"the descriptor says {d.num_tokens}"
+            )
+        if d.layout is not None and d.layout != layout:
+            raise KVPayloadMismatchError(f"shm segment {name!r}'s layout differs from its handle")
+        if d.model_fingerprint and d.model_fingerprint != layout.model_fingerprint:
+            raise KVPayloadMismatchError(
+                f"KV payload model_fingerprint is {layout.model_fingerprint!r} but the "
+                f"handle says {d.model_fingerprint!r}"
+            )
+        if self.expected_layout is not None:
+            self.expected_layout.check_compatible(layout)
