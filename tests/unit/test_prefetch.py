@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 
 from pdserve.engine.kv_payload import KVPayload
+from pdserve.errors import InvalidArgumentError
 from pdserve.transfer.base import TransferStats, TransportKind
 from pdserve.worker.handoff import KVLocation
+from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefetch import TAKE_GRACE_S, Prefetch, Prefetches
 
 
@@ -95,3 +97,39 @@ def test_expiry(done_at: float, now: float, expired: bool) -> None:
         await task
 
     asyncio.run(body())
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("changes", "kind", "address", "kv_bytes", "max_tokens", "announced"),
+    [
+        ({}, TransportKind.STORE, "d:1", 4 * MIB, 2, True),
+        ({}, TransportKind.SHM, "d:1", 64 * MIB, 16, True),
+        ({}, TransportKind.DIRECT, "d:1", 64 * MIB, 16, False),  # arrives by itself
+        ({}, TransportKind.RECOMPUTE, "d:1", 64 * MIB, 16, False),
+        ({}, TransportKind.STORE, "", 64 * MIB, 16, False),  # no decode worker to tell
+        ({}, TransportKind.STORE, "d:1", 4 * MIB - 1, 16, False),  # read faster afterwards
+        ({}, TransportKind.SHM, "d:1", 64 * MIB, 1, False),  # no Decode call will come
+        ({"prefetch": False}, TransportKind.SHM, "d:1", 64 * MIB, 16, False),
+        ({"layerwise": False}, TransportKind.SHM, "d:1", 64 * MIB, 16, False),  # the baseline
+        ({"prefetch_min_bytes": 0}, TransportKind.STORE, "d:1", 1, 2, True),
+    ],
+)
+def test_which_hand_offs_are_announced(
+    changes: dict[str, object],
+    kind: TransportKind,
+    address: str,
+    kv_bytes: int,
+    max_tokens: int,
+    announced: bool,
+) -> None:
+    options = dataclasses.replace(TransferOptions(), **changes)
+    got = options.announces(kind, decode_address=address, kv_bytes=kv_bytes, max_tokens=max_tokens)
+    assert got is announced
+
+
+def test_a_negative_threshold_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="prefetch_min_bytes"):
+        TransferOptions(prefetch_min_bytes=-1)

@@ -77,6 +77,22 @@ class TransferOptions:
                 "prefetch_min_bytes", f"must be >= 0, got {self.prefetch_min_bytes}"
             )
 
+    def announces(
+        self, kind: TransportKind, *, decode_address: str, kv_bytes: int, max_tokens: int
+    ) -> bool:
+        """Whether a hand-off is announced to its decode worker as it begins
+        (``worker.announce``): a layer-wise ``store`` or ``shm`` one, to a known decode worker,
+        of a request that will make a Decode call (``max_tokens`` > 1), of at least
+        ``prefetch_min_bytes`` (a smaller one is read faster than an announcement costs)."""
+        return (
+            self.prefetch
+            and self.layerwise
+            and kind in (TransportKind.STORE, TransportKind.SHM)
+            and bool(decode_address)
+            and max_tokens > 1
+            and kv_bytes >= self.prefetch_min_bytes
+        )
+
 
 def parse_transport(value: str, *, field: str = "transport") -> TransportKind | None:
     """``""``/``auto`` -> None (let the policy choose), else the named transport."""

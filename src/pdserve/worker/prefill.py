@@ -48,7 +48,6 @@ from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
-from pdserve.worker.prefetch import PREFETCHED
 from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.timing import RequestTiming
 
@@ -155,10 +154,10 @@ class PrefillWorker:
         return client
 
     def _outbound(
-        self, kind: TransportKind, decode_address: str, *, announce: bool = True
+        self, kind: TransportKind, decode_address: str, *, announce: bool = False
     ) -> Outbound | None:
-        """The hand-off's sender; ``announce``: tell the decode worker as it begins (only
-        worth it when a Decode call will follow)."""
+        """The hand-off's sender; ``announce``: tell the decode worker as it begins
+        (``TransferOptions.announces``)."""
         o = self.options
         out: Outbound
         if kind is TransportKind.RECOMPUTE:
@@ -173,9 +172,8 @@ class PrefillWorker:
             )
         if not o.layerwise:
             return Deferred(out)
-        announcers = self.announcers if announce and o.prefetch and decode_address else None
-        if announcers is not None and kind in PREFETCHED:
-            return Announced(out, announcers.announcer(decode_address), self.fingerprint)
+        if announce and self.announcers is not None:
+            return Announced(out, self.announcers.announcer(decode_address), self.fingerprint)
         return out
 
     async def prefill(
@@ -198,11 +196,13 @@ class PrefillWorker:
             decode_host=decode_host,
             forced=forced,
         )
-        # A request that ends at its first token sends no Decode call, and a small payload is
-        # read faster than an announcement costs: nothing to announce then.
-        kv_bytes = len(prompt_ids) * self.engine.layout.num_layers
-        kv_bytes *= self.engine.layout.bytes_per_token_per_layer
-        announce = params.max_tokens > 1 and kv_bytes >= self.options.prefetch_min_bytes
+        layout = self.engine.layout
+        announce = self.options.announces(
+            kind,
+            decode_address=decode_address,
+            kv_bytes=len(prompt_ids) * layout.num_layers * layout.bytes_per_token_per_layer,
+            max_tokens=params.max_tokens,
+        )
         out = self._outbound(kind, decode_address, announce=announce)
         if out is not None and decode_address and self.options.decode_prefix:
             # Leave out the leading blocks the decode worker caches (decode_prefix).
