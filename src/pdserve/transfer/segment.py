@@ -224,6 +224,8 @@ def read_header(fd: int, offset: int, name: str) -> SegmentHeader:
     magic, state, header_len, num_layers, _ = _PREAMBLE.unpack(
         _pread_exact(fd, _PREAMBLE.size, offset)
     )
+    if magic == bytes(len(_MAGIC)):  # created and reserved, its preamble not written yet
+        raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
     if magic != _MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
     if state != _SEALED:

@@ -15,9 +15,10 @@ the one copy into its blocks.
 
 Threads: given a ``pool`` (an ``Executor`` its creator owns and shuts down, e.g. the one of
 ``base.default_registry``), the sender writes the layers in two lanes: every other layer goes
-to a pool thread while the engine's thread writes the next one (at most one layer in flight;
-its mark is published once it is done), and the receiver hashes the K's on a pool thread
-while its own does the V's: one core alone does not reach memory bandwidth with a hash in the
+to a pool thread (up to ``_LANE_DEPTH`` in its hands) and the engine's thread goes on without
+waiting for it, writing the next one itself; each layer's mark is published once it is done
+(marks may appear out of order: a reader checks layers in order). The receiver hashes the
+K's on a pool thread while its own does the V's: one core alone does not reach memory bandwidth with a hash in the
 loop. Without one, everything runs on the calling thread (the same checksums).
 """
 
@@ -31,6 +32,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -57,6 +59,9 @@ from pdserve.transfer.shm_receiver import ShmReceiver
 from pdserve.transfer.stream import check_layer, missing_layers
 
 logger = logging.getLogger(__name__)
+
+_LANE_DEPTH = 2
+"""Layers the pool thread may have in hand: it keeps up, or the engine's thread takes over."""
 
 _PIECE_BYTES = 1 << 20
 """Bytes copied then hashed at a time: small enough to be hashed from cache (L2)."""
@@ -129,8 +134,8 @@ class ShmSender:
         self._num_tokens = 0
         self._crcs: dict[int, int] = {}
         self._seen: set[int] = set()
-        self._lane: tuple[int, Future[int]] | None = None
-        """The layer being written on the pool thread, if any."""
+        self._lane: deque[tuple[int, Future[int]]] = deque()
+        """Layers given to the pool thread and not published yet, oldest first."""
         self._error: Exception | None = None
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
@@ -196,13 +201,15 @@ class ShmSender:
         # hashed piece by piece as written. The hook's K and V are the engine's gathered
         # copies (``LayerHook``), so the pool thread may still read them after the call.
         dst = np.frombuffer(mm, dtype=np.uint8, count=size, offset=off)
-        if self.pool is not None and self._lane is None:
-            self._lane = (layer, self.pool.submit(self._copy, layer, dst, k, v, False))
-            return
-        checksum = self._copy(layer, dst, k, v, self.pool is None)
-        del dst
-        self._collect()  # the pool's layer first: marks go out in layer order
-        self._publish(layer, checksum)
+        if self.pool is not None and len(self._lane) < _LANE_DEPTH and len(self._seen) % 2:
+            # Every other layer to the pool thread; this thread goes on (the next layer, or
+            # the engine's compute) without waiting for it.
+            self._lane.append((layer, self.pool.submit(self._copy, layer, dst, k, v, False)))
+        else:
+            checksum = self._copy(layer, dst, k, v, self.pool is None)
+            del dst
+            self._publish(layer, checksum)
+        self._collect(wait=False)
 
     def _copy(
         self, layer: int, dst: np.ndarray, k: torch.Tensor, v: torch.Tensor, torch_copy: bool
@@ -218,18 +225,18 @@ class ShmSender:
             self.tamper(dst)
         return checksum
 
-    def _collect(self) -> None:
-        """Wait for the pool thread's layer, if any, and publish it (raises its failure)."""
-        if self._lane is not None:
-            layer, future = self._lane
-            self._lane = None
+    def _collect(self, *, wait: bool = True) -> None:
+        """Publish the pool thread's finished layers, oldest first (``wait``: all of them);
+        raises a layer's failure. A reader checks layers in order, whatever order their
+        marks appear in."""
+        while self._lane and (wait or self._lane[0][1].done()):
+            layer, future = self._lane.popleft()
             self._publish(layer, future.result())
 
     def _settle(self) -> None:
-        """Wait for the pool thread's layer, whatever its outcome (before unmapping)."""
-        if self._lane is not None:
-            _, future = self._lane
-            self._lane = None
+        """Wait for the pool thread's layers, whatever their outcome (before unmapping)."""
+        while self._lane:
+            _, future = self._lane.popleft()
             future.exception()  # waits; an abort does not care why it failed
 
     def _publish(self, layer: int, checksum: int) -> None:
