@@ -18,8 +18,9 @@ Threads: given a ``pool`` (an ``Executor`` its creator owns and shuts down, e.g.
 to a pool thread (up to ``_LANE_DEPTH`` in its hands) and the engine's thread goes on without
 waiting for it, writing the next one itself; each layer's mark is published once it is done
 (marks may appear out of order: a reader checks layers in order). The receiver hashes the
-K's on a pool thread while its own does the V's: one core alone does not reach memory bandwidth with a hash in the
-loop. Without one, everything runs on the calling thread (the same checksums).
+K's on a pool thread while its own does the V's: one core alone does not reach memory
+bandwidth with a hash in the loop. Without one, everything runs on the calling thread (the
+same checksums).
 """
 
 from __future__ import annotations
