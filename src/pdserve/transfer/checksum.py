@@ -6,9 +6,9 @@ shm transport. It detects accidental corruption (a flipped byte, a torn write) a
 CRC does for this purpose; neither is a defence against a deliberate forger.
 
 A layer's checksum is ``kv_checksum``: XXH3-64 over the 16 bytes of the two digests (K's,
-then V's, little-endian u64). Hashing K and V separately lets two threads take one each, on
-the sending side (copy and hash) and on the receiving side (verify); one thread alone gets
-the same value.
+then V's, little-endian u64). Hashing K and V separately lets the receiver's two threads take one each (verify); one
+thread alone gets the same value. The sender copies and hashes whole layers, alternating
+between two threads (``shm.ShmSender``).
 
 The CPU copies are numpy's, not ``Tensor.copy_``: a numpy copy runs on the calling thread
 and releases the GIL, where ``copy_`` would start an OpenMP team in each of the two threads.
@@ -24,8 +24,6 @@ from typing import TypeVar
 import numpy as np
 import torch
 import xxhash
-
-from pdserve.errors import InvalidArgumentError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -103,36 +101,3 @@ def copy_and_hash(
             out[start : start + step].copy_(src[start : start + step])
             hasher.update(written[start * row_bytes : (start + step) * row_bytes])
     return int(hasher.intdigest())
-
-
-def copy_and_checksum(
-    dst: np.ndarray,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    piece_bytes: int,
-    pool: Executor | None = None,
-    min_parallel_bytes: int = 0,
-) -> int:
-    """Copy K then V (each ``[T, ...]``, any strides) into the contiguous uint8 ``dst`` (their
-    two sizes, back to back) and return the layer's ``kv_checksum``.
-
-    K goes to ``pool`` while this thread does V, unless there is no pool or the layer is
-    under ``min_parallel_bytes`` (handing off costs a thread wake-up, tens of microseconds).
-    """
-    half = k.numel() * k.element_size()
-    if dst.size != half + v.numel() * v.element_size():
-        raise InvalidArgumentError("dst", f"{dst.size} bytes; K and V have {half} + {v.nbytes}")
-    if pool is None or dst.size < min_parallel_bytes:
-        # One thread: torch's copy, which has its own (intra-op) threads for the copying.
-        return combine(
-            copy_and_hash(dst[:half], k, piece_bytes, torch_copy=True),
-            copy_and_hash(dst[half:], v, piece_bytes, torch_copy=True),
-        )
-    # Two threads, each copying on its own (numpy): two OpenMP teams would fight for cores.
-    kd, vd = in_pair(
-        pool,
-        lambda: copy_and_hash(dst[:half], k, piece_bytes),
-        lambda: copy_and_hash(dst[half:], v, piece_bytes),
-    )
-    return combine(kd, vd)

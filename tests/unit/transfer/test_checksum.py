@@ -15,10 +15,10 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.errors import KVTransferError
 from pdserve.transfer import segment, shm
 from pdserve.transfer.base import TransferState
-from pdserve.transfer.checksum import copy_and_checksum, in_pair, kv_checksum, layer_checksum
+from pdserve.transfer.checksum import combine, copy_and_hash, in_pair, kv_checksum, layer_checksum
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -64,21 +64,19 @@ def strided_kv(dtype: torch.dtype, tokens: int = 11) -> tuple[torch.Tensor, torc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("piece_bytes", [1, 48, 100, 1 << 20])
-def test_copy_and_checksum_copies_strided_views_then_hashes_what_it_wrote(
-    dtype: torch.dtype, piece_bytes: int
+@pytest.mark.parametrize("torch_copy", [False, True])
+def test_copy_and_hash_copies_strided_views_then_hashes_what_it_wrote(
+    dtype: torch.dtype, piece_bytes: int, torch_copy: bool
 ) -> None:
+    """numpy's copy (a lane of its own) or torch's: the bytes of ``torch.cat``, hashed as one."""
     k, v = strided_kv(dtype)
     expected = reference_bytes(k, v)
     half = len(expected) // 2
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        results = []
-        for executor in (None, pool):
-            dst = np.full(len(expected), 0xEE, dtype=np.uint8)
-            digest = copy_and_checksum(dst, k, v, piece_bytes=piece_bytes, pool=executor)
-            assert dst.tobytes() == expected
-            results.append(digest)
-    # One thread or two: the same value, and the reference's.
-    assert results[0] == results[1] == reference_checksum(expected[:half], expected[half:])
+    dst = np.full(len(expected), 0xEE, dtype=np.uint8)
+    kd = copy_and_hash(dst[:half], k, piece_bytes, torch_copy=torch_copy)
+    vd = copy_and_hash(dst[half:], v, piece_bytes, torch_copy=torch_copy)
+    assert dst.tobytes() == expected
+    assert combine(kd, vd) == reference_checksum(expected[:half], expected[half:])
 
 
 class CountingPool(ThreadPoolExecutor):
@@ -91,24 +89,6 @@ class CountingPool(ThreadPoolExecutor):
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.submitted += 1
         return super().submit(fn, *args, **kwargs)
-
-
-def test_small_layers_stay_on_the_calling_thread() -> None:
-    k, v = strided_kv(torch.bfloat16)
-    size = 2 * k.numel() * k.element_size()
-    with CountingPool() as pool:
-        for limit, used in ((size + 1, 0), (size, 1)):
-            dst = np.empty(size, dtype=np.uint8)
-            copy_and_checksum(dst, k, v, piece_bytes=64, pool=pool, min_parallel_bytes=limit)
-            assert pool.submitted == used
-            assert dst.tobytes() == reference_bytes(k, v)
-
-
-def test_copy_and_checksum_refuses_a_destination_of_the_wrong_size() -> None:
-    k, v = strided_kv(torch.float32)
-    with pytest.raises(InvalidArgumentError) as err:
-        copy_and_checksum(np.empty(10, dtype=np.uint8), k, v, piece_bytes=64)
-    assert err.value.field == "dst"
 
 
 def fail(err: Exception) -> int:
