@@ -6,9 +6,9 @@ shm transport. It detects accidental corruption (a flipped byte, a torn write) a
 CRC does for this purpose; neither is a defence against a deliberate forger.
 
 A layer's checksum is ``kv_checksum``: XXH3-64 over the 16 bytes of the two digests (K's,
-then V's, little-endian u64). Hashing K and V separately lets the receiver's two threads take one each (verify); one
-thread alone gets the same value. The sender copies and hashes whole layers, alternating
-between two threads (``shm.ShmSender``).
+then V's, little-endian u64). Hashing K and V separately lets the receiver's two threads
+take one each (verify); one thread alone gets the same value. The sender copies and hashes
+whole layers, alternating between two threads (``shm.ShmSender``).
 
 The CPU copies are numpy's, not ``Tensor.copy_``: a numpy copy runs on the calling thread
 and releases the GIL, where ``copy_`` would start an OpenMP team in each of the two threads.
