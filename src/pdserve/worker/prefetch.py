@@ -48,9 +48,10 @@ answer at once; a request that ended at its first token never sends one)."""
 
 PREFETCH_TIMEOUT_S = 900.0
 """Bound on a read that follows a prefill: it lasts as long as the prompt's compute (minutes
-for 32K tokens on a few CPU cores). A writer that stalls or dies ends it sooner: a store
-write is aborted once its lease passes without progress, an shm writer marks its segment
-aborted, and the reader checks that a segment's owner is alive."""
+for 32K tokens on a few CPU cores). A writer that gives up, stalls or dies ends it sooner:
+its ``Prefetch`` call is cancelled (by its commit's timeout, its discard, or the dropped
+connection of a dead process), which stops the read; a store write is also aborted once its
+lease passes without progress, and an shm writer marks its segment aborted."""
 
 
 @dataclass(eq=False, slots=True)
