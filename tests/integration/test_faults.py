@@ -154,8 +154,11 @@ def test_kvstore_killed_mid_transfer(tiny_llama_dir: Path, engine: Engine) -> No
 def test_prefill_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None:
     """A prefill worker dies while hand-offs stream straight into the decode worker (direct)
     and into shm segments: those requests fail with UNAVAILABLE; the decode worker drops the
-    half-written entries and its janitor unlinks the dead writer's segments."""
-    with Cluster(tiny_llama_dir, worker_args=BASE_ARGS, log_level="WARNING") as c:
+    half-written entries and its janitor unlinks the dead writer's segments. The shm hand-offs
+    are announced (``--kv-prefetch-min-bytes 0``): the decode worker is following them when
+    the writer dies, and its reads end with the dead writer's Prefetch calls."""
+    args = (*BASE_ARGS, "--kv-prefetch-min-bytes", "0")
+    with Cluster(tiny_llama_dir, worker_args=args, log_level="WARNING") as c:
         batch = prompts(2, 8)
         decode = c.workers("decode")[0]
         prefill = c.workers("prefill")[0]
