@@ -17,10 +17,9 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.chunks import (
     DEFAULT_CHUNK_BYTES,
     ChunkReader,
+    ChunkSequence,
     CrcPipeline,
     chunk_pieces,
-    data_chunk,
-    first_chunk_fields,
     split_parts,
 )
 from pdserve.kvstore.follow import Follower, find_write
@@ -137,20 +136,11 @@ class KVStoreServicer:
     ) -> AsyncIterator[Chunk]:
         """An entry still being written, chunk by chunk as its pieces arrive; the last chunk
         (empty) once it is committed."""
-        seq = 0
+        sequence = ChunkSequence(follower.key, follower.header, total_bytes=follower.total_bytes)
         async for part in follower.parts():
             for data, crc in chunk_pieces((part,), self.chunk_bytes):
-                chunk = data_chunk(seq, data, False, crc)
-                if seq == 0:
-                    first_chunk_fields(
-                        chunk, follower.key, follower.header, 0.0, follower.total_bytes
-                    )
-                seq += 1
-                yield chunk
-        last = data_chunk(seq, b"", True)
-        if seq == 0:
-            first_chunk_fields(last, follower.key, follower.header, 0.0, follower.total_bytes)
-        yield last
+                yield sequence.chunk(data, crc)
+        yield sequence.end()
         if request.delete_after_read:
             self.store.delete(follower.key, version=follower.version)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
 from pdserve.kvstore.crc import fast_crc32
@@ -81,6 +82,35 @@ def data_chunk(seq: int, piece: Buffer, last: bool, crc32: int | None = None) ->
     computed it already)."""
     crc = fast_crc32(piece) if crc32 is None else crc32
     return Chunk(seq=seq, data=piece, crc32=crc, last=last)
+
+
+@dataclass(slots=True)
+class ChunkSequence:
+    """Numbers the chunks of a stream whose pieces come one at a time, putting the stream's
+    own fields (``first_chunk_fields``) on the first; ``end()`` is an empty last chunk, so
+    that no piece is held back waiting to learn whether it is the last."""
+
+    key: str
+    header: bytes = b""
+    lease_s: float = 0.0
+    total_bytes: int = 0
+    cache: bool = False
+    seq: int = 0
+
+    def chunk(self, piece: Buffer, crc32: int | None = None) -> Chunk:
+        return self._next(piece, False, crc32)
+
+    def end(self) -> Chunk:
+        return self._next(b"", True, None)
+
+    def _next(self, piece: Buffer, last: bool, crc32: int | None) -> Chunk:
+        chunk = data_chunk(self.seq, piece, last, crc32)
+        if self.seq == 0:
+            first_chunk_fields(
+                chunk, self.key, self.header, self.lease_s, self.total_bytes, self.cache
+            )
+        self.seq += 1
+        return chunk
 
 
 def first_chunk_fields(

@@ -33,9 +33,8 @@ from pdserve.kvstore.chunks import (
     DEFAULT_CHUNK_BYTES,
     ChunkAssembler,
     ChunkReader,
+    ChunkSequence,
     CrcPipeline,
-    data_chunk,
-    first_chunk_fields,
     split,
 )
 from pdserve.kvstore.stats import StoreStats
@@ -177,26 +176,15 @@ class KVStoreClient:
                 raise
 
         async def _chunks() -> AsyncGenerator[Chunk, None]:
-            seq = 0
+            sequence = ChunkSequence(key, header, lease_s, total_bytes, cache)
             async for piece in pieces:
                 if isinstance(piece, tuple):
-                    chunk = data_chunk(seq, piece[0], False, piece[1])
-                    if seq == 0:
-                        first_chunk_fields(chunk, key, header, lease_s, total_bytes, cache)
-                    seq += 1
-                    yield chunk
+                    yield sequence.chunk(*piece)
                     continue
                 view = memoryview(piece).cast("B")
                 for start in range(0, len(view), self.chunk_bytes):
-                    chunk = data_chunk(seq, view[start : start + self.chunk_bytes], False)
-                    if seq == 0:
-                        first_chunk_fields(chunk, key, header, lease_s, total_bytes, cache)
-                    seq += 1
-                    yield chunk
-            last = data_chunk(seq, b"", True)  # an empty last chunk: nothing is held back
-            if seq == 0:
-                first_chunk_fields(last, key, header, lease_s, total_bytes, cache)
-            yield last
+                    yield sequence.chunk(view[start : start + self.chunk_bytes])
+            yield sequence.end()
 
         try:
             resp: kvstore_pb2.PutResponse = await self._chunks.Put(chunks(), timeout=timeout_s)

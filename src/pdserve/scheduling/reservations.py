@@ -94,9 +94,13 @@ def _scored(reply: object) -> list[tuple[str | bytes, float]]:
     return cast(list[tuple[str | bytes, float]], reply)
 
 
+def _time_ms(seconds: int | str | bytes, micros: int | str | bytes) -> float:
+    """Redis ``TIME``'s reply (seconds, microseconds) in milliseconds."""
+    return int(seconds) * 1000.0 + int(micros) / 1000.0
+
+
 async def _redis_now_ms(pipe: Redis | Pipeline) -> float:
-    seconds, micros = await pipe.time()
-    return seconds * 1000.0 + micros / 1000.0
+    return _time_ms(*await pipe.time())
 
 
 _Read = tuple[tuple[str | int, ...], dict[str, object]]
@@ -147,7 +151,7 @@ class ReservationLedger:
             for info in workers:
                 pipe.zrange(self.keys.reservations_on(info.id), 0, -1, withscores=True)
             (seconds, micros), *entries = await pipe.execute()
-        now_ms = seconds * 1000.0 + micros / 1000.0
+        now_ms = _time_ms(seconds, micros)
         reserved = {
             info.id: live_claims(_scored(e), now_ms, info.reservations)
             for info, e in zip(workers, entries, strict=True)
@@ -184,7 +188,7 @@ class ReservationLedger:
                 ],
             )
             entries = [_scored(e) for e in entry_replies]
-            now_ms = int(seconds) * 1000.0 + int(micros) / 1000.0
+            now_ms = _time_ms(seconds, micros)
             views: dict[str, WorkerView | None] = {}
             for wid, raw, ent in zip(worker_ids, raws, entries, strict=True):
                 if raw is None:

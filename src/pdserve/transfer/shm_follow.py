@@ -22,28 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import KVTransferError
 from pdserve.transfer import segment
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
-from pdserve.transfer.segment import SegmentGeometry, SegmentState
+from pdserve.transfer.segment import SegmentGeometry, SegmentHeader, SegmentState
 
 _WAIT_MIN_S = 50e-6
 _WAIT_MAX_S = 2e-3
-
-
-@dataclass(frozen=True, slots=True)
-class Followed:
-    """A sealed segment whose every layer passed its checksum, mapped privately."""
-
-    mm: mmap.mmap
-    layout: KVLayout
-    num_tokens: int
-    geom: SegmentGeometry
-    checksums: tuple[int, ...]
 
 
 class _Waiter:
@@ -65,10 +52,11 @@ class _Waiter:
 
 def follow_segment(
     path: Path, deadline: float, stop: threading.Event, pool: Executor | None = None
-) -> Followed:
+) -> tuple[mmap.mmap, SegmentHeader]:
     """Check every layer of the segment at ``path`` as its writer marks it, until it is
-    sealed (see the module docstring). ``KVTransferError`` if it is gone, aborted, corrupt or
-    late; the caller unlinks it (it is the reader's once sealed)."""
+    sealed (see the module docstring): the private mapping and what the segment says.
+    ``KVTransferError`` if it is gone, aborted, corrupt or late; the caller unlinks it (it is
+    the reader's once sealed)."""
     name = path.name
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -90,7 +78,9 @@ def _marked(mm: mmap.mmap, geom: SegmentGeometry, layer: int) -> bool:
     return segment.mapped_layer(mm, geom, layer) is not None
 
 
-def _follow(mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None) -> Followed:
+def _follow(
+    mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None
+) -> tuple[mmap.mmap, SegmentHeader]:
     wait.until(lambda: segment.mapped_state(mm) is not None, "its header")
     layout, num_tokens, geom = segment.mapped_header(mm, name)
     segment.populate_for_reading(mm)
@@ -113,4 +103,4 @@ def _follow(mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None) -> F
                 raise KVTransferError(f"KV layer {i} failed its checksum")
             checksums.append(expected)
     wait.until(lambda: segment.mapped_state(mm) is SegmentState.SEALED, "the seal")
-    return Followed(mm, layout, num_tokens, geom, tuple(checksums))
+    return mm, SegmentHeader(layout, num_tokens, geom, tuple(checksums))

@@ -126,14 +126,13 @@ class ShmReceiver:
                 segment.unlink(path)
 
     def _follow_read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
-        got = follow_segment(path, deadline, self._stop, self.pool)
+        mm, head = follow_segment(path, deadline, self._stop, self.pool)
         segment.unlink(path)  # sealed: ours now, single use
         try:
-            head = segment.SegmentHeader(got.layout, got.num_tokens, got.geom, got.checksums)
             self._check(d, head)
-            return segment.payload_views(got.mm, 0, got.layout, got.num_tokens, got.geom)
+            return segment.payload_views(mm, 0, head.layout, head.num_tokens, head.geom)
         except BaseException:
-            segment.close_mapping(got.mm)
+            segment.close_mapping(mm)
             raise
 
     def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:

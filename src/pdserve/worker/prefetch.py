@@ -71,22 +71,24 @@ class Prefetch:
         return now >= self.expires_at or (self.done_at > 0 and now >= self.done_at + TAKE_GRACE_S)
 
     def matches(self, location: KVLocation) -> bool:
-        a, b = self.location, location
-        return (a.kind, a.key, a.address, a.host, a.num_tokens) == (
-            b.kind,
-            b.key,
-            b.address,
-            b.host,
-            b.num_tokens,
-        )
+        return _where(self.location) == _where(location)
 
-    async def drop(self) -> None:
-        """Cancel the read, wait for it, free the transport's copy."""
+    async def stop(self) -> None:
+        """Cancel the read and wait for it, leaving the transport's copy where it is."""
         self.task.cancel()
-        # Dropping: the read's own outcome no longer matters.
+        # Stopping: the read's own outcome no longer matters.
         with contextlib.suppress(asyncio.CancelledError, PdServeError):
             await self.task
+
+    async def drop(self) -> None:
+        """Stop the read and free the transport's copy."""
+        await self.stop()
         await self.inbound.discard()
+
+
+def _where(kv: KVLocation) -> tuple[object, ...]:
+    """What names a hand-off's data (its prefix split aside)."""
+    return (kv.kind, kv.key, kv.address, kv.host, kv.num_tokens)
 
 
 class Prefetches:
@@ -130,10 +132,7 @@ class Prefetches:
         ``Decode`` call to read the usual way."""
         prefetch = self._pending.pop(request_id, None)
         if prefetch is not None:
-            prefetch.task.cancel()
-            # Cancelling: the read's own outcome no longer matters.
-            with contextlib.suppress(asyncio.CancelledError, PdServeError):
-                await prefetch.task
+            await prefetch.stop()
 
     async def wait(self, request_id: str) -> str:
         """Wait until the read of ``request_id`` has ended; why it failed, "" if it did not
