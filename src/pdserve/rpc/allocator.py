@@ -9,10 +9,15 @@ faults per MiB) and unmapping memory: measured here, a Put stream of 1 MiB chunk
 
 ``tune_for_streams`` raises both thresholds once, at the start of a process that moves KV
 (KV store, prefill and decode workers, the transfer benchmark). The price is that up to
-``trim_bytes`` (1 GiB) of freed heap stays with the process for reuse: a hand-off of 8000
-tokens of the base preset is 393 MB, and with 256 MiB every such hand-off gave its memory back
-and faulted it in again (store transfers of 8000 tokens: 1.0 -> 1.4 GB/s with 1 GiB). Elsewhere
-than glibc it does nothing and says so.
+``trim_bytes`` (2 GiB) of freed heap stays with the process for reuse. Why so much: memory a
+process gives back is memory it must fault in again next time, and on a virtual machine whose
+balloon reports free pages to the host (this one's does) a page faulted in anew costs ~9 us
+per 4 KiB, not ~1 us: measured here, touching 18 GB for the first time ran at 0.43 GB/s, the
+same 4 GB again at 5 GB/s, and a process's first 200 MB Put at 0.4 GB/s against 1.7-2 GB/s for
+the next ones. A 32K-token hand-off of the base preset is 1.6 GB; with 1 GiB kept, part of it
+was faulted in anew every time. ``mmap_bytes`` (256 MiB) covers the largest single buffer of
+such a hand-off (a 64 MiB layer frame at 32K tokens), which above 64 MiB was a fresh ``mmap``
+for every layer of every hand-off. Elsewhere than glibc it does nothing and says so.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 """``mallopt`` parameters (glibc's ``malloc.h``)."""
 
-DEFAULT_MMAP_BYTES = 64 * 1024 * 1024
-DEFAULT_TRIM_BYTES = 1024 * 1024 * 1024
+DEFAULT_MMAP_BYTES = 256 * 1024 * 1024
+DEFAULT_TRIM_BYTES = 2 * 1024 * 1024 * 1024
 
 
 def tune_for_streams(

@@ -152,12 +152,13 @@ class ShmSender:
         geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
         name = segment_name(request_id, prefix=self.prefix)
         try:
-            fd = segment.create(self.shm_dir / name, geom.total)
+            fd = segment.create(self.shm_dir / name)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
-        # Mapping (and pre-faulting) the segment runs beside the prefill's compute; the first
-        # layer waits for it (``_mapping``). ``abort`` and ``finish`` join it on every path.
+        # Reserving, mapping and pre-faulting the segment run beside the prefill's compute;
+        # the first layer waits for them (``_mapping``); a full /dev/shm fails that layer,
+        # hence the commit. ``abort`` and ``finish`` join the mapper on every path.
         self._mapper = _Mapper(fd, header, geom)
         self._mapper.start()
         self.name, self._geom, self._request_id = name, geom, request_id

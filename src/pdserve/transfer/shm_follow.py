@@ -63,7 +63,7 @@ def follow_segment(
     except FileNotFoundError:
         raise KVTransferError(f"shm segment {name!r} is gone (aborted or reclaimed)") from None
     try:
-        size = os.fstat(fd).st_size  # reserved whole by the writer's create
+        size = _reserved_size(fd, path, deadline, stop)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -74,8 +74,30 @@ def follow_segment(
         raise
 
 
+def _reserved_size(fd: int, path: Path, deadline: float, stop: threading.Event) -> int:
+    """The segment's size once its writer has reserved it: the writer's mapper thread does
+    that beside the compute, all at once, so a reader told of the hand-off as it began may
+    open the file while it is still empty."""
+    delay = _WAIT_MIN_S
+    while not (size := os.fstat(fd).st_size):
+        if not path.exists():
+            raise KVTransferError(f"shm segment {path.name!r}: its writer gave up")
+        if stop.is_set():
+            raise KVTransferError(f"shm read of {path.name!r} was cancelled")
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"shm read of {path.name!r} timed out waiting for its writer")
+        time.sleep(delay)
+        delay = min(2 * delay, _WAIT_MAX_S)
+    return size
+
+
 def _marked(mm: mmap.mmap, geom: SegmentGeometry, layer: int) -> bool:
     return segment.mapped_layer(mm, geom, layer) is not None
+
+
+def _populated_checksum(populate: segment.Populator, at: int, part: memoryview) -> int:
+    populate(at, len(part))
+    return layer_checksum(part)
 
 
 def _follow(
@@ -83,7 +105,7 @@ def _follow(
 ) -> tuple[mmap.mmap, SegmentHeader]:
     wait.until(lambda: segment.mapped_state(mm) is not None, "its header")
     layout, num_tokens, geom = segment.mapped_header(mm, name)
-    segment.populate_for_reading(mm)
+    populate = segment.Populator(mm)
     half = geom.layer_bytes // 2
     checksums = []
     with memoryview(mm) as whole:
@@ -94,7 +116,9 @@ def _follow(
             k, v = whole[at : at + half], whole[at + half : at + 2 * half]
             try:
                 kd, vd = in_pair(
-                    pool, functools.partial(layer_checksum, k), functools.partial(layer_checksum, v)
+                    pool,
+                    functools.partial(_populated_checksum, populate, at, k),
+                    functools.partial(_populated_checksum, populate, at + half, v),
                 )
             finally:
                 k.release()

@@ -124,9 +124,16 @@ def test_full_shm_is_a_capacity_error(shm_prefix: str, monkeypatch: pytest.Monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
+    payload = random_payload(make_layout(num_layers=3), 4)
     sender = ShmSender(prefix=shm_prefix)
-    with pytest.raises(CapacityError, match="full"):
-        sender.begin("r", make_layout(), 4)
+    # The space is reserved beside the compute (the mapper thread), so begin goes through
+    # and the hooked layers are dropped; the commit reports it, and nothing is left.
+    sender.begin("r", payload.layout, 4)
+    for i in range(3):
+        sender.send_layer(i, payload.keys[i], payload.values[i])
+    with pytest.raises(KVTransferError, match="shared memory is full") as err:
+        sender.finish()
+    assert isinstance(err.value.__cause__, CapacityError)
     assert sender.state is TransferState.FAILED and leftovers(shm_prefix) == []
 
 

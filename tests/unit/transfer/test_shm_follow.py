@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
+from pdserve.transfer import segment, shm_follow
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -54,6 +56,36 @@ def test_the_reader_follows_the_writer_to_a_verified_payload(shm_prefix: str, th
             send_all(sender)
             assert_same_payload(await reading, PAYLOAD)
         assert leftovers(shm_prefix) == []  # the reader unlinked it at the seal
+
+    asyncio.run(body())
+
+
+def test_a_reader_before_the_reservation_waits_for_it(
+    shm_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's mapper thread reserves the segment beside the compute: a reader told of
+    the hand-off at once can find the file still empty, and must wait, not fail."""
+    reserve, release = segment._reserve, threading.Event()
+    waiting_size, waiting = shm_follow._reserved_size, threading.Event()
+
+    def held_reserve(fd: int, size: int) -> None:
+        release.wait(30)
+        reserve(fd, size)
+
+    def reader_waits(*args: object) -> int:
+        waiting.set()  # the reservation is held back: the file is still empty here
+        return waiting_size(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(segment, "_reserve", held_reserve)
+    monkeypatch.setattr(shm_follow, "_reserved_size", reader_waits)
+
+    async def body() -> None:
+        sender, _, reading = following(shm_prefix)
+        assert await asyncio.to_thread(waiting.wait, 30)
+        release.set()
+        send_all(sender)
+        assert_same_payload(await reading, PAYLOAD)
+        assert leftovers(shm_prefix) == []
 
     asyncio.run(body())
 
