@@ -17,7 +17,7 @@ from pdserve.rpc import allocator
 
 _PROBE = textwrap.dedent(
     """
-    import ctypes, json, sys
+    import ctypes, ctypes.util, json
     from pdserve.rpc import allocator
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))

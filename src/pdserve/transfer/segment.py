@@ -341,9 +341,9 @@ class Populator:
         self._size = len(mm)
         self._supported = True
 
-    def __call__(self, start: int = 0, length: int | None = None) -> None:
-        """Populate ``[start, start + length)`` (None: to the end of the mapping)."""
-        end = self._size if length is None else min(self._size, start + length)
+    def __call__(self, start: int, length: int) -> None:
+        """Populate ``[start, start + length)``."""
+        end = min(self._size, start + length)
         low = start - start % mmap.PAGESIZE
         if not self._supported or end <= low:
             return

@@ -34,13 +34,18 @@ _WAIT_MAX_S = 2e-3
 
 
 class _Waiter:
-    def __init__(self, mm: mmap.mmap, name: str, deadline: float, stop: threading.Event):
-        self.mm, self.name, self.deadline, self.stop = mm, name, deadline, stop
+    """Polls a condition with a backoff until it holds, or the writer gave up (``gave_up``),
+    the read was cancelled (``stop``) or ``deadline`` passed."""
+
+    def __init__(
+        self, name: str, deadline: float, stop: threading.Event, gave_up: Callable[[], bool]
+    ) -> None:
+        self.name, self.deadline, self.stop, self.gave_up = name, deadline, stop, gave_up
 
     def until(self, ready: Callable[[], bool], what: str) -> None:
         delay = _WAIT_MIN_S
         while not ready():
-            if segment.mapped_state(self.mm) is SegmentState.ABORTED:
+            if self.gave_up():
                 raise KVTransferError(f"shm segment {self.name!r}: its writer gave up")
             if self.stop.is_set():
                 raise KVTransferError(f"shm read of {self.name!r} was cancelled")
@@ -63,32 +68,28 @@ def follow_segment(
     except FileNotFoundError:
         raise KVTransferError(f"shm segment {name!r} is gone (aborted or reclaimed)") from None
     try:
-        size = _reserved_size(fd, path, deadline, stop)
+        # Before the mapping, a writer that gave up has unlinked the file.
+        size = _reserved_size(fd, _Waiter(name, deadline, stop, lambda: not path.exists()))
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+    def aborted() -> bool:
+        return segment.mapped_state(mm) is SegmentState.ABORTED
+
     try:
-        return _follow(mm, name, _Waiter(mm, name, deadline, stop), pool)
+        return _follow(mm, name, _Waiter(name, deadline, stop, aborted), pool)
     except BaseException:
         segment.close_mapping(mm)
         raise
 
 
-def _reserved_size(fd: int, path: Path, deadline: float, stop: threading.Event) -> int:
+def _reserved_size(fd: int, wait: _Waiter) -> int:
     """The segment's size once its writer has reserved it: the writer's mapper thread does
     that beside the compute, all at once, so a reader told of the hand-off as it began may
     open the file while it is still empty."""
-    delay = _WAIT_MIN_S
-    while not (size := os.fstat(fd).st_size):
-        if not path.exists():
-            raise KVTransferError(f"shm segment {path.name!r}: its writer gave up")
-        if stop.is_set():
-            raise KVTransferError(f"shm read of {path.name!r} was cancelled")
-        if time.monotonic() > deadline:
-            raise KVTransferError(f"shm read of {path.name!r} timed out waiting for its writer")
-        time.sleep(delay)
-        delay = min(2 * delay, _WAIT_MAX_S)
-    return size
+    wait.until(lambda: os.fstat(fd).st_size > 0, "its writer's reservation")
+    return os.fstat(fd).st_size
 
 
 def _marked(mm: mmap.mmap, geom: SegmentGeometry, layer: int) -> bool:
