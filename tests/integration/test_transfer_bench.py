@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.transfer import main
+from pdserve.bench.transfer_report import Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -19,6 +20,7 @@ def test_bench_transfer_reports_every_transport(
     out = tmp_path / "transfer.json"
     args = ["--model", str(tiny_llama_dir), "--tokens", "40", "--burst", "2",
             "--burst-tokens", "24", "--reference-mib", "8", "--json", str(out),
+            "--repeats", "1", "--cheap-repeats", "2",
             "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     assert main(args) == 0
     report = capsys.readouterr().out
@@ -29,6 +31,10 @@ def test_bench_transfer_reports_every_transport(
         ("recompute", True),
     }
     assert all(x["num_bytes"] > 0 for x in saved["samples"] if x["transport"] != "recompute")
+    # A 40-token prompt is cheap: two runs a point, the least visible kept, the first beside.
+    moved = [Sample(**x) for x in saved["samples"] if x["transport"] != "recompute"]
+    assert all(0 <= x.visible_ms <= x.first_visible_ms for x in moved)
+    assert "| shm | 40 | " in report.split("First hand-off of each size")[1]
     assert set(saved["bursts"]) == {f"{t}, {m}" for t in ("shm", "store", "direct")
                                     for m in ("layer-wise", "deferred")}  # fmt: skip
     refs = saved["references"]

@@ -33,6 +33,9 @@ class Sample:
     wait_ms: float = -1.0
     """How long the Decode call waited for the KV (a prefetch: only its tail); -1: a run
     recorded before it was measured, where the Decode call waited for the whole read."""
+    first_visible_ms: float = -1.0
+    """``visible_ms`` of the point's first run, the first hand-off of its size through these
+    processes (its buffers fault in); -1: a run recorded before it was kept."""
 
     @property
     def waited_ms(self) -> float:
@@ -144,6 +147,19 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
                 f"{of_ref} | {of_grpc} | {lw.prefill_rpc_ms:.0f} | {visible} | {share} | "
                 f"{hidden} |"
             )
+    cold = [x for x in samples if not x.layerwise and x.first_visible_ms >= 0]
+    if cold:
+        lines += [
+            "",
+            "First hand-off of each size (its buffers fault in) against the kept run, deferred:",
+            "",
+            "| transport | tokens | first run visible ms | kept run visible ms |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {x.transport} | {x.tokens} | {x.first_visible_ms:.0f} | {x.visible_ms:.0f} |"
+            for x in cold
+        ]
     if bursts:
         lines += [
             "",
