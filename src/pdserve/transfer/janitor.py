@@ -4,11 +4,17 @@ A segment is named ``{prefix}{owner_pid}-{request_id_hash}`` (``pdserve-kv-4242-
 the owner pid lets any process on the host tell whether the writer still lives. Normally the
 receiver unlinks a segment after reading it and the sender unlinks it on abort; a segment
 outlives both only when a process died in between (SIGKILL, OOM kill) or a hand-off was never
-picked up. ``reclaim_orphans`` removes such segments: the owner is gone, or the segment is older
-than any hand-off may take.
+picked up. ``reclaim_orphans`` removes such segments: the owner is gone, or the segment was
+sealed (handed over) longer ago than any reader may take.
+
+A segment its live owner is still writing is never reclaimed by age: a long prompt's prefill
+(minutes on a CPU) keeps it unsealed for as long as it computes, and its writer seals or
+unlinks it on every path. The writer refreshes the segment's mtime as it seals, so the age
+counts from the hand-off, not from the reservation.
 
 Caveats: the owner check needs the janitor and the writers in one pid namespace (the same
-container or the host); a recycled pid looks alive, so ``max_age_s`` is the backstop. Torch-free.
+container or the host). A recycled pid is told apart on Linux by its start time: a process
+that started after the segment's last change cannot be the one that wrote it. Torch-free.
 """
 
 from __future__ import annotations
@@ -25,6 +31,16 @@ from pdserve.errors import InvalidArgumentError
 SEGMENT_PREFIX = "pdserve-kv-"
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared memory (``shm_open`` names are files here)."""
+
+MAGIC = b"PDSHMKV3"
+"""A segment's first bytes (``segment.py`` has the whole format); its state word follows."""
+STATE_OFFSET = 8
+WRITING, SEALED, ABORTED = 0, 1, 2
+"""The state word's values: being written, handed over, given up."""
+
+_CLOCK_SLACK_S = 2.0
+"""Error allowed between a process's start time (whole seconds of boot time plus clock ticks)
+and file times, before a pid counts as recycled."""
 
 
 def segment_name(
@@ -53,8 +69,10 @@ def parse_owner_pid(name: str, prefix: str = SEGMENT_PREFIX) -> int | None:
     return int(pid)
 
 
-def owner_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+def owner_alive(pid: int, *, since: float | None = None) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything) and, given
+    ``since`` (a wall-clock time the owner was known to live), started before it: a process
+    started later holds a recycled pid (Linux only; elsewhere any live pid counts)."""
     if pid <= 0:
         return False
     try:
@@ -62,8 +80,42 @@ def owner_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, but belongs to another user
-        return True
-    return True
+        pass
+    started = process_start_time(pid) if since is not None else None
+    return started is None or since is None or started <= since + _CLOCK_SLACK_S
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (``time.time`` scale), from ``/proc``; None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        # Field 22 (starttime, clock ticks after boot); the command name (field 2) may hold
+        # spaces and parentheses, so count from its closing one.
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def segment_state(path: str | Path) -> int | None:
+    """The state word of the segment at ``path`` (``WRITING``, ``SEALED``, ``ABORTED``);
+    None before its writer wrote the preamble, or if it is not a segment."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, STATE_OFFSET + 4, 0)
+    finally:
+        os.close(fd)
+    if len(head) < STATE_OFFSET + 4 or head[:STATE_OFFSET] != MAGIC:
+        return None
+    return int.from_bytes(head[STATE_OFFSET:], "little")
 
 
 class ReclaimReason(StrEnum):
@@ -89,12 +141,13 @@ def reclaim_orphans(
     shm_dir: Path = SHM_DIR,
     now: float | None = None,
 ) -> list[ReclaimedSegment]:
-    """Unlink segments under ``prefix`` whose owner is dead or that are older than ``max_age_s``.
+    """Unlink segments under ``prefix`` whose owner is dead (or its pid recycled), and live
+    owners' segments sealed more than ``max_age_s`` ago (handed over, never read).
 
-    ``max_age_s`` must exceed the longest hand-off (reservation to read); None keeps live
-    owners' segments however old. Names under ``prefix`` without a pid expire by age only.
-    Returns what was removed; a segment unlinked concurrently (its reader was faster) is
-    skipped.
+    ``max_age_s`` must exceed the longest wait from a hand-off to its read; None keeps live
+    owners' segments however old. A segment still being written is its live owner's (see the
+    module docstring). Names under ``prefix`` without a pid expire by age only. Returns what
+    was removed; a segment unlinked concurrently (its reader was faster) is skipped.
     """
     if max_age_s is not None and not max_age_s > 0:
         raise InvalidArgumentError("max_age_s", f"must be > 0 or None, got {max_age_s}")
@@ -111,9 +164,13 @@ def reclaim_orphans(
         except FileNotFoundError:
             continue
         age = clock - st.st_mtime
-        if pid is not None and not owner_alive(pid):
+        if pid is not None and not owner_alive(pid, since=st.st_mtime):
             reason = ReclaimReason.OWNER_DEAD
-        elif max_age_s is not None and age > max_age_s:
+        elif (
+            max_age_s is not None
+            and age > max_age_s
+            and (pid is None or segment_state(entry.path) in (SEALED, ABORTED))
+        ):
             reason = ReclaimReason.EXPIRED
         else:
             continue

@@ -43,11 +43,12 @@ import torch
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
+from pdserve.transfer.janitor import ABORTED, MAGIC, SEALED, STATE_OFFSET, WRITING
 
-_MAGIC = b"PDSHMKV3"  # 3: per-layer checksums combine K's and V's digests
+_MAGIC = MAGIC  # PDSHMKV3; 3: per-layer checksums combine K's and V's digests
 _PREAMBLE = struct.Struct("<8sIIII")  # magic, state, header_len, num_layers, reserved
-_STATE_OFFSET = 8
-_WRITING, _SEALED, _ABORTED = 0, 1, 2
+_STATE_OFFSET = STATE_OFFSET
+_WRITING, _SEALED, _ABORTED = WRITING, SEALED, ABORTED
 _ALIGN = 64
 _MADV_POPULATE_READ = 22
 """Linux >= 5.14; not in Python 3.11's ``mmap`` module."""
@@ -143,6 +144,13 @@ def mark_layer(mm: mmap.mmap, geom: SegmentGeometry, layer: int, checksum: int) 
 def mark_aborted(mm: mmap.mmap) -> None:
     """Tell a following reader that the writer gave up (before it unlinks the segment)."""
     struct.pack_into("<I", mm, _STATE_OFFSET, _ABORTED)
+
+
+def touch(path: Path) -> None:
+    """Set the segment's mtime to now, before sealing it: the janitor counts a sealed
+    segment's age from there (``janitor.reclaim_orphans``), not from its reservation."""
+    with contextlib.suppress(FileNotFoundError):  # gone: its reader will say so
+        os.utime(path)
 
 
 def seal(mm: mmap.mmap, geom: SegmentGeometry, checksums: tuple[int, ...]) -> None:

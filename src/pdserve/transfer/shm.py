@@ -284,6 +284,7 @@ class ShmSender:
             raise KVTransferError(f"KV layers {missing} of {self._request_id!r} were never sent")
         crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
         mm = self._mapping()
+        segment.touch(self.shm_dir / self.name)  # the janitor's clock starts at the hand-off
         segment.seal(mm, self._geom, crcs)
         self._mm = None
         if self.closer is None:

@@ -86,6 +86,7 @@ class WorkerOptions:
     janitor_interval_s: float = 60.0
     """How often orphaned shm segments are looked for (also once at start)."""
     janitor_max_age_s: float = 600.0
+    """A sealed shm segment nobody read for this long is unlinked (its owner alive)."""
     faults: tuple[str, ...] = ()
     """Fault injection for fault tests (``--fault``); empty in production."""
 

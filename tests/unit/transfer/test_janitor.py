@@ -11,16 +11,20 @@ from pathlib import Path
 import pytest
 
 from pdserve.transfer.janitor import (
+    SEALED,
     SHM_DIR,
+    WRITING,
     ReclaimReason,
     owner_alive,
     parse_owner_pid,
+    process_start_time,
     reclaim_orphans,
     segment_name,
+    segment_state,
 )
 from pdserve.transfer.shm import ShmSender
 from tests.unit.transfer._shm_child import hand_off_and_hang
-from tests.unit.transfer.conftest import leftovers, make_layout
+from tests.unit.transfer.conftest import leftovers, make_layout, random_payload
 
 
 def test_killed_owner_is_reclaimed_live_owner_kept(shm_prefix: str) -> None:
@@ -54,19 +58,65 @@ def test_killed_owner_is_reclaimed_live_owner_kept(shm_prefix: str) -> None:
             child.join(30)
 
 
-def test_expired_segment_of_a_live_owner_is_reclaimed(shm_prefix: str) -> None:
-    old, new = ShmSender(prefix=shm_prefix), ShmSender(prefix=shm_prefix)
-    old.begin("old", make_layout(), 4)
-    new.begin("new", make_layout(), 4)
-    hour_ago = time.time() - 3600
-    os.utime(SHM_DIR / old.name, (hour_ago, hour_ago))
-    removed = reclaim_orphans(shm_prefix, max_age_s=600)
-    assert [(r.name, r.reason) for r in removed] == [(old.name, ReclaimReason.EXPIRED)]
+def _sealed(prefix: str, request_id: str) -> str:
+    payload = random_payload(make_layout(num_layers=2), 4)
+    sender = ShmSender(prefix=prefix)
+    sender.begin(request_id, payload.layout, 4)
+    for i in range(2):
+        sender.send_layer(i, payload.keys[i], payload.values[i])
+    return sender.finish().name
+
+
+def _age(name: str, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(SHM_DIR / name, (then, then))
+
+
+def test_sealed_segment_of_a_live_owner_expires_from_its_seal(shm_prefix: str) -> None:
+    # An hour on (``now``): aging the file instead would date it before this process began,
+    # which is what a recycled pid looks like (below).
+    old = _sealed(shm_prefix, "old")
+    new = _sealed(shm_prefix, "new")
+    hour_on = time.time() + 3600
+    os.utime(SHM_DIR / new, (hour_on, hour_on))
+    removed = reclaim_orphans(shm_prefix, max_age_s=600, now=hour_on)
+    assert [(r.name, r.reason) for r in removed] == [(old, ReclaimReason.EXPIRED)]
     assert removed[0].age_s >= 3600
-    assert leftovers(shm_prefix) == [new.name]
-    old.abort()  # already gone: still fine
-    new.abort()
-    assert leftovers(shm_prefix) == []
+    assert leftovers(shm_prefix) == [new]
+    (SHM_DIR / new).unlink()
+
+
+def test_segment_being_written_is_kept_however_long_its_prefill_takes(shm_prefix: str) -> None:
+    # A 32K-token prefill on a CPU keeps its segment unsealed for many minutes.
+    payload = random_payload(make_layout(num_layers=2), 4)
+    sender = ShmSender(prefix=shm_prefix)
+    sender.begin("long", payload.layout, 4)
+    sender.send_layer(0, payload.keys[0], payload.values[0])
+    hour_on = time.time() + 3600
+    assert reclaim_orphans(shm_prefix, max_age_s=600, now=hour_on) == []
+    assert segment_state(SHM_DIR / sender.name) == WRITING
+    _age(sender.name, 60)  # the reservation, a minute ago
+    sender.send_layer(1, payload.keys[1], payload.values[1])
+    name = sender.finish().name
+    # Sealing restarted the clock: the hand-off is fresh, so its reader finds it.
+    assert segment_state(SHM_DIR / name) == SEALED
+    assert time.time() - (SHM_DIR / name).stat().st_mtime < 30
+    assert reclaim_orphans(shm_prefix, max_age_s=40) == []
+    (SHM_DIR / name).unlink()
+
+
+@pytest.mark.skipif(process_start_time(os.getpid()) is None, reason="needs Linux /proc")
+def test_recycled_pid_counts_as_dead(shm_prefix: str) -> None:
+    # This process's pid on a segment last changed before this process started: the pid was
+    # reused, the segment's writer is gone.
+    name = _sealed(shm_prefix, "recycled")
+    started = process_start_time(os.getpid())
+    assert started is not None and started <= time.time()
+    then = started - 3600
+    os.utime(SHM_DIR / name, (then, then))
+    assert not owner_alive(os.getpid(), since=then)
+    removed = reclaim_orphans(shm_prefix, max_age_s=None)
+    assert [(r.name, r.reason) for r in removed] == [(name, ReclaimReason.OWNER_DEAD)]
 
 
 def test_other_files_untouched_and_odd_names_expire_only(shm_prefix: str) -> None:
@@ -107,6 +157,7 @@ def test_segment_name_round_trips() -> None:
 
 def test_owner_alive() -> None:
     assert owner_alive(os.getpid())
+    assert owner_alive(os.getpid(), since=time.time())
     assert not owner_alive(0) and not owner_alive(-5)
 
 
