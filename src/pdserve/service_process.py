@@ -53,6 +53,8 @@ class ServiceProcess:
             "--port-file",
             str(self.port_file),
         ]
+        # A port file left by an earlier run of the same service would name a dead port.
+        self.port_file.unlink(missing_ok=True)
         with self.log_file.open("ab") as log:
             self.proc = subprocess.Popen(
                 deathsig.wrap([*argv, *self.args]),

@@ -7,8 +7,9 @@ prefix cache helps) and prefilled in one step (``--max-batch-tokens``), so the l
 while every token is computed. Each sample is one Prefill then one Decode RPC with the
 transport asked for; the numbers are the workers' own measurements (``TransferTiming``).
 
-References (memcpy, loopback TCP, raw gRPC) are measured in the same run
-(``transfer_refs.py``); samples and the tables are in ``transfer_report.py``.
+References (memcpy, loopback TCP, raw gRPC) are measured in the same run, before and after
+the transports, and the better of the two kept (``transfer_refs.py``); samples and the
+tables are in ``transfer_report.py``.
 
 Sizes above ``--reuse-prefill-above`` (default 8192 tokens; 16K and 32K on the base preset)
 are prefilled once and reused from the prefix cache by every transport: they give bandwidth
@@ -316,11 +317,19 @@ def main(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        print("measuring memcpy, loopback TCP and raw gRPC ...", file=sys.stderr, flush=True)
         size = args.reference_mib * _MIB
-        refs = References(
-            memcpy_bytes_per_s(size), tcp_bytes_per_s(size), grpc_bytes_per_s(log_dir, _wait, size)
-        )
+
+        def references(when: str) -> References:
+            print(f"measuring memcpy, loopback TCP and raw gRPC ({when}) ...", file=sys.stderr)
+            found = References(
+                memcpy_bytes_per_s(size),
+                tcp_bytes_per_s(size),
+                grpc_bytes_per_s(log_dir, _wait, size),
+            )
+            print(f"  {found.summary()}", file=sys.stderr, flush=True)
+            return found
+
+        refs = references("before")
         worker_args = [
             "--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-bytes",
             str(kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",
@@ -345,6 +354,7 @@ def main(argv: Sequence[str]) -> int:
             )
         finally:
             services.stop()
+        refs = refs.best(references("after"))
     print(report(samples, bursts, refs))
     if args.json is not None:
         saved = {

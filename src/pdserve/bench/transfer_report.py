@@ -102,8 +102,7 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
     """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
     gb = 1e9
     lines = [
-        f"References (this run): memcpy {ref.memcpy / gb:.2f} GB/s, loopback TCP "
-        f"{ref.tcp / gb:.2f} GB/s, raw gRPC {ref.grpc / gb:.2f} GB/s.",
+        f"References (this run, the better of before and after): {ref.summary()}.",
         "",
         "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
         "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
