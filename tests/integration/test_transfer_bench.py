@@ -39,6 +39,10 @@ def test_bench_transfer_reports_every_transport(
                                     for m in ("layer-wise", "deferred")}  # fmt: skip
     refs = saved["references"]
     assert refs["memcpy"] > 0 and refs["tcp"] > 0 and refs["grpc"] > 0
+    # Each point carries the references measured right before it, no better than the run's.
+    for x in saved["samples"]:
+        for kind in ("memcpy", "tcp", "grpc"):
+            assert 0 < x[f"ref_{kind}"] <= refs[kind]
     for t in ("shm", "store", "direct", "recompute"):
         assert f"| {t} | 40 |" in report
     assert main(["--from-json", str(out)]) == 0  # the report again, from the saved run

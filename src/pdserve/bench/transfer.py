@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,19 +43,13 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
 
-from pdserve.bench.transfer_refs import (
-    References,
-    grpc_bytes_per_s,
-    memcpy_bytes_per_s,
-    serve_sink,
-    tcp_bytes_per_s,
-)
+from pdserve.bench.transfer_refs import GrpcSink, References, serve_sink
 from pdserve.bench.transfer_report import Sample, peak_and_average, report
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
@@ -194,10 +189,12 @@ async def measure(
     repeats: int = 1,
     reuse_above: int = 0,
     cheap_repeats: int = 1,
+    references: Callable[[], References] | None = None,
 ) -> tuple[list[Sample], dict[str, dict[str, float]]]:
     """Every (size, transport, mode) ``repeats`` times (``cheap_repeats`` where more: a
     reused or small prompt), keeping the run whose transfer was the least visible (the least
-    disturbed, on a shared machine); then the bursts.
+    disturbed, on a shared machine); then the bursts. ``references`` (run in a thread) are
+    measured right before each point's runs and kept in its sample.
 
     Sizes above ``reuse_above`` (0: none) are bandwidth points only: one prompt per size,
     prefilled once for real by the deferred worker and then served from its prefix cache for
@@ -214,6 +211,7 @@ async def measure(
                 continue
             modes = ("prefill", "prefill-deferred") if t != "recompute" else ("prefill",)
             for prefill in ("prefill-deferred",) if reused else modes:
+                paired = await asyncio.to_thread(references) if references else None
                 times = max(repeats, cheap_repeats) if reused or n <= CHEAP_TOKENS else repeats
                 runs = [
                     await one(s, prefill, shared or prompts(n), t, reused=reused)
@@ -221,11 +219,17 @@ async def measure(
                 ]
                 sample = min(runs, key=lambda x: x.visible_ms if t != "recompute" else x.ready_ms)
                 sample = dataclasses.replace(sample, first_visible_ms=runs[0].visible_ms)
+                if paired is not None:
+                    sample = dataclasses.replace(
+                        sample, ref_memcpy=paired.memcpy, ref_tcp=paired.tcp, ref_grpc=paired.grpc
+                    )
                 samples.append(sample)
                 mode = "layer-wise" if sample.layerwise else "deferred"
                 ready, visible = sample.ready_ms, sample.visible_ms
                 every = " ".join(f"{r.visible_ms:.1f}" for r in runs)
                 note = f"  {t:9s} {n:6d} tokens {mode:10s} ready {ready:8.0f} ms"
+                if paired is not None:
+                    every += f"; before it: {paired.summary()}"
                 print(
                     f"{note}, transfer visible {visible:7.1f} ms (runs: {every})",
                     file=sys.stderr,
@@ -314,18 +318,16 @@ def main(argv: Sequence[str]) -> int:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     kv_per_token *= 2 if dtype in ("bfloat16", "float16") else 4
     kv_cache_bytes = args.kv_cache_bytes or max(2 * 1024 * _MIB, max(sizes) * kv_per_token * 5 // 4)
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-"))
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         size = args.reference_mib * _MIB
+        sink = stack.enter_context(GrpcSink(log_dir, _wait))
 
         def references(when: str) -> References:
             print(f"measuring memcpy, loopback TCP and raw gRPC ({when}) ...", file=sys.stderr)
-            found = References(
-                memcpy_bytes_per_s(size),
-                tcp_bytes_per_s(size),
-                grpc_bytes_per_s(log_dir, _wait, size),
-            )
+            found = References.measure(sink, size)
             print(f"  {found.summary()}", file=sys.stderr, flush=True)
             return found
 
@@ -350,11 +352,14 @@ def main(argv: Sequence[str]) -> int:
                     args.repeats,
                     args.reuse_prefill_above,
                     args.cheap_repeats,
+                    lambda: References.measure(sink, size),
                 )
             )
         finally:
             services.stop()
         refs = refs.best(references("after"))
+        for x in samples:  # the run's best: of before, after and every point's own
+            refs = refs.best(References(x.ref_memcpy, x.ref_tcp, x.ref_grpc))
     print(report(samples, bursts, refs))
     if args.json is not None:
         saved = {

@@ -4,12 +4,13 @@
 * loopback TCP: one socket on 127.0.0.1, a sender thread ``sendall`` 1 MiB pieces of 256 MiB,
   the receiver ``recv_into`` one buffer (best of 3);
 * raw gRPC: the same bytes as a ``KVStore.Put`` stream into a servicer in another process
-  that only counts them (grpcio, asyncio; best of 3).
+  that only counts them (grpcio, asyncio; best of 3; ``GrpcSink``).
 
 Best, not median: a reference is what the machine can do, and the transports' points keep
-their best run too. The benchmark measures them before and after the transports and keeps the
-better of the two (``References.best``): a reference taken while the shared machine was slow
-would flatter every ratio.
+their best run too. The benchmark measures them before and after the transports and right
+before each point (the run's are the best of all of them, ``References.best``); each point's
+ratios use its own: on a shared virtual machine the rates drift by 2-3x within half an hour, and a
+point compared with a reference taken in another minute measures the drift.
 """
 
 from __future__ import annotations
@@ -95,27 +96,43 @@ async def serve_sink(port_file: Path) -> None:
     await server.wait_for_termination()
 
 
-def grpc_bytes_per_s(
-    log_dir: Path,
-    wait: Callable[[list[ServiceProcess], float], None],
-    size: int = 256 * _MIB,
-    repeats: int = 3,
-    piece_bytes: int = _MIB,
-) -> float:
-    """Raw gRPC (grpcio, asyncio): a Put stream of ``piece_bytes`` chunks into a sink in
-    another process, bytes per second (best of ``repeats``): what a transport on gRPC in
-    Python can reach with messages of that size."""
-    sink = ServiceProcess(
-        "grpc-sink", "pdserve.bench.transfer", ["--grpc-sink"],
-        log_dir / "grpc-sink.port", log_dir / "grpc-sink.log",
-    )  # fmt: skip
-    sink.spawn({**os.environ})
-    try:
-        wait([sink], 60.0)
+class GrpcSink:
+    """The byte-counting sink (``serve_sink``) in its own process, for raw gRPC rates."""
+
+    def __init__(self, log_dir: Path, wait: Callable[[list[ServiceProcess], float], None]) -> None:
+        self.process = ServiceProcess(
+            "grpc-sink", "pdserve.bench.transfer", ["--grpc-sink"],
+            log_dir / "grpc-sink.port", log_dir / "grpc-sink.log",
+        )  # fmt: skip
+        self._wait = wait
+
+    def __enter__(self) -> GrpcSink:
+        self.process.spawn({**os.environ})
+        try:
+            self._wait([self.process], 60.0)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.process.proc is not None:
+            terminate([self.process.proc], 5.0)
+
+    def bytes_per_s(
+        self, size: int = 256 * _MIB, repeats: int = 3, piece_bytes: int = _MIB
+    ) -> float:
+        """Raw gRPC (grpcio, asyncio): a Put stream of ``piece_bytes`` chunks into the sink,
+        bytes per second (best of ``repeats``): what a transport on gRPC in Python can reach
+        with messages of that size. Runs its own event loop: call it from a thread without
+        one."""
         piece = os.urandom(piece_bytes)
 
         async def put() -> float:
-            async with KVStoreClient(sink.address) as client:
+            async with KVStoreClient(self.process.address) as client:
 
                 async def pieces() -> AsyncIterator[tuple[bytes, int]]:
                     crc = zlib.crc32(piece)
@@ -127,8 +144,6 @@ def grpc_bytes_per_s(
                 return size / (time.perf_counter() - start)
 
         return max(asyncio.run(put()) for _ in range(repeats))
-    finally:
-        terminate([sink.proc] if sink.proc else [], 5.0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,11 @@ class References:
             f"memcpy {self.memcpy / gb:.2f} GB/s, loopback TCP {self.tcp / gb:.2f} GB/s, "
             f"raw gRPC {self.grpc / gb:.2f} GB/s"
         )
+
+    @classmethod
+    def measure(cls, sink: GrpcSink, size: int = 256 * _MIB) -> References:
+        """All three now (a second or two for 256 MiB); no event loop may run in this thread."""
+        return cls(memcpy_bytes_per_s(size), tcp_bytes_per_s(size), sink.bytes_per_s(size))
 
     def best(self, other: References) -> References:
         """Each reference's better measurement of the two."""

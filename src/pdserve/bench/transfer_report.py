@@ -36,6 +36,23 @@ class Sample:
     first_visible_ms: float = -1.0
     """``visible_ms`` of the point's first run, the first hand-off of its size through these
     processes (its buffers fault in); -1: a run recorded before it was kept."""
+    ref_memcpy: float = 0.0
+    ref_tcp: float = 0.0
+    ref_grpc: float = 0.0
+    """References (bytes/s) measured right before this point's runs; 0: a run recorded
+    without them, whose ratios use the run's references."""
+
+    def of_references(self, ref: References) -> tuple[str, str]:
+        """The transport's bandwidth (its slower side; direct: the send, its read is
+        in-process) against memcpy (shm) or loopback TCP, and against raw gRPC: this point's
+        own references where measured, else the run's ``ref``."""
+        if self.ref_tcp > 0:
+            ref = References(self.ref_memcpy, self.ref_tcp, self.ref_grpc)
+        send, recv = self.send_span_bytes_per_s, self.recv_bytes_per_s
+        bw = send if self.transport == "direct" else min(send, recv)
+        if self.transport == "shm":
+            return f"{bw / ref.memcpy:.0%}", "-"
+        return f"{bw / ref.tcp:.0%}", f"{bw / ref.grpc:.0%}"
 
     @property
     def waited_ms(self) -> float:
@@ -88,9 +105,7 @@ def _bandwidth_row(de: Sample, ref: References) -> str:
     """A size prefilled once and reused from the prefix cache: its link rates only."""
     t, gb = de.transport, 1e9
     send, recv = de.send_span_bytes_per_s, de.recv_bytes_per_s
-    bw = send if t == "direct" else min(send, recv)
-    of_ref = f"{bw / (ref.memcpy if t == 'shm' else ref.tcp):.0%}"
-    of_grpc = "-" if t == "shm" else f"{bw / ref.grpc:.0%}"
+    of_ref, of_grpc = de.of_references(ref)
     recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
     return (
         f"| {t} | {de.tokens} | {de.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
@@ -102,7 +117,8 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
     """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
     gb = 1e9
     lines = [
-        f"References (this run, the better of before and after): {ref.summary()}.",
+        f"References (this run's best): {ref.summary()}. Ratios use each point's own, "
+        "measured right before it, where present (see the stderr log).",
         "",
         "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
         "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
@@ -132,10 +148,7 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
                 continue
             base = de or lw  # link rates from the no-overlap run: not paced by the compute
             send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
-            # direct's read is in-process (assembled on arrival): its link is the send alone.
-            bw = send if t == "direct" else min(send, recv)
-            of_ref = f"{bw / (ref.memcpy if t == 'shm' else ref.tcp):.0%}"
-            of_grpc = "-" if t == "shm" else f"{bw / ref.grpc:.0%}"
+            of_ref, of_grpc = base.of_references(ref)
             visible = f"{lw.visible_ms:.0f} / {de.visible_ms:.0f}" if de else f"{lw.visible_ms:.0f}"
             share = f"{lw.share:.1%} / {de.share:.1%}" if de else f"{lw.share:.1%}"
             hidden = f"{1 - lw.visible_ms / de.visible_ms:.0%}" if de and de.visible_ms else "-"
