@@ -8,8 +8,8 @@ while every token is computed. Each sample is one Prefill then one Decode RPC wi
 transport asked for; the numbers are the workers' own measurements (``TransferTiming``).
 
 References (memcpy, loopback TCP, raw gRPC) are measured in the same run, before and after
-the transports, and the better of the two kept (``transfer_refs.py``); samples and the
-tables are in ``transfer_report.py``.
+the transports and right before each point, and the best of them kept (``transfer_refs.py``);
+samples and the tables are in ``transfer_report.py``.
 
 Sizes above ``--reuse-prefill-above`` (default 8192 tokens; 16K and 32K on the base preset)
 are prefilled once and reused from the prefix cache by every transport: they give bandwidth
@@ -194,7 +194,7 @@ async def measure(
     """Every (size, transport, mode) ``repeats`` times (``cheap_repeats`` where more: a
     reused or small prompt), keeping the run whose transfer was the least visible (the least
     disturbed, on a shared machine); then the bursts. ``references`` (run in a thread) are
-    measured right before each point's runs and kept in its sample.
+    measured right before each point's runs and kept in its sample (the machine's drift).
 
     Sizes above ``reuse_above`` (0: none) are bandwidth points only: one prompt per size,
     prefilled once for real by the deferred worker and then served from its prefix cache for

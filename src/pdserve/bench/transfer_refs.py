@@ -8,9 +8,10 @@
 
 Best, not median: a reference is what the machine can do, and the transports' points keep
 their best run too. The benchmark measures them before and after the transports and right
-before each point (the run's are the best of all of them, ``References.best``); each point's
-ratios use its own: on a shared virtual machine the rates drift by 2-3x within half an hour, and a
-point compared with a reference taken in another minute measures the drift.
+before each point, and the ratios use the best of all of them (``References.best``). On a
+shared virtual machine the references drift by 2-3x within minutes (loopback TCP 1.5 to 4.1
+GB/s in one run): a ratio against a reference taken while the machine was slow would flatter
+the transport; the per-point ones are kept in the samples to show the drift.
 """
 
 from __future__ import annotations

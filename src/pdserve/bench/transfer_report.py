@@ -39,15 +39,13 @@ class Sample:
     ref_memcpy: float = 0.0
     ref_tcp: float = 0.0
     ref_grpc: float = 0.0
-    """References (bytes/s) measured right before this point's runs; 0: a run recorded
-    without them, whose ratios use the run's references."""
+    """References (bytes/s) measured right before this point's runs (0: not measured): how
+    the machine's rates drifted; the ratios use the run's best (``of_references``)."""
 
     def of_references(self, ref: References) -> tuple[str, str]:
         """The transport's bandwidth (its slower side; direct: the send, its read is
-        in-process) against memcpy (shm) or loopback TCP, and against raw gRPC: this point's
-        own references where measured, else the run's ``ref``."""
-        if self.ref_tcp > 0:
-            ref = References(self.ref_memcpy, self.ref_tcp, self.ref_grpc)
+        in-process) against memcpy (shm) or loopback TCP, and against raw gRPC, as measured
+        at their best in this run (``ref``)."""
         send, recv = self.send_span_bytes_per_s, self.recv_bytes_per_s
         bw = send if self.transport == "direct" else min(send, recv)
         if self.transport == "shm":
@@ -117,8 +115,7 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
     """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
     gb = 1e9
     lines = [
-        f"References (this run's best): {ref.summary()}. Ratios use each point's own, "
-        "measured right before it, where present (see the stderr log).",
+        f"References (this run's best, before, after and beside every point): {ref.summary()}.",
         "",
         "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
         "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
