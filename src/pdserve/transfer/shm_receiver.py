@@ -24,7 +24,7 @@ from pdserve.transfer.base import (
     TransportKind,
     advance,
 )
-from pdserve.transfer.janitor import SHM_DIR
+from pdserve.transfer.janitor import ABORTED, SEALED, SHM_DIR, segment_state
 from pdserve.transfer.shm_follow import follow_segment
 
 
@@ -82,10 +82,14 @@ class ShmReceiver:
         return payload
 
     def cleanup(self) -> None:
-        """Unlink the segment if ``receive`` did not get to, and stop a follow-read still
-        waiting for its writer (idempotent)."""
+        """Stop a follow-read still waiting for its writer, and unlink the segment if it is
+        this reader's, sealed (or aborted), and ``receive`` did not get to (idempotent).
+
+        A segment still being written is its writer's: a follow-read that gave up on a long
+        prefill (its bound passed, or it was dropped) leaves it, the writer seals it and the
+        ``Decode`` call reads it the plain way; or the writer unlinks it on abort."""
         self._stop.set()
-        if self._path is not None:
+        if self._path is not None and segment_state(self._path) in (SEALED, ABORTED):
             segment.unlink(self._path)
 
     def _segment_path(self, d: TransferDescriptor) -> Path:

@@ -115,6 +115,29 @@ def test_cleanup_stops_a_reader_still_waiting(shm_prefix: str) -> None:
     asyncio.run(body())
 
 
+def test_a_follow_read_that_gives_up_leaves_the_segment_to_its_writer(shm_prefix: str) -> None:
+    """A prefetch bounded shorter than its prefill (a 32K prompt on a busy CPU) times out
+    before the seal: the segment is still the writer's, and a plain read takes it once
+    sealed, instead of the request falling back to recompute."""
+
+    async def body() -> None:
+        sender = ShmSender(prefix=shm_prefix)
+        sender.begin("long", PAYLOAD.layout, PAYLOAD.num_tokens)
+        sender.send_layer(0, PAYLOAD.keys[0], PAYLOAD.values[0])
+        prefetch = ShmReceiver(follow=True)
+        with pytest.raises(KVTransferError, match="timed out"):
+            await prefetch.receive(sender.planned(), 0.05)
+        prefetch.cleanup()
+        assert leftovers(shm_prefix) == [sender.name]
+        for i in range(1, LAYERS):
+            sender.send_layer(i, PAYLOAD.keys[i], PAYLOAD.values[i])
+        descriptor = sender.finish()
+        assert_same_payload(await ShmReceiver().receive(descriptor, 30.0), PAYLOAD)
+        assert leftovers(shm_prefix) == []
+
+    asyncio.run(body())
+
+
 def test_a_layer_changed_after_its_hash_fails_the_follow_read(shm_prefix: str) -> None:
     def flip(data: np.ndarray) -> None:
         data[-1] ^= 0xFF
