@@ -19,11 +19,12 @@ that started after the segment's last change cannot be the one that wrote it. To
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from pathlib import Path
 
 from pdserve.errors import InvalidArgumentError
@@ -32,11 +33,30 @@ SEGMENT_PREFIX = "pdserve-kv-"
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared memory (``shm_open`` names are files here)."""
 
-MAGIC = b"PDSHMKV3"
+MAGIC = b"PDSHMKV3"  # 3: per-layer checksums combine K's and V's digests
 """A segment's first bytes (``segment.py`` has the whole format); its state word follows."""
 STATE_OFFSET = 8
-WRITING, SEALED, ABORTED = 0, 1, 2
-"""The state word's values: being written, handed over, given up."""
+
+
+class SegmentState(IntEnum):
+    """A segment's state word: being written, handed over (sealed), given up."""
+
+    WRITING = 0
+    SEALED = 1
+    ABORTED = 2
+
+
+def parse_state(preamble: bytes) -> SegmentState | None:
+    """The state in a segment's first bytes; None before its writer wrote them, or if they
+    are not a segment's."""
+    if len(preamble) < STATE_OFFSET + 4 or preamble[:STATE_OFFSET] != MAGIC:
+        return None
+    state = int.from_bytes(preamble[STATE_OFFSET : STATE_OFFSET + 4], "little")
+    return SegmentState(state) if state in SegmentState._value2member_map_ else None
+
+
+HANDED_OVER = (SegmentState.SEALED, SegmentState.ABORTED)
+"""States in which the writer is done with a segment."""
 
 _CLOCK_SLACK_S = 2.0
 """Error allowed between a process's start time (whole seconds of boot time plus clock ticks)
@@ -81,41 +101,48 @@ def owner_alive(pid: int, *, since: float | None = None) -> bool:
         return False
     except PermissionError:  # exists, but belongs to another user
         pass
-    started = process_start_time(pid) if since is not None else None
-    return started is None or since is None or started <= since + _CLOCK_SLACK_S
+    if since is None:
+        return True
+    started = process_start_time(pid)
+    return started is None or started <= since + _CLOCK_SLACK_S
 
 
-def process_start_time(pid: int) -> float | None:
-    """When process ``pid`` started (``time.time`` scale), from ``/proc``; None if unknown."""
+@functools.cache
+def _boot_time() -> float | None:
+    """When this host booted (``time.time`` scale, whole seconds), from ``/proc/stat``."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        # Field 22 (starttime, clock ticks after boot); the command name (field 2) may hold
-        # spaces and parentheses, so count from its closing one.
-        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        lines = Path("/proc/stat").read_text().splitlines()
+        return next(float(line.split()[1]) for line in lines if line.startswith("btime "))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
 
 
-def segment_state(path: str | Path) -> int | None:
-    """The state word of the segment at ``path`` (``WRITING``, ``SEALED``, ``ABORTED``);
-    None before its writer wrote the preamble, or if it is not a segment."""
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (``time.time`` scale), from ``/proc``; None if unknown."""
+    boot = _boot_time()
+    if boot is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # Field 22 (starttime, clock ticks after boot); the command name (field 2) may hold
+        # spaces and parentheses, so count from its closing one.
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def segment_state(path: str | Path) -> SegmentState | None:
+    """The state of the segment at ``path``; None before its writer wrote the preamble, or
+    if it is not a segment (or gone)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        head = os.pread(fd, STATE_OFFSET + 4, 0)
+        return parse_state(os.pread(fd, STATE_OFFSET + 4, 0))
     finally:
         os.close(fd)
-    if len(head) < STATE_OFFSET + 4 or head[:STATE_OFFSET] != MAGIC:
-        return None
-    return int.from_bytes(head[STATE_OFFSET:], "little")
 
 
 class ReclaimReason(StrEnum):
@@ -169,7 +196,7 @@ def reclaim_orphans(
         elif (
             max_age_s is not None
             and age > max_age_s
-            and (pid is None or segment_state(entry.path) in (SEALED, ABORTED))
+            and (pid is None or segment_state(entry.path) in HANDED_OVER)
         ):
             reason = ReclaimReason.EXPIRED
         else:

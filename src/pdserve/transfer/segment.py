@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -43,12 +42,9 @@ import torch
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
-from pdserve.transfer.janitor import ABORTED, MAGIC, SEALED, STATE_OFFSET, WRITING
+from pdserve.transfer.janitor import MAGIC, STATE_OFFSET, SegmentState, parse_state
 
-_MAGIC = MAGIC  # PDSHMKV3; 3: per-layer checksums combine K's and V's digests
 _PREAMBLE = struct.Struct("<8sIIII")  # magic, state, header_len, num_layers, reserved
-_STATE_OFFSET = STATE_OFFSET
-_WRITING, _SEALED, _ABORTED = WRITING, SEALED, ABORTED
 _ALIGN = 64
 _MADV_POPULATE_READ = 22
 """Linux >= 5.14; not in Python 3.11's ``mmap`` module."""
@@ -117,7 +113,7 @@ def map_for_writing(fd: int, header: bytes, geom: SegmentGeometry) -> mmap.mmap:
         mm = mmap.mmap(fd, geom.total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
-    _PREAMBLE.pack_into(mm, 0, _MAGIC, _WRITING, len(header), geom.num_layers, 0)
+    _PREAMBLE.pack_into(mm, 0, MAGIC, SegmentState.WRITING, len(header), geom.num_layers, 0)
     mm[_PREAMBLE.size : _PREAMBLE.size + len(header)] = header
     return mm
 
@@ -143,7 +139,7 @@ def mark_layer(mm: mmap.mmap, geom: SegmentGeometry, layer: int, checksum: int) 
 
 def mark_aborted(mm: mmap.mmap) -> None:
     """Tell a following reader that the writer gave up (before it unlinks the segment)."""
-    struct.pack_into("<I", mm, _STATE_OFFSET, _ABORTED)
+    struct.pack_into("<I", mm, STATE_OFFSET, SegmentState.ABORTED)
 
 
 def touch(path: Path) -> None:
@@ -156,7 +152,7 @@ def touch(path: Path) -> None:
 def seal(mm: mmap.mmap, geom: SegmentGeometry, checksums: tuple[int, ...]) -> None:
     """Write the checksum table, then flip the state word: the segment is complete."""
     struct.pack_into(f"<{len(checksums)}Q", mm, geom.table_offset, *checksums)
-    struct.pack_into("<I", mm, _STATE_OFFSET, _SEALED)
+    struct.pack_into("<I", mm, STATE_OFFSET, SegmentState.SEALED)
 
 
 def close_mapping(mm: mmap.mmap | None) -> None:
@@ -175,24 +171,15 @@ def unlink(path: Path) -> None:
 
 
 # -- following a writer (``shm_follow``) ----------------------------------------------------
-class SegmentState(IntEnum):
-    WRITING = _WRITING
-    SEALED = _SEALED
-    ABORTED = _ABORTED
-
-
 def mapped_state(mm: mmap.mmap) -> SegmentState | None:
     """The state word; None while the writer has not written the preamble yet."""
-    if len(mm) < _PREAMBLE.size or mm[: len(_MAGIC)] != _MAGIC:
-        return None
-    (state,) = struct.unpack_from("<I", mm, _STATE_OFFSET)
-    return SegmentState(state) if state in (_WRITING, _SEALED, _ABORTED) else None
+    return parse_state(mm[: STATE_OFFSET + 4])
 
 
 def mapped_header(mm: mmap.mmap, name: str) -> tuple[KVLayout, int, SegmentGeometry]:
     """Layout, token count and geometry from a mapping whose preamble is written."""
     magic, _, header_len, num_layers, _ = _PREAMBLE.unpack_from(mm, 0)
-    if magic != _MAGIC:
+    if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
     layout, num_tokens = parse_header(bytes(mm[_PREAMBLE.size : _PREAMBLE.size + header_len]))
     if num_layers != layout.num_layers:
@@ -232,11 +219,11 @@ def read_header(fd: int, offset: int, name: str) -> SegmentHeader:
     magic, state, header_len, num_layers, _ = _PREAMBLE.unpack(
         _pread_exact(fd, _PREAMBLE.size, offset)
     )
-    if magic == bytes(len(_MAGIC)):  # created and reserved, its preamble not written yet
+    if magic == bytes(len(MAGIC)):  # created and reserved, its preamble not written yet
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
-    if magic != _MAGIC:
+    if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
-    if state != _SEALED:
+    if state != SegmentState.SEALED:
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer never finished)")
     layout, num_tokens = parse_header(_pread_exact(fd, header_len, offset + _PREAMBLE.size))
     if num_layers != layout.num_layers:

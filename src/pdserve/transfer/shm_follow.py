@@ -27,7 +27,8 @@ from pathlib import Path
 from pdserve.errors import KVTransferError
 from pdserve.transfer import segment
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
-from pdserve.transfer.segment import SegmentGeometry, SegmentHeader, SegmentState
+from pdserve.transfer.janitor import SegmentState
+from pdserve.transfer.segment import SegmentGeometry, SegmentHeader
 
 _WAIT_MIN_S = 50e-6
 _WAIT_MAX_S = 2e-3

@@ -24,7 +24,7 @@ from pdserve.transfer.base import (
     TransportKind,
     advance,
 )
-from pdserve.transfer.janitor import ABORTED, SEALED, SHM_DIR, segment_state
+from pdserve.transfer.janitor import HANDED_OVER, SHM_DIR, segment_state
 from pdserve.transfer.shm_follow import follow_segment
 
 
@@ -89,7 +89,7 @@ class ShmReceiver:
         prefill (its bound passed, or it was dropped) leaves it, the writer seals it and the
         ``Decode`` call reads it the plain way; or the writer unlinks it on abort."""
         self._stop.set()
-        if self._path is not None and segment_state(self._path) in (SEALED, ABORTED):
+        if self._path is not None and segment_state(self._path) in HANDED_OVER:
             segment.unlink(self._path)
 
     def _segment_path(self, d: TransferDescriptor) -> Path:

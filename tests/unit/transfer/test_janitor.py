@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.transfer.janitor import (
-    SEALED,
     SHM_DIR,
-    WRITING,
     ReclaimReason,
+    SegmentState,
     owner_alive,
     parse_owner_pid,
     process_start_time,
@@ -94,12 +93,12 @@ def test_segment_being_written_is_kept_however_long_its_prefill_takes(shm_prefix
     sender.send_layer(0, payload.keys[0], payload.values[0])
     hour_on = time.time() + 3600
     assert reclaim_orphans(shm_prefix, max_age_s=600, now=hour_on) == []
-    assert segment_state(SHM_DIR / sender.name) == WRITING
+    assert segment_state(SHM_DIR / sender.name) == SegmentState.WRITING
     _age(sender.name, 60)  # the reservation, a minute ago
     sender.send_layer(1, payload.keys[1], payload.values[1])
     name = sender.finish().name
     # Sealing restarted the clock: the hand-off is fresh, so its reader finds it.
-    assert segment_state(SHM_DIR / name) == SEALED
+    assert segment_state(SHM_DIR / name) == SegmentState.SEALED
     assert time.time() - (SHM_DIR / name).stat().st_mtime < 30
     assert reclaim_orphans(shm_prefix, max_age_s=40) == []
     (SHM_DIR / name).unlink()
