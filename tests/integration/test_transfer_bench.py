@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.transfer import main
+from pdserve.bench.transfer_paired import Pair, summarize
 from pdserve.bench.transfer_report import Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -20,7 +21,7 @@ def test_bench_transfer_reports_every_transport(
     out = tmp_path / "transfer.json"
     args = ["--model", str(tiny_llama_dir), "--tokens", "40", "--burst", "2",
             "--burst-tokens", "24", "--reference-mib", "8", "--json", str(out),
-            "--repeats", "1", "--cheap-repeats", "2",
+            "--repeats", "1", "--cheap-repeats", "2", "--rounds", "2",
             "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     assert main(args) == 0
     report = capsys.readouterr().out
@@ -39,10 +40,16 @@ def test_bench_transfer_reports_every_transport(
                                     for m in ("layer-wise", "deferred")}  # fmt: skip
     refs = saved["references"]
     assert refs["memcpy"] > 0 and refs["tcp"] > 0 and refs["grpc"] > 0
-    # Each point carries the references measured right before it, no better than the run's.
-    for x in saved["samples"]:
-        for kind in ("memcpy", "tcp", "grpc"):
-            assert 0 < x[f"ref_{kind}"] <= refs[kind]
+    # Two paired rounds of every moving transport, each hand-off between two references.
+    pairs = [Pair(**x) for x in saved["pairs"]]
+    assert sorted((p.transport, p.tokens) for p in pairs) == sorted(
+        (t, 40) for t in ("shm", "store", "direct") for _ in range(2)
+    )
+    for p in pairs:
+        assert p.num_bytes > 0 and p.before > 0 and p.after > 0 and p.ratio > 0
+        assert (p.grpc_ratio is None) == (p.transport == "shm")
+    ratios = summarize(pairs)
+    assert f"| {ratios['store', 40].ratio_text} |" in report
     for t in ("shm", "store", "direct", "recompute"):
         assert f"| {t} | 40 |" in report
     assert main(["--from-json", str(out)]) == 0  # the report again, from the saved run

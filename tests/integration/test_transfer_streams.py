@@ -32,9 +32,10 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR, segment_name
 from pdserve.transfer.stream import StreamHeader
+from pdserve.worker import frames
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.frames import FrameCollector, LayerCopy, stream_bytes
+from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, stream_bytes
 from pdserve.worker.outbound import SendFaults
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
@@ -322,7 +323,9 @@ LAYOUT = KVLayout("fp", "float32", 3, 2, 8, 16)
 
 
 @pytest.mark.parametrize("feeding", ["pieces with crcs", "one blob", "odd slices", "mixed"])
-def test_frames_assemble_however_the_bytes_are_cut(feeding: str) -> None:
+def test_frames_assemble_however_the_bytes_are_cut(
+    feeding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Sealed into chunk pieces (CRCs combined into each frame's), collected from the pieces
     with their CRCs, from one blob, from slices that straddle frames, or a mix: the same
     tensors, bit for bit."""
@@ -334,12 +337,25 @@ def test_frames_assemble_however_the_bytes_are_cut(feeding: str) -> None:
         for i, (k, v) in enumerate(layers)
         for p in LayerCopy.take(i, k, v).seal(100, Compression.NONE)
     ]
+    # No message for a frame header alone: it rides with the first 100 bytes of K.
+    part = n * LAYOUT.num_kv_heads * LAYOUT.head_dim * 4
+    assert len(pieces) == LAYOUT.num_layers * 2 * -(-part // 100)
+    assert all(bytes(p[:4]) == b"PDLF" for p, _ in pieces[:: 2 * -(-part // 100)])
     blob = b"".join(p for p, _ in pieces)
     assert len(header.encode()) + len(blob) == stream_bytes(header)
     collector = FrameCollector(header, expected_layout=LAYOUT)
     if feeding == "pieces with crcs":
+        hashed: list[int] = []
+
+        def crc32(data: bytes | memoryview, value: int = 0) -> int:
+            hashed.append(len(data))
+            return zlib.crc32(data, value)
+
+        monkeypatch.setattr(frames, "fast_crc32", crc32)
         for data, crc in pieces:
             collector.feed(data, crc)
+        # Every frame's CRC came from its pieces': only the headers were hashed again.
+        assert hashed and max(hashed) <= FRAME_HEAD.size
     elif feeding == "one blob":
         collector.feed(blob)
     elif feeding == "odd slices":

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -43,13 +44,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
 
-from pdserve.bench.transfer_refs import GrpcSink, References, serve_sink
+from pdserve.bench.transfer_paired import Pair, Reference, rounds
+from pdserve.bench.transfer_refs import GrpcSink, References, paired_reference, serve_sink
 from pdserve.bench.transfer_report import Sample, peak_and_average, report
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
@@ -189,12 +191,13 @@ async def measure(
     repeats: int = 1,
     reuse_above: int = 0,
     cheap_repeats: int = 1,
-    references: Callable[[], References] | None = None,
-) -> tuple[list[Sample], dict[str, dict[str, float]]]:
+    n_rounds: int = 0,
+    reference: Reference | None = None,
+) -> tuple[list[Sample], dict[str, dict[str, float]], list[Pair]]:
     """Every (size, transport, mode) ``repeats`` times (``cheap_repeats`` where more: a
     reused or small prompt), keeping the run whose transfer was the least visible (the least
-    disturbed, on a shared machine); then the bursts. ``references`` (run in a thread) are
-    measured right before each point's runs and kept in its sample (the machine's drift).
+    disturbed, on a shared machine); after each size, ``n_rounds`` paired bandwidth rounds
+    (``transfer_paired``) on the deferred worker's last prompt; then the bursts.
 
     Sizes above ``reuse_above`` (0: none) are bandwidth points only: one prompt per size,
     prefilled once for real by the deferred worker and then served from its prefix cache for
@@ -202,46 +205,54 @@ async def measure(
     layer-wise run and no recompute: a 32K prefill takes minutes on a few CPU cores."""
     await one(s, "prefill", prompts(64), "shm")  # warm-up: first-step costs
     await one(s, "prefill-deferred", prompts(64), "shm")
-    samples = []
+    samples: list[Sample] = []
+    pairs: list[Pair] = []
     for n in sizes:
         reused = bool(reuse_above) and n > reuse_above
         shared = prompts(n) if reused else None
+        cached = shared  # the deferred worker's last prompt of this size: in its prefix cache
         for t in transports:
             if reused and t not in MOVING:
                 continue
             modes = ("prefill", "prefill-deferred") if t != "recompute" else ("prefill",)
             for prefill in ("prefill-deferred",) if reused else modes:
-                paired = await asyncio.to_thread(references) if references else None
                 times = max(repeats, cheap_repeats) if reused or n <= CHEAP_TOKENS else repeats
-                runs = [
-                    await one(s, prefill, shared or prompts(n), t, reused=reused)
-                    for _ in range(times)
-                ]
+                runs = []
+                for _ in range(times):
+                    prompt = shared or prompts(n)
+                    runs.append(await one(s, prefill, prompt, t, reused=reused))
+                    if prefill == "prefill-deferred":
+                        cached = prompt
                 sample = min(runs, key=lambda x: x.visible_ms if t != "recompute" else x.ready_ms)
-                sample = dataclasses.replace(sample, first_visible_ms=runs[0].visible_ms)
-                if paired is not None:
-                    sample = dataclasses.replace(
-                        sample, ref_memcpy=paired.memcpy, ref_tcp=paired.tcp, ref_grpc=paired.grpc
-                    )
-                samples.append(sample)
+                samples.append(dataclasses.replace(sample, first_visible_ms=runs[0].visible_ms))
                 mode = "layer-wise" if sample.layerwise else "deferred"
-                ready, visible = sample.ready_ms, sample.visible_ms
                 every = " ".join(f"{r.visible_ms:.1f}" for r in runs)
-                note = f"  {t:9s} {n:6d} tokens {mode:10s} ready {ready:8.0f} ms"
-                if paired is not None:
-                    every += f"; before it: {paired.summary()}"
                 print(
-                    f"{note}, transfer visible {visible:7.1f} ms (runs: {every})",
+                    f"  {t:9s} {n:6d} tokens {mode:10s} ready {sample.ready_ms:8.0f} ms, "
+                    f"transfer visible {sample.visible_ms:7.1f} ms (runs: {every})",
                     file=sys.stderr,
                     flush=True,
                 )
+        moving = [t for t in transports if t in MOVING]
+        if n_rounds and reference is not None and cached is not None and moving:
+            hand_off = functools.partial(_cached_hand_off, s, cached)
+            pairs += await rounds(hand_off, moving, n_rounds, reference, _log)
     bursts = {}
     if n_burst > 1:
         for t in (x for x in transports if x in MOVING):
             for prefill in ("prefill", "prefill-deferred"):
                 mode = "layer-wise" if prefill == "prefill" else "deferred"
                 bursts[f"{t}, {mode}"] = await burst(s, prefill, n_burst, burst_tokens, t, prompts)
-    return samples, bursts
+    return samples, bursts, pairs
+
+
+def _cached_hand_off(s: Services, prompt: list[int], transport: str) -> Awaitable[Sample]:
+    """A deferred hand-off of ``prompt``, which the deferred worker holds in its prefix cache."""
+    return one(s, "prefill-deferred", prompt, transport, reused=True)
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -258,6 +269,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help=f"runs of a point whose prefill is cheap (reused, or <= {CHEAP_TOKENS} tokens)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="paired bandwidth rounds per point (each hand-off between two references)",
     )
     p.add_argument("--reference-mib", type=int, default=256, help="bytes moved by the references")
     p.add_argument("--burst", type=int, default=4, help="concurrent prefills in the burst")
@@ -292,9 +309,13 @@ def main(argv: Sequence[str]) -> int:
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         refs = References(**saved["references"])
-        print(report([Sample(**x) for x in saved["samples"]], saved["bursts"], refs))
+        pairs = [Pair(**x) for x in saved.get("pairs", [])]
+        print(report([Sample(**x) for x in saved["samples"]], saved["bursts"], refs, pairs))
         return 0
-    for flag, value in (("--repeats", args.repeats), ("--cheap-repeats", args.cheap_repeats)):
+    counts = (("--repeats", args.repeats), ("--cheap-repeats", args.cheap_repeats))
+    if args.rounds < 0:
+        raise InvalidArgumentError("--rounds", f"must be >= 0, got {args.rounds}")
+    for flag, value in counts:
         if value < 1:
             raise InvalidArgumentError(flag, f"must be >= 1, got {value}")
     sizes = [int(x) for x in args.tokens.split(",") if x]
@@ -341,7 +362,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
         services = Services.start(args.model, log_dir, worker_args)
         try:
-            samples, bursts = asyncio.run(
+            samples, bursts, pairs = asyncio.run(
                 measure(
                     services,
                     prompts,
@@ -352,20 +373,20 @@ def main(argv: Sequence[str]) -> int:
                     args.repeats,
                     args.reuse_prefill_above,
                     args.cheap_repeats,
-                    lambda: References.measure(sink, size),
+                    args.rounds,
+                    paired_reference(sink, size),
                 )
             )
         finally:
             services.stop()
         refs = refs.best(references("after"))
-        for x in samples:  # the run's best: of before, after and every point's own
-            refs = refs.best(References(x.ref_memcpy, x.ref_tcp, x.ref_grpc))
-    print(report(samples, bursts, refs))
+    print(report(samples, bursts, refs, pairs))
     if args.json is not None:
         saved = {
             "references": asdict(refs),
             "bursts": bursts,
             "samples": [asdict(x) for x in samples],
+            "pairs": [asdict(x) for x in pairs],
         }
         args.json.write_text(json.dumps(saved, indent=1))
     return 0

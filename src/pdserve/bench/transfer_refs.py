@@ -6,12 +6,10 @@
 * raw gRPC: the same bytes as a ``KVStore.Put`` stream into a servicer in another process
   that only counts them (grpcio, asyncio; best of 3; ``GrpcSink``).
 
-Best, not median: a reference is what the machine can do, and the transports' points keep
-their best run too. The benchmark measures them before and after the transports and right
-before each point, and the ratios use the best of all of them (``References.best``). On a
-shared virtual machine the references drift by 2-3x within minutes (loopback TCP 1.5 to 4.1
-GB/s in one run): a ratio against a reference taken while the machine was slow would flatter
-the transport; the per-point ones are kept in the samples to show the drift.
+Best, not median: a reference is what the machine can do. The ratios come from paired rounds
+(``transfer_paired``): each hand-off between two measurements of its reference
+(``paired_reference``: best of 3, raw gRPC of 2). ``References`` measured before and after
+the run are reported beside them, as the machine's best.
 """
 
 from __future__ import annotations
@@ -172,3 +170,17 @@ class References:
         return References(
             max(self.memcpy, other.memcpy), max(self.tcp, other.tcp), max(self.grpc, other.grpc)
         )
+
+
+def paired_reference(
+    sink: GrpcSink, size: int = 256 * _MIB
+) -> Callable[[str], tuple[float, float]]:
+    """The bracketing reference of a transport's hand-off (``transfer_paired.Reference``):
+    memcpy for shm, loopback TCP and raw gRPC for the others. Blocking: call it in a thread."""
+
+    def reference(transport: str) -> tuple[float, float]:
+        if transport == "shm":
+            return memcpy_bytes_per_s(size, repeats=3), 0.0
+        return tcp_bytes_per_s(size, repeats=3), sink.bytes_per_s(size, repeats=2)
+
+    return reference

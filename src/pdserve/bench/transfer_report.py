@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.bench.transfer_paired import Pair, PairedPoint, summarize
 from pdserve.bench.transfer_refs import References
 
 
@@ -39,13 +40,14 @@ class Sample:
     ref_memcpy: float = 0.0
     ref_tcp: float = 0.0
     ref_grpc: float = 0.0
-    """References (bytes/s) measured right before this point's runs (0: not measured): how
-    the machine's rates drifted; the ratios use the run's best (``of_references``)."""
+    """References (bytes/s) measured right before this point's runs, in runs recorded before
+    the paired rounds (0: not measured)."""
 
     def of_references(self, ref: References) -> tuple[str, str]:
         """The transport's bandwidth (its slower side; direct: the send, its read is
         in-process) against memcpy (shm) or loopback TCP, and against raw gRPC, as measured
-        at their best in this run (``ref``)."""
+        at their best in the run (``ref``): the ratios of runs recorded before the paired
+        rounds (``transfer_paired``)."""
         send, recv = self.send_span_bytes_per_s, self.recv_bytes_per_s
         bw = send if self.transport == "direct" else min(send, recv)
         if self.transport == "shm":
@@ -99,23 +101,39 @@ def peak_and_average(spans: Sequence[tuple[int, int, int]]) -> tuple[float, floa
     return peak, sum(s[2] for s in spans) / window
 
 
-def _bandwidth_row(de: Sample, ref: References) -> str:
-    """A size prefilled once and reused from the prefix cache: its link rates only."""
-    t, gb = de.transport, 1e9
-    send, recv = de.send_span_bytes_per_s, de.recv_bytes_per_s
-    of_ref, of_grpc = de.of_references(ref)
-    recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
-    return (
-        f"| {t} | {de.tokens} | {de.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
-        f"{of_ref} | {of_grpc} | (reused prefill) | - / {de.visible_ms:.0f} | - | - |"
-    )
+def _rates(base: Sample, ref: References, point: PairedPoint | None) -> str:
+    """The send, recv, of-reference and of-raw-gRPC cells: from the paired rounds where
+    there are some, else from the sample against the run's best references."""
+    gb = 1e9
+    if point is None:
+        send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
+        of_ref, of_grpc = base.of_references(ref)
+    else:
+        send, recv, of_ref = point.send_bytes_per_s, point.recv_bytes_per_s, point.ratio_text
+        of_grpc = "-" if point.grpc_ratio is None else f"{point.grpc_ratio:.0%}"
+    # direct: assembled as it landed; the read only hands the payload over.
+    recv_text = "on arrival" if base.transport == "direct" else f"{recv / gb:.2f}"
+    return f"{send / gb:.2f} | {recv_text} | {of_ref} | {of_grpc}"
 
 
-def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: References) -> str:
+def report(
+    samples: Sequence[Sample],
+    bursts: dict[str, dict[str, float]],
+    ref: References,
+    pairs: Sequence[Pair] = (),
+) -> str:
     """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
     gb = 1e9
+    points = summarize(pairs)
+    rounds = max((x.rounds for x in points.values()), default=0)
+    how = (
+        f"rates and ratios: the median of {rounds} paired rounds (the range of the ratio in "
+        "brackets), each hand-off against its reference measured right before and after it"
+        if points
+        else "ratios against the run's best references"
+    )
     lines = [
-        f"References (this run's best, before, after and beside every point): {ref.summary()}.",
+        f"References (the run's best, before and after it): {ref.summary()}; {how}.",
         "",
         "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
         "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
@@ -131,8 +149,12 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
     for t in dict.fromkeys(x.transport for x in samples):
         for n in dict.fromkeys(x.tokens for x in samples):
             lw, de = find(t, n, True), find(t, n, False)
-            if lw is None and de is not None and de.reused:
-                lines.append(_bandwidth_row(de, ref))
+            point = points.get((t, n))
+            if lw is None and de is not None and de.reused:  # bandwidth only: no compute
+                lines.append(
+                    f"| {t} | {n} | {de.num_bytes / 1e6:.0f} | {_rates(de, ref, point)} | "
+                    f"(reused prefill) | - / {de.visible_ms:.0f} | - | - |"
+                )
                 continue
             if lw is None:
                 continue
@@ -144,17 +166,12 @@ def report(samples: Sequence[Sample], bursts: dict[str, dict[str, float]], ref: 
                 )
                 continue
             base = de or lw  # link rates from the no-overlap run: not paced by the compute
-            send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
-            of_ref, of_grpc = base.of_references(ref)
             visible = f"{lw.visible_ms:.0f} / {de.visible_ms:.0f}" if de else f"{lw.visible_ms:.0f}"
             share = f"{lw.share:.1%} / {de.share:.1%}" if de else f"{lw.share:.1%}"
             hidden = f"{1 - lw.visible_ms / de.visible_ms:.0%}" if de and de.visible_ms else "-"
-            # direct: assembled as it landed; the read only hands the payload over.
-            recv_text = "on arrival" if t == "direct" else f"{recv / gb:.2f}"
             lines.append(
-                f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {send / gb:.2f} | {recv_text} | "
-                f"{of_ref} | {of_grpc} | {lw.prefill_rpc_ms:.0f} | {visible} | {share} | "
-                f"{hidden} |"
+                f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {_rates(base, ref, point)} | "
+                f"{lw.prefill_rpc_ms:.0f} | {visible} | {share} | {hidden} |"
             )
     cold = [x for x in samples if not x.layerwise and x.first_visible_ms >= 0]
     if cold:
