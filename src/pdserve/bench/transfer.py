@@ -7,15 +7,16 @@ prefix cache helps) and prefilled in one step (``--max-batch-tokens``), so the l
 while every token is computed. Each sample is one Prefill then one Decode RPC with the
 transport asked for; the numbers are the workers' own measurements (``TransferTiming``).
 
-References (memcpy, loopback TCP, raw gRPC) are measured in the same run, before and after
-the transports and right before each point, and the best of them kept (``transfer_refs.py``);
-samples and the tables are in ``transfer_report.py``.
+Bandwidth ratios come from paired rounds after each size (``transfer_paired.py``): deferred
+hand-offs of a prompt in the deferred worker's prefix cache, each between two measurements of
+its reference (memcpy, loopback TCP, raw gRPC: ``transfer_refs.py``), the median of the rounds
+reported. Samples and the tables are in ``transfer_report.py``.
 
 Sizes above ``--reuse-prefill-above`` (default 8192 tokens; 16K and 32K on the base preset)
 are prefilled once and reused from the prefix cache by every transport: they give bandwidth
 only (no layer-wise or recompute run), since one 32K prefill takes minutes on a few cores.
 
-Bandwidths: each side's bytes over its busy time, from the no-overlap runs (a sender then has
+Bandwidths: each side's bytes over its busy time, from deferred hand-offs (a sender then has
 every layer at hand, so its rate is the link's, not the compute's). ``store`` crosses two
 links (prefill -> store, store -> decode), ``direct`` one (into the decode worker's endpoint;
 its read is in-process), ``shm`` none (copy into the segment and hash it; the reader maps it

@@ -11,8 +11,9 @@ copies per side. Here:
 * ``LayerCopy.take`` (engine thread, inside the layer hook) keeps the hooked K and V (the
   engine's gathered copies; device-to-host on a GPU). ``LayerCopy.seal`` (a worker thread)
   cuts them into chunk pieces (views), computing each piece's CRC-32 once; the frame's CRC is
-  combined from those (``kvstore.crc``), and int8 compression happens here too. The chunk
-  codec (``kvstore.wire``) copies each piece once, into the message gRPC sends.
+  combined from those (``kvstore.crc``), and int8 compression happens here too. The frame's
+  header travels in front of K's first piece (the one piece copied here). The chunk codec
+  (``kvstore.wire``) copies each piece once, into the message gRPC sends.
 * ``FrameCollector`` (receiving side) accepts the byte stream in pieces of any size, copies
   each frame once into a buffer of its own, checks the CRC and sizes there (combining the
   chunks' already checked CRCs when the pieces line up with the frame), and views K and V as
@@ -129,16 +130,16 @@ class LayerCopy:
         head = FRAME_HEAD.pack(FRAME_MAGIC, self.layer, half, half, crc)
         if not pieces:  # an empty layer: the header alone
             return [(head, fast_crc32(head))]
-        data, data_crc = pieces[0]
-        first = np.empty(len(head) + len(data), dtype=np.uint8)
+        lead, lead_crc = pieces[0]
+        first = np.empty(len(head) + len(lead), dtype=np.uint8)
         first[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        first[len(head) :] = np.frombuffer(data, dtype=np.uint8)
+        first[len(head) :] = np.frombuffer(lead, dtype=np.uint8)
         if corrupt:
             # After the frame's CRC, before the chunk's: the store accepts it, the reader
             # must not.
             first[len(head)] ^= 0xFF
-            data_crc = fast_crc32(first[len(head) :])
-        pieces[0] = (first.data, crc32_combine(fast_crc32(head), data_crc, len(data)))
+            lead_crc = fast_crc32(first[len(head) :].data)
+        pieces[0] = (first.data, crc32_combine(fast_crc32(head), lead_crc, len(lead)))
         return pieces
 
 

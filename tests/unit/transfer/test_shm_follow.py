@@ -151,3 +151,49 @@ def test_a_layer_changed_after_its_hash_fails_the_follow_read(shm_prefix: str) -
         assert leftovers(shm_prefix) == []
 
     asyncio.run(body())
+
+
+class _Clock:
+    """A fake ``time`` for ``shm_follow``: ``sleep`` advances ``monotonic`` and is logged."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("due_in", [None, 0.02, -1.0])
+def test_the_waiter_polls_finely_only_while_the_mark_is_due(
+    monkeypatch: pytest.MonkeyPatch, due_in: float | None
+) -> None:
+    """Sleeps of at most 100 us from ``due`` (None: now) for the near window, the backoff up
+    to 2 ms before and after it."""
+    clock = _Clock()
+    monkeypatch.setattr(shm_follow, "time", clock)
+    start = clock.now
+    due = start if due_in is None else start + due_in
+    waiter = shm_follow._Waiter("seg", start + 60, threading.Event(), lambda: False)
+    polls = iter(range(1000))
+    waiter.until(lambda: next(polls) == 999, "a mark", None if due_in is None else due)
+    window = shm_follow._NEAR_WINDOW_S
+    began = start
+    fine = coarse = 0
+    for i, slept in enumerate(clock.sleeps):
+        assert slept <= shm_follow._WAIT_MAX_S
+        if i and 0 <= began - due < window:
+            assert slept <= shm_follow._WAIT_NEAR_S
+            fine += 1
+        elif slept > shm_follow._WAIT_NEAR_S:
+            coarse += 1
+        began += slept
+    assert coarse > 0  # backed off before the window (0.02) or after it (now, long past)
+    if due_in is not None and due_in < 0:
+        assert fine == 0
+    else:  # the whole window was polled finely
+        assert fine >= (window - shm_follow._WAIT_MAX_S) / shm_follow._WAIT_NEAR_S - 2
