@@ -36,7 +36,7 @@ from pdserve.worker import frames
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, stream_bytes
-from pdserve.worker.outbound import SendFaults
+from pdserve.worker.outbound import SendFaults, StreamSender
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
 from services.decode.inbox import InboxServicer
@@ -413,5 +413,34 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
                     final = delta.timing
             assert final is not None and final.transfer is not None
             assert final.transfer.transport == "direct"
+
+    run(body)
+
+
+def test_the_last_layer_ends_the_stream_before_the_commit() -> None:
+    """The store holds the whole hand-off once the last layer is taken: the acknowledgement
+    does not wait for the prefill's ``commit``, which then only collects it."""
+
+    async def body() -> None:
+        async with AsyncExitStack() as stack:
+            store = KVStore(64 * 1024**2)
+            address = await _serve(stack, KVStoreServicer(store))
+            client = KVStoreClient(address, timeout_s=5)
+            stack.push_async_callback(client.close)
+            n = 13
+            layers = _layer_tensors(LAYOUT, n, 2)
+            sender = StreamSender(client, TransportKind.STORE, lease_s=30)
+            sender.begin("r-early", LAYOUT, n)
+            for i, (k, v) in enumerate(layers):
+                assert store.stats().num_entries == 0
+                sender.send_layer(i, k, v)
+            task = sender._task
+            assert task is not None
+            await asyncio.wait_for(asyncio.shield(task), 30)  # no commit called yet
+            assert store.stats().num_entries == 1 and store.stats().num_writing == 0
+            descriptor = await sender.commit(5.0)
+            assert descriptor.num_bytes == stream_bytes(StreamHeader("r-early", LAYOUT, n))
+            await sender.discard()  # deletes the committed entry
+            assert store.stats().num_entries == 0
 
     run(body)

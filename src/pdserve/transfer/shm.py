@@ -3,8 +3,9 @@
 
 The segment format is in ``segment.py``; its name, ``pdserve-kv-{owner_pid}-{request_id_hash}``,
 in ``janitor.py``. Ownership: the sender's ``begin`` creates the segment and ``abort`` unlinks
-it; once ``finish`` has sealed it, the receiver owns it and unlinks it after reading, whatever
-the outcome. A segment whose owner died is reclaimed by ``janitor.reclaim_orphans``.
+it; once sealed (as its last layer is written, or by ``finish``), the receiver owns it and
+unlinks it after reading, whatever the outcome. A segment whose owner died is reclaimed by
+``janitor.reclaim_orphans``.
 
 Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
 (``Tensor.copy_`` into a view over it, device-to-host when the engine is on a GPU; numpy
@@ -118,13 +119,15 @@ class ShmSender:
         self.pool = pool
         """Copies each layer's K beside the caller's V; None: the caller copies both."""
         self.closer = closer
-        """Unmaps the sealed segment after ``finish`` returned (tearing down the page tables
-        of a large segment takes ~40 ms per GB); None: ``finish`` unmaps it itself. Owned by
+        """Unmaps the segment once sealed (tearing down the page tables of a large segment
+        takes ~40 ms per GB); None: the sealing thread unmaps it itself. Owned by
         the caller, who shuts it down (waiting) when done."""
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
         self.tamper: Callable[[np.ndarray], None] | None = None
         """Fault tests only: changes layer 0's bytes after they were hashed."""
+        self.stalled = False
+        """Fault tests only: the last layer does not seal the segment (a stalled writer)."""
         self.name = ""
         """The segment's name, once ``begin`` created it."""
         self._mm: mmap.mmap | None = None
@@ -138,6 +141,8 @@ class ShmSender:
         self._lane: deque[tuple[int, Future[int]]] = deque()
         """Layers given to the pool thread and not published yet, oldest first."""
         self._error: Exception | None = None
+        self._sealed: tuple[int, ...] | None = None
+        """The layer checksums, once the segment is sealed (with its last layer)."""
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         """Create and map the segment, sized for the header and every layer."""
@@ -212,6 +217,12 @@ class ShmSender:
             del dst
             self._publish(layer, checksum)
         self._collect(wait=False)
+        if len(self._seen) == self._layout.num_layers and not self.stalled:
+            # The last layer is in: seal now, not at ``finish``. A reader following the
+            # writes (a prefetch) then holds the checked KV while the engine still ends its
+            # step (the final norm, the logits, the sample), instead of after it.
+            self._collect()
+            self._seal()
 
     def _copy(
         self, layer: int, dst: np.ndarray, k: torch.Tensor, v: torch.Tensor, torch_copy: bool
@@ -263,11 +274,12 @@ class ShmSender:
         )
 
     def finish(self) -> TransferDescriptor:
-        """Seal the segment and describe it; aborts (and raises) if a layer failed or is missing."""
+        """Seal the segment (unless its last layer did) and describe it; aborts (and raises)
+        if a layer failed or is missing."""
         start = time.monotonic_ns()
         if self.state is not TransferState.SENDING or self._layout is None:
             raise KVTransferError(f"finish on a sender that is {self.state.name}")
-        if self._error is None:
+        if self._error is None and self._sealed is None:
             try:
                 self._mapping()
                 self._collect()
@@ -282,20 +294,28 @@ class ShmSender:
         if missing:
             self.abort()
             raise KVTransferError(f"KV layers {missing} of {self._request_id!r} were never sent")
-        crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
-        mm = self._mapping()
-        segment.touch(self.shm_dir / self.name)  # the janitor's clock starts at the hand-off
-        segment.seal(mm, self._geom, crcs)
-        self._mm = None
-        if self.closer is None:
-            segment.close_mapping(mm)
-        else:
-            self.closer.submit(segment.close_mapping, mm).add_done_callback(_log_failure)
+        crcs = self._sealed or self._seal()  # sealed with the last layer, unless it failed
         self.state = advance(self.state, TransferState.SENT)
         end = time.monotonic_ns()
         self.stats.hook_ns += end - start
         self.stats.send_end_ns = end
         return dataclasses.replace(self.planned(), layer_checksums=crcs)
+
+    def _seal(self) -> tuple[int, ...]:
+        """Seal the segment, every layer being in it (from then on the reader owns it), and
+        let go of the mapping; the layer checksums."""
+        if self._layout is None:
+            raise KVTransferError("seal before begin")
+        crcs = tuple(self._crcs[i] for i in range(self._layout.num_layers))
+        mm = self._mapping()
+        segment.touch(self.shm_dir / self.name)  # the janitor's clock starts at the hand-off
+        segment.seal(mm, self._geom, crcs)
+        self._mm, self._sealed = None, crcs
+        if self.closer is None:
+            segment.close_mapping(mm)
+        else:
+            self.closer.submit(segment.close_mapping, mm).add_done_callback(_log_failure)
+        return crcs
 
     def abort(self) -> None:
         """Unlink the segment (idempotent). After ``finish`` this revokes the hand-off."""

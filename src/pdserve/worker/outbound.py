@@ -5,8 +5,8 @@
   into the KV store or straight into the decode worker's own KVStore endpoint. The layer hook
   takes each layer (engine thread; a GPU's is copied to the host) and hands it to the event loop;
   there the frame's CRC is computed in a worker thread and the frame goes out at once, while
-  the engine computes the next layers. ``commit`` ends the stream and waits, bounded, for the
-  store's acknowledgement.
+  the engine computes the next layers. The last layer ends the stream; ``commit`` waits,
+  bounded, for the store's acknowledgement.
 * ``ShmOutbound``: ``pdserve.transfer.shm.ShmSender`` (same host) behind the same interface.
 * ``Deferred``: any of them with the layer-wise overlap switched off (the layers are kept
   until ``commit`` and only then sent), the baseline of the transfer benchmark.
@@ -123,6 +123,7 @@ class StreamSender:
         self._queue: asyncio.Queue[LayerCopy | None] = asyncio.Queue()
         self._task: asyncio.Task[PutResult] | None = None
         self._seen: set[int] = set()  # engine thread only
+        self._ended = False  # the end of the stream is queued (engine thread, then loop)
         self._error: Exception | None = None
         self._committed = False
         self._busy_ns = 0  # sealing frames and gRPC taking their pieces (flow control included)
@@ -177,6 +178,12 @@ class StreamSender:
         self._seen.add(layer)
         copy = LayerCopy.take(layer, k, v)
         loop.call_soon_threadsafe(self._queue.put_nowait, copy)
+        if len(self._seen) == h.layout.num_layers:
+            # The last layer: end the stream right behind it, so that the endpoint holds the
+            # whole hand-off (and a prefetching reader its end) while the engine still ends
+            # its step, instead of after ``commit``.
+            self._ended = True
+            loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
     async def _frames(self) -> AsyncGenerator[Piece, None]:
         """The Put stream's data: each frame's pieces as soon as they are sealed.
@@ -251,10 +258,13 @@ class StreamSender:
         missing = missing_layers(h.layout, self._seen)
         if missing:
             raise KVTransferError(f"KV layers {missing} of {h.request_id!r} were never sent")
-        # The end of the stream, queued behind the layers: they were handed over with
-        # call_soon_threadsafe, whose callbacks run in order with this one.
+        # The end of the stream, queued behind the layers (unless the last one queued it):
+        # they were handed over with call_soon_threadsafe, whose callbacks run in order
+        # with this one.
         assert self._loop is not None  # set by begin, like the header
-        self._loop.call_soon(self._queue.put_nowait, None)
+        if not self._ended:
+            self._ended = True
+            self._loop.call_soon(self._queue.put_nowait, None)
         return self.planned()
 
     async def commit(self, timeout_s: float) -> TransferDescriptor:
@@ -318,6 +328,8 @@ class ShmOutbound:
         self._request_id = request_id
         if self.faults is not None and self.faults.corrupts(request_id):
             self.sender.tamper = _flip_first_byte
+        if self.faults is not None and self.faults.stalls(request_id):
+            self.sender.stalled = True
         self.sender.begin(request_id, layout, num_tokens)
 
     def planned(self) -> TransferDescriptor:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from pdserve.errors import (
 )
 from pdserve.transfer import segment
 from pdserve.transfer.base import TransferDescriptor, TransferState
-from pdserve.transfer.janitor import SHM_DIR
+from pdserve.transfer.janitor import SHM_DIR, SegmentState, segment_state
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from tests.unit.engine.test_parity import prompts_of, run_collect
 from tests.unit.transfer.conftest import (
@@ -209,3 +210,36 @@ def test_engine_to_engine_over_shm(tiny_llama_dir: Path, shm_prefix: str) -> Non
     b.check_no_leaks()
     stats = sender.stats.merged(receiver.stats)
     assert stats.num_bytes == desc.length and stats.first_layer_ns <= stats.last_layer_ns
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_the_last_layer_seals_the_segment_before_finish(shm_prefix: str, threads: int) -> None:
+    """A reader holds the checked KV before the prefill's commit: ``finish`` only describes
+    what the last layer already sealed (the engine ends its step meanwhile)."""
+    payload = random_payload(make_layout(num_layers=4), 9)
+    with ThreadPoolExecutor(threads or 1) as pool:
+        sender = ShmSender(prefix=shm_prefix, pool=pool if threads else None)
+        sender.begin("r", payload.layout, 9)
+        path = SHM_DIR / sender.name
+        for i in range(4):
+            assert segment_state(path) is not SegmentState.SEALED
+            sender.send_layer(i, payload.keys[i], payload.values[i])
+        assert segment_state(path) is SegmentState.SEALED
+        early = dataclasses.replace(sender.planned(), layer_checksums=())
+        got = asyncio.run(ShmReceiver().receive(early, timeout_s=5.0))
+        assert_same_payload(got, payload)
+        descriptor = sender.finish()
+    assert len(descriptor.layer_checksums) == 4 and sender.state is TransferState.SENT
+    assert leftovers(shm_prefix) == []  # the reader unlinked it
+
+
+def test_a_stalled_writer_leaves_the_segment_unsealed(shm_prefix: str) -> None:
+    payload = random_payload(make_layout(num_layers=2), 4)
+    sender = ShmSender(prefix=shm_prefix)
+    sender.stalled = True  # the fault tests' stalled writer
+    sender.begin("r", payload.layout, 4)
+    for i in range(2):
+        sender.send_layer(i, payload.keys[i], payload.values[i])
+    assert segment_state(SHM_DIR / sender.name) is SegmentState.WRITING
+    sender.abort()
+    assert leftovers(shm_prefix) == []
