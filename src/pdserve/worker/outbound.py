@@ -8,10 +8,8 @@
   the engine computes the next layers. The last layer ends the stream; ``commit`` waits,
   bounded, for the store's acknowledgement.
 * ``ShmOutbound``: ``pdserve.transfer.shm.ShmSender`` (same host) behind the same interface.
-* ``Deferred``: any of them with the layer-wise overlap switched off (the layers are kept
-  until ``commit`` and only then sent), the baseline of the transfer benchmark.
-* ``Suffix``: any of them moving only the tokens after a prefix the decode worker already
-  holds (``decode_prefix``).
+* ``Deferred`` and ``Suffix`` (``outbound_wrappers.py``): any of them with the layer-wise
+  overlap switched off, or moving only the tokens after a prefix the decode worker holds.
 
 The layer hook (``send_layer``) never raises: it runs inside the engine's batched forward
 pass. A failure is recorded and raised by ``commit``. ``discard`` frees whatever the hand-off
@@ -350,74 +348,3 @@ class ShmOutbound:
 
 def _flip_first_byte(data: np.ndarray) -> None:
     data[0] ^= 0xFF
-
-
-class Deferred:
-    """An ``Outbound`` whose layers leave only at ``commit`` (no overlap with the compute)."""
-
-    def __init__(self, inner: Outbound) -> None:
-        self.inner = inner
-        self.kind = inner.kind
-        self.stats = inner.stats
-        self._layers: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-
-    @property
-    def busy_ns(self) -> int:
-        return self.inner.busy_ns
-
-    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
-        self.inner.begin(request_id, layout, num_tokens)
-
-    def planned(self) -> TransferDescriptor:
-        return self.inner.planned()
-
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # Keeping them is the engine's export, done layer by layer (the views die after this).
-        self._layers.append((layer, k.detach().clone(), v.detach().clone()))
-
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
-        layers, self._layers = self._layers, []
-        for layer, k, v in layers:
-            self.inner.send_layer(layer, k, v)
-        return await self.inner.commit(timeout_s)
-
-    async def discard(self) -> None:
-        self._layers = []
-        await self.inner.discard()
-
-
-class Suffix:
-    """An ``Outbound`` moving only the prompt's tokens after its first ``prefix_tokens``: the
-    decode worker's prefix cache holds those (``decode_prefix``). Each hooked layer is cut to
-    ``[prefix_tokens:]`` (a view; the inner transport makes its one copy from it)."""
-
-    def __init__(self, inner: Outbound, prefix_tokens: int) -> None:
-        if prefix_tokens < 1:
-            raise InvalidArgumentError("prefix_tokens", f"must be >= 1, got {prefix_tokens}")
-        self.inner = inner
-        self.kind = inner.kind
-        self.stats = inner.stats
-        self.prefix_tokens = prefix_tokens
-
-    @property
-    def busy_ns(self) -> int:
-        return self.inner.busy_ns
-
-    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
-        if num_tokens <= self.prefix_tokens:
-            raise InvalidArgumentError(
-                "prefix_tokens", f"{self.prefix_tokens} leaves nothing of {num_tokens} tokens"
-            )
-        self.inner.begin(request_id, layout, num_tokens - self.prefix_tokens)
-
-    def planned(self) -> TransferDescriptor:
-        return self.inner.planned()
-
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.inner.send_layer(layer, k[self.prefix_tokens :], v[self.prefix_tokens :])
-
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
-        return await self.inner.commit(timeout_s)
-
-    async def discard(self) -> None:
-        await self.inner.discard()

@@ -46,7 +46,8 @@ from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
-from pdserve.worker.outbound import Deferred, Outbound, ShmOutbound, StreamSender, Suffix
+from pdserve.worker.outbound import Outbound, ShmOutbound, StreamSender
+from pdserve.worker.outbound_wrappers import Deferred, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
 from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.timing import RequestTiming

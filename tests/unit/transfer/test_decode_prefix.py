@@ -20,7 +20,8 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from pdserve.worker import decode_prefix
 from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.outbound import ShmOutbound, Suffix
+from pdserve.worker.outbound import ShmOutbound
+from pdserve.worker.outbound_wrappers import Suffix
 from tests.unit.transfer.conftest import assert_same_payload, leftovers
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
