@@ -13,11 +13,11 @@ tenant's blocks. The decode worker answers from its engine's cache map, on the e
 another model, dtype or block size answers 0.
 
 The prefill worker then computes as before, but its sender skips the first ``prefix_tokens``
-tokens of every layer (``outbound_wrappers.Suffix``); the ``KVHandle`` carries ``prefix_tokens``. The
-decode worker, after receiving the rest, copies the prefix out of its cache and joins the two
-(``join_cached_prefix``). The answer is only a hint: if the blocks were evicted in between,
-the join raises ``UnknownRequestError`` and the decode worker recomputes, as after any failed
-receive. Nothing is pinned, so nothing can leak.
+tokens of every layer (``outbound_wrappers.Suffix``); the ``KVHandle`` carries
+``prefix_tokens``. The decode worker, after receiving the rest, copies the prefix out of its
+cache and joins the two (``join_cached_prefix``). The answer is only a hint: if the blocks
+were evicted in between, the join raises ``UnknownRequestError`` and the decode worker
+recomputes, as after any failed receive. Nothing is pinned, so nothing can leak.
 """
 
 from __future__ import annotations
