@@ -31,6 +31,12 @@ Reference = Callable[[str], tuple[float, float]]
 Blocking (run in a thread)."""
 
 
+def link_bytes_per_s(transport: str, send: float, recv: float) -> float:
+    """A transport's bandwidth: its slower side (direct: the send; its read is the decode
+    worker handing over what its endpoint assembled on arrival)."""
+    return send if transport == "direct" else min(send, recv)
+
+
 @dataclass(frozen=True)
 class Pair:
     """One deferred hand-off and its reference measured right before and right after it."""
@@ -56,11 +62,7 @@ class Pair:
 
     @property
     def bytes_per_s(self) -> float:
-        """The transport's bandwidth: its slower side (direct: the send; its read is the
-        decode worker handing over what its endpoint assembled on arrival)."""
-        if self.transport == "direct":
-            return self.send_bytes_per_s
-        return min(self.send_bytes_per_s, self.recv_bytes_per_s)
+        return link_bytes_per_s(self.transport, self.send_bytes_per_s, self.recv_bytes_per_s)
 
     @property
     def ratio(self) -> float:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.transfer_paired import Reference
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.wire import Chunk, add_kvstore_servicer
 from pdserve.rpc.server import build_server
@@ -172,9 +173,7 @@ class References:
         )
 
 
-def paired_reference(
-    sink: GrpcSink, size: int = 256 * _MIB
-) -> Callable[[str], tuple[float, float]]:
+def paired_reference(sink: GrpcSink, size: int = 256 * _MIB) -> Reference:
     """The bracketing reference of a transport's hand-off (``transfer_paired.Reference``):
     memcpy for shm, loopback TCP and raw gRPC for the others. Blocking: call it in a thread."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.bench.transfer_paired import Pair, PairedPoint, summarize
+from pdserve.bench.transfer_paired import Pair, PairedPoint, link_bytes_per_s, summarize
 from pdserve.bench.transfer_refs import References
 
 
@@ -48,8 +48,7 @@ class Sample:
         in-process) against memcpy (shm) or loopback TCP, and against raw gRPC, as measured
         at their best in the run (``ref``): the ratios of runs recorded before the paired
         rounds (``transfer_paired``)."""
-        send, recv = self.send_span_bytes_per_s, self.recv_bytes_per_s
-        bw = send if self.transport == "direct" else min(send, recv)
+        bw = link_bytes_per_s(self.transport, self.send_span_bytes_per_s, self.recv_bytes_per_s)
         if self.transport == "shm":
             return f"{bw / ref.memcpy:.0%}", "-"
         return f"{bw / ref.tcp:.0%}", f"{bw / ref.grpc:.0%}"

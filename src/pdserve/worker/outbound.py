@@ -121,7 +121,6 @@ class StreamSender:
         self._queue: asyncio.Queue[LayerCopy | None] = asyncio.Queue()
         self._task: asyncio.Task[PutResult] | None = None
         self._seen: set[int] = set()  # engine thread only
-        self._ended = False  # the end of the stream is queued (engine thread, then loop)
         self._error: Exception | None = None
         self._committed = False
         self._busy_ns = 0  # sealing frames and gRPC taking their pieces (flow control included)
@@ -180,7 +179,6 @@ class StreamSender:
             # The last layer: end the stream right behind it, so that the endpoint holds the
             # whole hand-off (and a prefetching reader its end) while the engine still ends
             # its step, instead of after ``commit``.
-            self._ended = True
             loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
     async def _frames(self) -> AsyncGenerator[Piece, None]:
@@ -256,17 +254,12 @@ class StreamSender:
         missing = missing_layers(h.layout, self._seen)
         if missing:
             raise KVTransferError(f"KV layers {missing} of {h.request_id!r} were never sent")
-        # The end of the stream, queued behind the layers (unless the last one queued it):
-        # they were handed over with call_soon_threadsafe, whose callbacks run in order
-        # with this one.
-        assert self._loop is not None  # set by begin, like the header
-        if not self._ended:
-            self._ended = True
-            self._loop.call_soon(self._queue.put_nowait, None)
+        # Every layer was taken, so the last one queued the end of the stream behind itself.
         return self.planned()
 
     async def commit(self, timeout_s: float) -> TransferDescriptor:
-        """End the stream and wait (at most ``timeout_s``) until the endpoint holds it all."""
+        """Wait (at most ``timeout_s``) until the endpoint holds the whole stream (its last
+        layer ended it)."""
         descriptor = self._finish()
         task = self._task
         if task is None:
