@@ -13,9 +13,11 @@ import random
 import socket
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -413,6 +415,51 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
                     final = delta.timing
             assert final is not None and final.transfer is not None
             assert final.transfer.transport == "direct"
+
+    run(body)
+
+
+class _CountingSealer(ThreadPoolExecutor):
+    """One sealing thread that counts what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_layers_are_sealed_as_they_are_taken_not_when_the_loop_asks() -> None:
+    """The layer hook hands each layer to the sealing thread itself: every seal is under way
+    before the event loop runs once more, and the stream still carries the layers intact."""
+
+    async def body() -> None:
+        async with AsyncExitStack() as stack:
+            store = KVStore(64 * 1024**2)
+            address = await _serve(stack, KVStoreServicer(store))
+            client = KVStoreClient(address, timeout_s=5)
+            stack.push_async_callback(client.close)
+            sealer = _CountingSealer()
+            stack.callback(sealer.shutdown)
+            n = 11
+            layers = _layer_tensors(LAYOUT, n, 4)
+            sender = StreamSender(client, TransportKind.STORE, lease_s=30, sealer=sealer)
+            sender.begin("r-sealed", LAYOUT, n)
+            for i, (k, v) in enumerate(layers):
+                sender.send_layer(i, k, v)
+            assert sealer.submitted == LAYOUT.num_layers  # no await since the first layer
+            descriptor = await sender.commit(5.0)
+            collector: FrameCollector | None = None
+            async for chunk in client.stream(descriptor.name, delete_after_read=True):
+                collector = collector or FrameCollector(StreamHeader.decode(chunk.header))
+                collector.feed(chunk.data, chunk.crc32)
+            assert collector is not None
+            payload = collector.build()
+            for i, (k, v) in enumerate(layers):
+                assert torch.equal(payload.keys[i], k) and torch.equal(payload.values[i], v)
+            assert store.stats().num_entries == 0
 
     run(body)
 

@@ -133,6 +133,8 @@ class PrefillWorker:
         # sealed segments off the request's path.
         self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
         self._shm_closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-unmap")
+        # store/direct: one thread seals the frames of every stream, in the order taken.
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
 
     async def close(self) -> None:
         """Close the connections to decode workers' endpoints, wait for prefix publishing."""
@@ -142,6 +144,7 @@ class PrefillWorker:
             await self.announcers.close()
         self._shm_pool.shutdown(wait=True)
         self._shm_closer.shutdown(wait=True)
+        self._sealer.shutdown(wait=True)
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
             await client.close()
@@ -169,7 +172,12 @@ class PrefillWorker:
         else:
             client = self.store if kind is TransportKind.STORE else self._endpoint(decode_address)
             out = StreamSender(
-                client, kind, lease_s=o.lease_s, compression=o.compression, faults=o.faults
+                client,
+                kind,
+                lease_s=o.lease_s,
+                compression=o.compression,
+                faults=o.faults,
+                sealer=self._sealer,
             )
         if not o.layerwise:
             return Deferred(out)
