@@ -4,6 +4,7 @@ errors reach the awaiting caller, close aborts everything."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import threading
 import time
@@ -19,6 +20,8 @@ from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import DuplicateRequestError, InvalidArgumentError, WorkerUnavailableError
 from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.batch_window import BatchWindow
+from pdserve.worker.engine_commands import AbortCommand, Command, StopCommand
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -328,3 +331,38 @@ def test_coalesce_merges_what_waited_and_sends_the_first_output_alone(
         assert first.new_logprobs + merged.new_logprobs == pytest.approx(reference.logprobs)
 
     run(body)
+
+
+def test_batch_window_opens_for_bursts_and_ends_when_the_step_is_full() -> None:
+    """The window's policy alone: adaptive, it opens only once arrivals came in bursts; its
+    wait ends as soon as the step is full (an hour-long window: only then does this end),
+    and a stop command ends it with False."""
+    assert not BatchWindow(0.0, adaptive=False).opens
+    assert BatchWindow(10.0, adaptive=False).opens
+    window = BatchWindow(3_600_000)
+    for _ in range(3):  # one request per step: nothing to wait for
+        window.added()
+        window.stepped()
+        assert not window.opens
+    for _ in range(4):  # requests arrive three at a time
+        for _ in range(3):
+            window.added()
+        window.stepped()
+    assert window.opens
+    with pytest.raises(InvalidArgumentError, match="batch_window_ms"):
+        BatchWindow(-1.0)
+
+    commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    for i in range(5):
+        commands.put(AbortCommand(f"r{i}", None))
+    applied: list[Command] = []
+
+    def apply(command: Command) -> bool:
+        applied.append(command)
+        return not isinstance(command, StopCommand)
+
+    assert window.gather(commands, apply, lambda: len(applied) >= 2)
+    assert len(applied) == 2 and commands.qsize() == 3
+    commands.put(StopCommand())
+    assert not window.gather(commands, apply, lambda: False)
+    assert isinstance(applied[-1], StopCommand) and commands.empty()

@@ -42,6 +42,7 @@ from pdserve.errors import (
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.entry import EntryStat, Part, StoredPayload, Tier, _Entry
 from pdserve.kvstore.handles import PendingPut, ReadHandle
+from pdserve.kvstore.room import Action, plan_room
 from pdserve.kvstore.stats import StoreStats
 
 LookupRoute = Callable[[Sequence[str]], Awaitable[int]]
@@ -394,39 +395,11 @@ class KVStore:
 
     def _plan_room(
         self, num_bytes: int, replacing: _Entry | None, keep: _Entry | None
-    ) -> list[tuple[str, _Entry]] | None:
+    ) -> list[tuple[Action, _Entry]] | None:
         """The spills and drops that make ``num_bytes`` fit, LRU first; None if none do."""
         bonus = replacing.size if replacing is not None and replacing.live else 0
         need = self._ram_used - bonus + num_bytes - self.capacity_bytes
-        plan: list[tuple[str, _Entry]] = []
-        if need <= 0:
-            return plan
-        disk = self._disk
-        disk_free = disk.free_bytes() + (keep.size if keep is not None else 0) if disk else 0
-        droppable = [
-            e for e in self._entries.values() if e.tier is Tier.DISK and e.cache and e is not keep
-        ]
-        for victim in self._entries.values():
-            if need <= 0:
-                break
-            if victim.tier is not Tier.RAM or victim.refs or victim in (replacing, keep):
-                continue
-            if disk is not None and victim.size <= disk.capacity_bytes:
-                freed, drops = disk_free, 0
-                while freed < victim.size and drops < len(droppable):
-                    freed += droppable[drops].size
-                    drops += 1
-                if freed >= victim.size:
-                    plan += [("drop", d) for d in droppable[:drops]]
-                    del droppable[:drops]
-                    plan.append(("spill", victim))
-                    disk_free = freed - victim.size
-                    need -= victim.size
-                    continue
-            if victim.cache:
-                plan.append(("drop", victim))
-                need -= victim.size
-        return plan if need <= 0 else None
+        return plan_room(self._entries.values(), need, self._disk, replacing, keep)
 
     def _spill(self, entry: _Entry) -> None:
         assert self._disk is not None and entry.parts is not None  # planned by _plan_room

@@ -34,18 +34,16 @@ from typing import Any
 import grpc
 from grpc.aio import AioRpcError
 
-from pdserve.engine.outputs import FinishReason
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import (
     DeadlineExceededError,
     DownstreamError,
     downstream_error,
-    late_kv,
     unary_call,
 )
 from pdserve.router.housekeeping import Housekeeper
-from pdserve.router.output import RouteChunk, RouteUsage
+from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
 from pdserve.router.state import Clock, RequestState
 from pdserve.router.telemetry import ObservedRequest, name_mode, record_mode_decision
@@ -138,7 +136,7 @@ class RequestFlow:
                 async for chunk in stream:
                     yield chunk
         finally:
-            task = self._track(self._cleanup(run))
+            task = self._track(self.housekeeper.clean_up(run, self._track))
             # Shielded: a second cancellation (server shutdown) must not cut the clean-up short;
             # the task stays tracked and close() waits for it.
             await asyncio.shield(task)
@@ -255,7 +253,7 @@ class RequestFlow:
         run.cached_tokens = resp.num_cached_tokens
 
         finish = finish_reason_from_proto(resp.finish_reason, field="PrefillResponse.finish_reason")
-        first = self._tokens(run, [resp.first_token_id], [resp.first_logprob], finish)
+        first = run.chunk([resp.first_token_id], [resp.first_logprob], finish)
         yield first
         if first.finished:
             return
@@ -352,8 +350,8 @@ class RequestFlow:
                 if finish is not None:
                     absorb(msg)
                     run.finished_stream = stream  # the worker is done: read, don't cancel
-                    self._wind_up(run, stream)
-                chunk = self._tokens(run, list(msg.token_ids), list(msg.logprobs), finish)
+                    self.housekeeper.wind_up(run, stream)
+                chunk = run.chunk(list(msg.token_ids), list(msg.logprobs), finish)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
                 if chunk.finished:
@@ -363,83 +361,6 @@ class RequestFlow:
         raise DownstreamError(
             step, grpc.StatusCode.UNAVAILABLE, "stream ended without a finish reason"
         )
-
-    def _tokens(
-        self,
-        run: RequestState,
-        tokens: list[int],
-        logprobs: list[float],
-        finish: FinishReason | None,
-    ) -> RouteChunk:
-        """A chunk for new tokens; cut after a stop string, final when ``finish`` is set."""
-        kept = 0
-        for token in tokens:
-            kept += 1
-            if run.text.add(token):
-                # The text completed a stop string: whatever the worker sent after it is dropped.
-                finish = finish if finish is not None else FinishReason.STOP
-                break
-        run.completion_tokens += kept
-        chunk = RouteChunk(
-            run.request.request_id,
-            token_ids=tokens[:kept],
-            logprobs=logprobs[:kept],
-            text=run.text.take(final=finish is not None),
-            finish_reason=finish,
-        )
-        if not run.first_sent and chunk.token_ids:
-            run.first_sent = True
-            run.timing.ttft_ms = run.clock.elapsed_ms()
-        if finish is not None:
-            run.timing.e2e_ms = run.clock.elapsed_ms()
-            chunk.timing = run.timing
-            chunk.usage = RouteUsage(
-                prompt_tokens=len(run.request.prompt_token_ids),
-                completion_tokens=run.completion_tokens,
-                cached_tokens=run.cached_tokens,
-            )
-        return chunk
-
-    # -- housekeeping --------------------------------------------------------------------------
-
-    def _wind_up(self, run: RequestState, stream: Any) -> None:
-        """The worker sent its last chunk: start the end of the request (the stream's end and
-        the release of the reservation) now, while the last chunk goes out to the caller,
-        rather than after it. The clean-up waits for both."""
-        if run.renewer is not None:
-            run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
-        run.tasks.append(asyncio.create_task(self.housekeeper.drain(stream)))
-        run.tasks.append(asyncio.create_task(self.housekeeper.release(run.reservation_id)))
-        run.wound_up = True
-
-    async def _cleanup(self, run: RequestState) -> None:
-        drains = [
-            self.housekeeper.drain(c)
-            for c in run.calls
-            if c is run.finished_stream and not run.wound_up
-        ]
-        for call in run.calls:
-            if call is not run.finished_stream and not call.done():
-                call.cancel()
-        if run.kv is None and run.prefill_call is not None:
-            # The prefill may have answered just as we left: its KV then needs deleting too.
-            run.kv = await late_kv(run.prefill_call)
-        if run.renewer is not None:
-            run.renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await run.renewer
-        # These log their own failures (a failed release only means waiting for the TTL).
-        await asyncio.gather(*run.tasks, *drains)
-        if run.kv is not None and not run.kv_consumed:
-            await self.housekeeper.delete_kv(run.kv)
-        if not run.reservation_id and run.assign_task is not None:
-            # The caller stopped waiting for Assign, which may still commit a reservation: wait
-            # for it in the background (close() waits too), not on the caller's time.
-            self._track(
-                self.housekeeper.release_when_assigned(run.request.request_id, run.assign_task)
-            )
-        if run.reservation_id and not run.wound_up:
-            await self.housekeeper.release(run.reservation_id)
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)

@@ -1,4 +1,5 @@
-"""The calls that tidy up after a request: releases, renewals, KV deletions, stream ends.
+"""The calls that tidy up after a request: releases, renewals, KV deletions, stream ends;
+``Housekeeper.clean_up`` runs them for a request that ended, however it ended.
 
 Each is best effort by design: a failure is logged and the state it concerns expires on its
 own (a reservation by its TTL, a KV payload by its lease), so it never fails a request.
@@ -7,7 +8,9 @@ own (a reservation by its TTL, a KV payload by its lease), so it never fails a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -15,9 +18,15 @@ from grpc.aio import AioRpcError
 
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
+from pdserve.router.downstream import late_kv
+from pdserve.router.state import RequestState
 from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+Track = Callable[[Coroutine[Any, Any, None]], Any]
+"""Starts a background clean-up that outlives the request (its owner waits for it on close)."""
 
 
 class Housekeeper:
@@ -112,3 +121,39 @@ class Housekeeper:
         except (TimeoutError, AioRpcError) as err:
             logger.debug("stream after its last chunk: %s", err)
             stream.cancel()
+
+    def wind_up(self, run: RequestState, stream: Any) -> None:
+        """The worker sent its last chunk: start the end of the request (the stream's end and
+        the release of the reservation) now, while the last chunk goes out to the caller,
+        rather than after it. The clean-up waits for both."""
+        if run.renewer is not None:
+            run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
+        run.tasks.append(asyncio.create_task(self.drain(stream)))
+        run.tasks.append(asyncio.create_task(self.release(run.reservation_id)))
+        run.wound_up = True
+
+    async def clean_up(self, run: RequestState, track: Track) -> None:
+        """Close everything ``run`` opened: cancel open calls (read a finished stream to its
+        end), delete a KV payload nobody picked up, release the reservation. A reservation
+        that Assign may still commit is released in the background, through ``track``."""
+        drains = [self.drain(c) for c in run.calls if c is run.finished_stream and not run.wound_up]
+        for call in run.calls:
+            if call is not run.finished_stream and not call.done():
+                call.cancel()
+        if run.kv is None and run.prefill_call is not None:
+            # The prefill may have answered just as we left: its KV then needs deleting too.
+            run.kv = await late_kv(run.prefill_call)
+        if run.renewer is not None:
+            run.renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run.renewer
+        # These log their own failures (a failed release only means waiting for the TTL).
+        await asyncio.gather(*run.tasks, *drains)
+        if run.kv is not None and not run.kv_consumed:
+            await self.delete_kv(run.kv)
+        if not run.reservation_id and run.assign_task is not None:
+            # The caller stopped waiting for Assign, which may still commit a reservation: wait
+            # for it in the background (its owner's close() waits too), not on the caller's time.
+            track(self.release_when_assigned(run.request.request_id, run.assign_task))
+        if run.reservation_id and not run.wound_up:
+            await self.release(run.reservation_id)

@@ -1,4 +1,5 @@
-"""The state of one request in the router: its clock, and everything it has opened."""
+"""The state of one request in the router: its clock, everything it has opened, and the
+chunks it streams back."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from pdserve.engine.outputs import FinishReason
 from pdserve.router.downstream import DeadlineExceededError
-from pdserve.router.output import RouteTiming
+from pdserve.router.output import RouteChunk, RouteTiming, RouteUsage
 from pdserve.router.request import RouteRequest
 from pdserve.router.text import ResponseText
 from pdserve.v1 import common_pb2, scheduler_pb2
@@ -67,4 +69,38 @@ class RequestState:
     finished_stream: Any = None
     """The worker stream that sent its last chunk: the clean-up reads it to its end."""
     wound_up: bool = False
-    """The stream's end and the release already started with the last chunk (``_wind_up``)."""
+    """The stream's end and the release already started with the last chunk
+    (``Housekeeper.wind_up``)."""
+
+    def chunk(
+        self, tokens: list[int], logprobs: list[float], finish: FinishReason | None
+    ) -> RouteChunk:
+        """The chunk streaming new tokens; cut after a stop string, final when ``finish`` is
+        set (then with usage and timing)."""
+        kept = 0
+        for token in tokens:
+            kept += 1
+            if self.text.add(token):
+                # The text completed a stop string: whatever the worker sent after it is dropped.
+                finish = finish if finish is not None else FinishReason.STOP
+                break
+        self.completion_tokens += kept
+        chunk = RouteChunk(
+            self.request.request_id,
+            token_ids=tokens[:kept],
+            logprobs=logprobs[:kept],
+            text=self.text.take(final=finish is not None),
+            finish_reason=finish,
+        )
+        if not self.first_sent and chunk.token_ids:
+            self.first_sent = True
+            self.timing.ttft_ms = self.clock.elapsed_ms()
+        if finish is not None:
+            self.timing.e2e_ms = self.clock.elapsed_ms()
+            chunk.timing = self.timing
+            chunk.usage = RouteUsage(
+                prompt_tokens=len(self.request.prompt_token_ids),
+                completion_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
+            )
+        return chunk

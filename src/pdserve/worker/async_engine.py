@@ -8,14 +8,11 @@ The engine thread's loop:
 
 1. If the engine has no work, block on the command queue (no polling, no sleeping).
 2. Prefill batching: when a request arrives at an idle engine and ``batch_window_ms > 0``, keep
-   taking commands for up to that window, or until the queued prompt tokens reach the step's
-   token budget (``max_num_batched_tokens``) or the waiting requests reach ``max_num_seqs``,
-   whichever comes first. Requests arriving together are thus prefilled in one step instead of
-   the first one running alone. While the engine is busy, new requests simply join the next
-   step (continuous batching), so the window costs nothing under load. With ``adaptive_window``
-   (the default) the window only opens once requests have been seen arriving together (an
-   moving average of requests per arrival burst above one): one-at-a-time traffic has no
-   companion to wait for, and waiting would be pure added latency.
+   taking commands for up to that window, or until the step's token budget
+   (``max_num_batched_tokens``) or ``max_num_seqs`` fills (``batch_window.BatchWindow``;
+   with ``adaptive_window``, the default, only once requests have been seen arriving
+   together). While the engine is busy, new requests simply join the next step (continuous
+   batching), so the window costs nothing under load.
 3. Apply every queued command, run one ``Engine.step()``, route its outputs to their queues,
    publish a stats snapshot, repeat.
 
@@ -43,7 +40,8 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
-from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.errors import WorkerUnavailableError
+from pdserve.worker.batch_window import BatchWindow
 from pdserve.worker.coalesce import merge_ready
 from pdserve.worker.engine_commands import (
     AbortCommand,
@@ -78,13 +76,8 @@ class AsyncEngine:
     def __init__(
         self, engine: Engine, *, batch_window_ms: float = 0.0, adaptive_window: bool = True
     ) -> None:
-        if not batch_window_ms >= 0:
-            raise InvalidArgumentError("batch_window_ms", f"must be >= 0, got {batch_window_ms}")
         self._engine = engine
-        self.batch_window_s = batch_window_ms / 1000.0
-        self.adaptive_window = adaptive_window
-        self._adds_since_step = 0  # engine thread only
-        self._burst_ewma = 1.0  # requests per arrival burst, moving average (engine thread)
+        self._window = BatchWindow(batch_window_ms, adaptive=adaptive_window)  # engine thread
         # Immutable after construction, so readable from the event loop without the thread.
         self.layout: KVLayout = engine.layout
         self.vocab_size: int = engine.model_config.vocab_size
@@ -280,13 +273,8 @@ class AsyncEngine:
                     return
                 # The window opens whenever work arrives at an idle engine, whichever command
                 # brought it (a request queued behind a call counts as well).
-                gather = (
-                    idle
-                    and self.batch_window_s > 0
-                    and (not self.adaptive_window or self._burst_ewma > 1.05)
-                    and self._engine.has_unfinished()
-                )
-                if gather and not self._gather():
+                gather = idle and self._window.opens and self._engine.has_unfinished()
+                if gather and not self._window.gather(self._commands, self._apply, self._full):
                     return
                 if self._engine.has_unfinished():
                     self._step()
@@ -296,26 +284,12 @@ class AsyncEngine:
         finally:
             self._shutdown()
 
-    def _gather(self) -> bool:
-        """The batching window (step 2 of the module docstring); False on stop."""
-        deadline = time.monotonic() + self.batch_window_s
-        cfg = self._engine.config
-        while True:
-            stats = self._engine.stats()
-            if (
-                stats.queued_tokens >= cfg.max_num_batched_tokens
-                or stats.num_waiting >= cfg.max_num_seqs
-            ):
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return True
-            try:
-                command = self._commands.get(timeout=remaining)
-            except queue.Empty:
-                return True
-            if not self._apply(command):
-                return False
+    def _full(self) -> bool:
+        """The next step's budget is reached: nothing more would join it."""
+        stats, cfg = self._engine.stats(), self._engine.config
+        return stats.queued_tokens >= cfg.max_num_batched_tokens or (
+            stats.num_waiting >= cfg.max_num_seqs
+        )
 
     def _drain(self) -> bool:
         """Apply every queued command without blocking; False on stop."""
@@ -331,7 +305,7 @@ class AsyncEngine:
         if isinstance(command, StopCommand):
             return False
         if isinstance(command, AddCommand):
-            self._adds_since_step += 1
+            self._window.added()
             self._add(command)
         elif isinstance(command, AbortCommand):
             self._abort(command)
@@ -381,9 +355,7 @@ class AsyncEngine:
         for admitted in self._unstarted:
             admitted.timing.first_step_start = started
         self._unstarted.clear()
-        if self._adds_since_step:
-            self._burst_ewma = 0.7 * self._burst_ewma + 0.3 * self._adds_since_step
-            self._adds_since_step = 0
+        self._window.stepped()
         outputs = self._engine.step()
         ended = time.perf_counter()
         self._num_steps += 1
