@@ -419,6 +419,15 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
     run(body)
 
 
+async def _store_and_client(stack: AsyncExitStack) -> tuple[KVStore, KVStoreClient]:
+    """A KV store served on a free port and a client of it, both closed with ``stack``."""
+    store = KVStore(64 * 1024**2)
+    address = await _serve(stack, KVStoreServicer(store))
+    client = KVStoreClient(address, timeout_s=5)
+    stack.push_async_callback(client.close)
+    return store, client
+
+
 class _CountingSealer(ThreadPoolExecutor):
     """One sealing thread that counts what it was given."""
 
@@ -437,10 +446,7 @@ def test_layers_are_sealed_as_they_are_taken_not_when_the_loop_asks() -> None:
 
     async def body() -> None:
         async with AsyncExitStack() as stack:
-            store = KVStore(64 * 1024**2)
-            address = await _serve(stack, KVStoreServicer(store))
-            client = KVStoreClient(address, timeout_s=5)
-            stack.push_async_callback(client.close)
+            store, client = await _store_and_client(stack)
             sealer = _CountingSealer()
             stack.callback(sealer.shutdown)
             n = 11
@@ -470,10 +476,7 @@ def test_the_last_layer_ends_the_stream_before_the_commit() -> None:
 
     async def body() -> None:
         async with AsyncExitStack() as stack:
-            store = KVStore(64 * 1024**2)
-            address = await _serve(stack, KVStoreServicer(store))
-            client = KVStoreClient(address, timeout_s=5)
-            stack.push_async_callback(client.close)
+            store, client = await _store_and_client(stack)
             n = 13
             layers = _layer_tensors(LAYOUT, n, 2)
             sender = StreamSender(client, TransportKind.STORE, lease_s=30)
