@@ -470,6 +470,33 @@ def test_layers_are_sealed_as_they_are_taken_not_when_the_loop_asks() -> None:
     run(body)
 
 
+@pytest.mark.parametrize("await_the_store", [True, False])
+def test_discarding_a_whole_stream_never_committed_leaves_no_entry(await_the_store: bool) -> None:
+    """A request that ends at its first token discards its hand-off without a commit. Its
+    last layer already ended the stream, so the endpoint holds (or is about to hold) the
+    whole entry: discard deletes it, whether or not the store had acknowledged it yet."""
+
+    async def body() -> None:
+        async with AsyncExitStack() as stack:
+            store, client = await _store_and_client(stack)
+            n = 7
+            sender = StreamSender(client, TransportKind.STORE, lease_s=30)
+            sender.begin("r-dropped", LAYOUT, n)
+            for i, (k, v) in enumerate(_layer_tensors(LAYOUT, n, 5)):
+                sender.send_layer(i, k, v)
+            task = sender._task
+            assert task is not None
+            if await_the_store:
+                await asyncio.wait_for(asyncio.shield(task), 30)
+                assert store.stats().num_entries == 1
+            await sender.discard()
+            await sender.discard()  # idempotent
+            stats = store.stats()
+            assert (stats.num_entries, stats.num_writing, stats.used_bytes) == (0, 0, 0)
+
+    run(body)
+
+
 def test_the_last_layer_ends_the_stream_before_the_commit() -> None:
     """The store holds the whole hand-off once the last layer is taken: the acknowledgement
     does not wait for the prefill's ``commit``, which then only collects it."""

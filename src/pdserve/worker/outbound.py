@@ -129,7 +129,7 @@ class StreamSender:
         self._task: asyncio.Task[PutResult] | None = None
         self._seen: set[int] = set()  # engine thread only
         self._error: Exception | None = None
-        self._committed = False
+        self._end_queued = False  # the last layer queued the stream's end (engine thread)
         self._busy_ns = 0  # sealing frames and gRPC taking their pieces (flow control included)
         self._last_sent_ns = 0
 
@@ -194,6 +194,7 @@ class StreamSender:
             # whole hand-off (and a prefetching reader its end) while the engine still ends
             # its step, instead of after ``commit``.
             loop.call_soon_threadsafe(self._queue.put_nowait, None)
+            self._end_queued = True
 
     async def _frames(self) -> AsyncGenerator[Piece, None]:
         """The Put stream's data: each frame's pieces, in the order the layers were taken, as
@@ -267,22 +268,27 @@ class StreamSender:
                 f"not committed within {timeout_s:.3g} s"
             ) from None
         self.stats.send_end_ns = time.monotonic_ns()
-        self._committed = True
         self.state = advance(self.state, TransferState.SENT)
         return descriptor
 
     async def discard(self) -> None:
-        """Cut an open stream off (the store drops the partial entry) or delete a committed
-        entry (best effort: its lease ends it otherwise). Idempotent."""
-        task = self._task
-        if task is not None and not task.done():
+        """Free what the hand-off left at the endpoint (best effort: an entry's lease ends it
+        otherwise). Idempotent.
+
+        A stream still missing layers is cut off: the store drops the partial entry. One whose
+        last layer was taken ends on its own (``_take``), committed or not (a request that
+        finished at its first token never commits): it is let finish, within the client's
+        timeout, and its entry deleted. Cutting it off instead could race with the endpoint
+        committing it, leaving an entry nobody reads until its lease ends."""
+        task, self._task = self._task, None
+        if task is not None and not task.done() and not self._end_queued:
             task.cancel()
         if task is not None:
             # Discarding: the stream's own outcome no longer matters.
-            with contextlib.suppress(asyncio.CancelledError, PdServeError):
-                await task
-        if self._committed:
-            self._committed = False
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, PdServeError):
+                await asyncio.wait_for(task, self.client.timeout_s)
+        if self._end_queued:
+            self._end_queued = False
             try:
                 await self.client.delete(self.key)
             except PdServeError as err:
