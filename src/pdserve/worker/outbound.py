@@ -13,8 +13,9 @@
 
 The layer hook (``send_layer``) never raises: it runs inside the engine's batched forward
 pass. A failure is recorded and raised by ``commit``. ``discard`` frees whatever the hand-off
-holds on every other path (an open stream is cancelled, so the store drops the partial entry;
-a committed entry is deleted; an shm segment is unlinked).
+holds on every other path (a stream still missing layers is cancelled, so the store drops the
+partial entry; one whose last layer ended it, committed or not, is deleted at the endpoint; an
+shm segment is unlinked).
 """
 
 from __future__ import annotations
