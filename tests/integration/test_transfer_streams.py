@@ -447,8 +447,7 @@ def test_layers_are_sealed_as_they_are_taken_not_when_the_loop_asks() -> None:
     async def body() -> None:
         async with AsyncExitStack() as stack:
             store, client = await _store_and_client(stack)
-            sealer = _CountingSealer()
-            stack.callback(sealer.shutdown)
+            sealer = stack.enter_context(_CountingSealer())
             n = 11
             layers = _layer_tensors(LAYOUT, n, 4)
             sender = StreamSender(client, TransportKind.STORE, lease_s=30, sealer=sealer)
@@ -480,7 +479,8 @@ def test_discarding_a_whole_stream_never_committed_leaves_no_entry(await_the_sto
         async with AsyncExitStack() as stack:
             store, client = await _store_and_client(stack)
             n = 7
-            sender = StreamSender(client, TransportKind.STORE, lease_s=30)
+            sealer = stack.enter_context(ThreadPoolExecutor(1))
+            sender = StreamSender(client, TransportKind.STORE, lease_s=30, sealer=sealer)
             sender.begin("r-dropped", LAYOUT, n)
             for i, (k, v) in enumerate(_layer_tensors(LAYOUT, n, 5)):
                 sender.send_layer(i, k, v)
@@ -506,7 +506,8 @@ def test_the_last_layer_ends_the_stream_before_the_commit() -> None:
             store, client = await _store_and_client(stack)
             n = 13
             layers = _layer_tensors(LAYOUT, n, 2)
-            sender = StreamSender(client, TransportKind.STORE, lease_s=30)
+            sealer = stack.enter_context(ThreadPoolExecutor(1))
+            sender = StreamSender(client, TransportKind.STORE, lease_s=30, sealer=sealer)
             sender.begin("r-early", LAYOUT, n)
             for i, (k, v) in enumerate(layers):
                 assert store.stats().num_entries == 0

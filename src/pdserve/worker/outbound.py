@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -106,12 +106,11 @@ class StreamSender:
         *,
         lease_s: float,
         compression: Compression = Compression.NONE,
+        sealer: Executor,
         faults: SendFaults | None = None,
-        sealer: Executor | None = None,
     ) -> None:
-        """``sealer``: the thread that seals frames, shared by a worker's senders (one thread,
-        so frames are sealed in the order they were taken); None: a thread of this sender's
-        own, ended with its stream."""
+        """``sealer``: the one thread that seals frames, shared by a worker's senders (one, so
+        that frames are sealed in the order they were taken); its owner shuts it down."""
         if kind not in (TransportKind.STORE, TransportKind.DIRECT):
             raise InvalidArgumentError("kind", f"a stream goes to store or direct, not {kind}")
         self.client = client
@@ -124,8 +123,7 @@ class StreamSender:
         self.key = ""
         self._header: StreamHeader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._own_sealer = sealer is None
-        self._sealer = sealer or ThreadPoolExecutor(1, thread_name_prefix="kv-seal")
+        self._sealer = sealer
         self._queue: asyncio.Queue[Future[list[Piece]] | None] = asyncio.Queue()
         self._task: asyncio.Task[PutResult] | None = None
         self._seen: set[int] = set()  # engine thread only
@@ -223,8 +221,6 @@ class StreamSender:
             while not self._queue.empty():  # seals not yet started are dropped
                 if (left := self._queue.get_nowait()) is not None:
                     left.cancel()
-            if self._own_sealer:
-                self._sealer.shutdown(wait=False, cancel_futures=True)
 
     def planned(self) -> TransferDescriptor:
         h = self._header

@@ -176,8 +176,8 @@ class PrefillWorker:
                 kind,
                 lease_s=o.lease_s,
                 compression=o.compression,
-                faults=o.faults,
                 sealer=self._sealer,
+                faults=o.faults,
             )
         if not o.layerwise:
             return Deferred(out)
