@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
-from pdserve.worker.decode import DecodeDelta, DecodeWorker, StreamTiming
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.delta import DecodeDelta, StreamTiming
 from pdserve.worker.handoff import KVLocation, TransferRecord, store_key
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint, worker_info
 from pdserve.worker.placement import TransferOptions

@@ -50,7 +50,8 @@ from pdserve.worker.engine_commands import (
     Command,
     RequestStream,
     StopCommand,
-    deliver,
+    fail_queued,
+    post_outputs,
 )
 from pdserve.worker.timing import RequestTiming
 
@@ -359,8 +360,7 @@ class AsyncEngine:
         outputs = self._engine.step()
         ended = time.perf_counter()
         self._num_steps += 1
-        # One wake-up per event loop per step, whatever the batch size: each wake-up costs
-        # the engine thread a GIL hand-over to the loop.
+        # Grouped by event loop: one wake-up per loop per step, whatever the batch size.
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -375,13 +375,7 @@ class AsyncEngine:
                 if stream.hold_kv:
                     self._held[out.request_id] = stream
             deliveries.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in deliveries.items():
-            try:
-                loop.call_soon_threadsafe(deliver, items)
-            except RuntimeError:  # the consumers' loop is closed: nobody is left to tell
-                logger.warning(
-                    "dropping outputs of %d requests: their event loop is closed", len(items)
-                )
+        post_outputs(deliveries)
         self._publish()
 
     def _publish(self) -> None:
@@ -393,15 +387,7 @@ class AsyncEngine:
         closed = WorkerUnavailableError("the engine shut down")
         with self._gate:
             self._accepting = False
-        while True:  # commands that arrived after the stop
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, AddCommand):
-                command.stream.post(closed)
-            elif isinstance(command, CallCommand) and command.future.set_running_or_notify_cancel():
-                command.future.set_exception(closed)
+        fail_queued(self._commands, closed)  # commands that arrived after the stop
         if self._failure is None:
             for rid in [*self._streams, *self._held]:
                 self._engine.abort(rid)

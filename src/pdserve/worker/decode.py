@@ -44,7 +44,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVPayload
-from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
     CapacityError,
@@ -59,6 +58,7 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
 from pdserve.worker import decode_prefix
 from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
@@ -71,40 +71,6 @@ logger = logging.getLogger(__name__)
 
 FALLBACK_ERRORS = (KVTransferError, UnknownRequestError, CapacityError)
 """Receive failures after which the worker recomputes instead of failing the request."""
-
-
-@dataclass(frozen=True, slots=True)
-class StreamTiming:
-    """Where the time of one streamed request went (milliseconds); sent with the last delta."""
-
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    """Mixed: the prefill. Decode: the prefill this worker ran itself (recompute)."""
-    transfer_ms: float = 0.0
-    """Decode: receiving the KV (a failed attempt included), until it was ready to import."""
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    e2e_ms: float = 0.0
-    transfer_bytes: int = 0
-    transport: str = ""
-    transfer: TransferRecord | None = None
-    """Decode: the receiver's measurements of the hand-off."""
-    stamps: RequestTiming | None = None
-    """The engine-thread stamps of the request on this worker."""
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeDelta:
-    """The tokens of one engine step for one request."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason | None = None
-    """Set on the last delta only."""
-    timing: StreamTiming | None = None
-    """Set on the last delta only."""
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (``generate``, last delta only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +246,7 @@ class DecodeWorker:
                         transfer=arrival.record,
                         stamps=timing,
                     )
-                yield _delta(out, final, num_cached_tokens=0)
+                yield delta_of(out, final, num_cached_tokens=0)
 
     async def _arrive(
         self,
@@ -386,18 +352,6 @@ class DecodeWorker:
                         e2e_ms=timing.e2e_ms,
                         stamps=timing,
                     )
-                yield _delta(
+                yield delta_of(
                     out, final, num_cached_tokens=out.num_cached_tokens if out.finished else 0
                 )
-
-
-def _delta(
-    out: RequestOutput, timing: StreamTiming | None, *, num_cached_tokens: int
-) -> DecodeDelta:
-    return DecodeDelta(
-        token_ids=list(out.new_token_ids),
-        logprobs=list(out.new_logprobs),
-        finish_reason=out.finish_reason if out.finished else None,
-        timing=timing,
-        num_cached_tokens=num_cached_tokens,
-    )

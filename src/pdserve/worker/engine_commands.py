@@ -2,7 +2,7 @@
 
 The engine thread takes ``Command``s from a thread-safe queue; each request's outputs go back
 to its ``RequestStream`` (an ``asyncio.Queue`` on the consumer's loop), one wake-up of that loop
-per engine step (``deliver``).
+per engine step (``post_outputs``, ``deliver``); ``fail_queued`` answers what is left at shutdown.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,4 +84,31 @@ def deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
         stream.queue.put_nowait(out)
 
 
+def post_outputs(
+    deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]],
+) -> None:
+    """On the engine thread: one ``deliver`` per event loop for a step's outputs (each
+    wake-up costs the engine thread a GIL hand-over to that loop)."""
+    for loop, items in deliveries.items():
+        try:
+            loop.call_soon_threadsafe(deliver, items)
+        except RuntimeError:  # the consumers' loop is closed: nobody is left to tell
+            n = len(items)
+            logger.warning("dropping outputs of %d requests: their event loop is closed", n)
+
+
 Command = AddCommand | AbortCommand | CallCommand | StopCommand
+
+
+def fail_queued(commands: queue.SimpleQueue[Command], error: Exception) -> None:
+    """On the engine thread, once it stopped: fail the requests and calls still queued with
+    ``error`` (aborts and stops have nobody waiting)."""
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(command, AddCommand):
+            command.stream.post(error)
+        elif isinstance(command, CallCommand) and command.future.set_running_or_notify_cancel():
+            command.future.set_exception(error)

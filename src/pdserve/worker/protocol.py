@@ -10,7 +10,7 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.transfer.base import TransportKind
 from pdserve.v1 import common_pb2, decode_pb2
-from pdserve.worker.decode import DecodeDelta, StreamTiming
+from pdserve.worker.delta import DecodeDelta, StreamTiming
 from pdserve.worker.handoff import KVLocation, TransferRecord
 
 __all__ = [

@@ -35,7 +35,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 
 from pdserve.telemetry import handover
-from pdserve.worker.decode import DecodeDelta, DecodeWorker, StreamTiming
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.delta import DecodeDelta, StreamTiming
 from pdserve.worker.observability import (
     RECV,
     SEND,
