@@ -10,11 +10,17 @@ for the CPU. Per request:
 
 ``overhead`` is what router + scheduler + Redis + the hand-off's bookkeeping cost; the
 transfer itself is reported beside it, never folded in.
+
+Beside it, the floor of the design on this machine: the calls a request makes one after the
+other (``CRITICAL_PATH``) times a bare round trip of each kind, measured in the same run (a
+gRPC health check against the router, a Redis ``PING``). No service path of this shape can
+add less than that here, whatever its own code costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import time
@@ -24,6 +30,21 @@ from pathlib import Path
 
 SETTLE_S = 0.02
 """Pause between a request's service-path run and its engine-alone run (see ``measure``)."""
+
+CRITICAL_PATH = (
+    "client -> router",
+    "router -> scheduler (Assign)",
+    "router -> prefill worker",
+    "prefill worker -> KV store (prefix Lookup)",
+    "router -> decode worker",
+)
+"""The gRPC calls of one request that wait for each other: each call's answer (or, for the
+streams, its last message) comes back before, or as, the request's own answer does."""
+CRITICAL_PATH_REDIS = 2
+"""Redis round trips inside Assign: the optimistic re-check (WATCH and the re-reads,
+pipelined), then MULTI/EXEC."""
+ROUND_TRIPS = 300
+"""Bare round trips measured of each kind (after 30 to warm up)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +58,17 @@ class OverheadResult:
     transfer_bytes: int
     engine_ttft_ms: list[float]
     service_ttft_ms: list[float]
+    grpc_rtt_ms: list[float]
+    """Bare gRPC round trips (a health check against the router)."""
+    redis_rtt_ms: list[float]
+    """Bare Redis round trips (``PING``)."""
+
+    @property
+    def floor_ms(self) -> float:
+        """The least a service path of this shape can add here: the critical path's round
+        trips, each at its kind's median."""
+        grpc = len(CRITICAL_PATH) * statistics.median(self.grpc_rtt_ms)
+        return grpc + CRITICAL_PATH_REDIS * statistics.median(self.redis_rtt_ms)
 
     @property
     def added_ttft_ms(self) -> list[float]:
@@ -147,9 +179,52 @@ def measure(
             eng_ttft.append(ref_first * 1e3)
             xfer_ms.append(done.timing.transfer_ms)
             xfer_bytes = done.timing.transfer_bytes
+        if cluster.redis_url is None:  # set once the cluster started
+            raise RuntimeError("the cluster started without a Redis URL")
+        grpc_rtt = asyncio.run(grpc_round_trips(cluster.router_address, ROUND_TRIPS))
+        redis_rtt = asyncio.run(redis_round_trips(cluster.redis_url, ROUND_TRIPS))
     return OverheadResult(
-        prompt_tokens, max_tokens, requests, eng_ms, svc_ms, xfer_ms, xfer_bytes, eng_ttft, svc_ttft
-    )
+        prompt_tokens, max_tokens, requests, eng_ms, svc_ms, xfer_ms, xfer_bytes, eng_ttft,
+        svc_ttft, grpc_rtt, redis_rtt,
+    )  # fmt: skip
+
+
+async def grpc_round_trips(address: str, n: int) -> list[float]:
+    """``n`` health checks against the gRPC server at ``address`` (a unary call through
+    grpcio's asyncio API, as the services make theirs), in ms each."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest()
+        for _ in range(30):
+            await stub.Check(check, timeout=10.0)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await stub.Check(check, timeout=10.0)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def redis_round_trips(url: str, n: int) -> list[float]:
+    """``n`` ``PING``s to the Redis server at ``url`` (redis-py's asyncio client, as the
+    scheduler's), in ms each."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, socket_timeout=10.0)
+    try:
+        for _ in range(30):
+            await client.ping()
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await client.ping()
+            out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        await client.aclose()
+    return out
 
 
 def format_result(r: OverheadResult) -> str:
@@ -171,6 +246,11 @@ def format_result(r: OverheadResult) -> str:
         row("engine alone, first token", r.engine_ttft_ms),
         row("service path, first token", r.service_ttft_ms),
         row("added to the first token", r.added_ttft_ms),
+        row("bare gRPC round trip", r.grpc_rtt_ms),
+        row("bare Redis round trip", r.redis_rtt_ms),
+        f"floor of the service path on this machine: {len(CRITICAL_PATH)} gRPC and "
+        f"{CRITICAL_PATH_REDIS} Redis round trips in sequence = {r.floor_ms:.2f} ms",
+        f"  ({'; '.join(CRITICAL_PATH)})",
     ]
     return "\n".join(lines)
 
