@@ -24,7 +24,7 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,14 +198,7 @@ async def grpc_round_trips(address: str, n: int) -> list[float]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest()
-        for _ in range(30):
-            await stub.Check(check, timeout=10.0)
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await stub.Check(check, timeout=10.0)
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
+        return await _timed(lambda: stub.Check(check, timeout=10.0), n)
 
 
 async def redis_round_trips(url: str, n: int) -> list[float]:
@@ -215,15 +208,20 @@ async def redis_round_trips(url: str, n: int) -> list[float]:
 
     client = aioredis.Redis.from_url(url, socket_timeout=10.0)
     try:
-        for _ in range(30):
-            await client.ping()
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await client.ping()
-            out.append((time.perf_counter() - t0) * 1e3)
+        return await _timed(client.ping, n)
     finally:
         await client.aclose()
+
+
+async def _timed(call: Callable[[], Awaitable[object]], n: int) -> list[float]:
+    """``n`` timed awaits of ``call()`` (ms each), after 30 untimed ones."""
+    for _ in range(30):
+        await call()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 
