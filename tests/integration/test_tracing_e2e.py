@@ -8,7 +8,8 @@ requests, has its ``/metrics`` scraped, and is stopped (which flushes every serv
 Then the spans must form, per request, exactly one connected trace: one root (the Router call's
 SERVER span), every stage span present once, recorded by the service that did the work and a
 child of ``router.request``, every span inside its parent, and the stages following each other
-so that together they cover the end-to-end time.
+without a hole, so that together they cover the end-to-end time but for the last chunk's way
+back through the router.
 """
 
 from __future__ import annotations
@@ -64,11 +65,9 @@ PROMPTS = (
 )
 MAX_TOKENS = (3, 6, 9, 12)
 TENANT = "acme"
-TILE_TOLERANCE_MS = 5.0
-"""What the stages may leave uncovered of end to end: hand-overs between services are handed
-on exactly; only the last chunk's hop from the decode worker through the router is not."""
 SLACK_NS = 50_000
-"""Clock-conversion rounding allowed when checking that a span lies inside its parent."""
+"""Clock-conversion rounding allowed when checking that a span lies inside its parent, or
+that a stage starts where the one before it ended."""
 
 
 @dataclass(frozen=True)
@@ -264,12 +263,16 @@ def test_stages_add_up_to_end_to_end(run: Run) -> None:
         assert starts[:send] == sorted(starts[:send]) and starts[send + 1 :] == sorted(
             starts[send + 1 :]
         ), rid
-        covered, end = 0, 0
-        for start, stop in intervals:  # overlapping stages count once
-            start = max(start, end)
-            covered += max(0, stop - start)
-            end = max(end, stop)
-        assert abs(e2e - covered) <= TILE_TOLERANCE_MS * 1e6, (rid, e2e / 1e6, covered / 1e6)
+        # The stages tile the request from its start: each one starts where the time before
+        # it was handed on (overlapping stages count once), never after a hole. What is left
+        # is the last chunk's way from the decode worker through the router: after every
+        # stage, inside the request (how long it takes is the machine's, not asserted).
+        covered_to = request.start_time_unix_nano
+        for start, stop in intervals:
+            hole = start - covered_to
+            assert hole <= SLACK_NS, (rid, f"{hole / 1e6:.3f} ms uncovered before a stage")
+            covered_to = max(covered_to, stop)
+        assert covered_to <= request.end_time_unix_nano + SLACK_NS, (rid, e2e / 1e6)
 
 
 def test_stage_attributes(run: Run) -> None:
