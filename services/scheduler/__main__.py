@@ -15,7 +15,15 @@ import os
 from pathlib import Path
 
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
-from pdserve.scheduling import POLICIES, CapacityLimits, ClusterScheduler, KeySpace, Mode, connect
+from pdserve.scheduling import (
+    POLICIES,
+    CapacityLimits,
+    ClusterScheduler,
+    KeySpace,
+    Mode,
+    connect,
+    kept_fresh,
+)
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -90,7 +98,8 @@ async def serve(args: argparse.Namespace) -> None:
         )  # fmt: skip
         if args.port_file is not None:
             write_port_file(args.port_file, port)
-        await serve_until_signal(server, health, args.grace_s)
+        async with kept_fresh(scheduler):  # assign finds the view fresh
+            await serve_until_signal(server, health, args.grace_s)
     finally:
         await redis.aclose()
         telemetry.close()

@@ -44,6 +44,7 @@ from pdserve.scheduling import (
     WorkerInfo,
     WorkerRole,
     connect,
+    kept_fresh,
 )
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -377,6 +378,49 @@ def test_expired_worker_is_not_chosen_even_from_a_stale_cache(run: Any, keys: Ke
         assert "roomy" not in [v.id for v in await scheduler.snapshot()]
 
     run(scenario)
+
+
+REFRESH_TASK = "scheduler-view-refresh"
+
+
+def test_kept_fresh_refreshes_the_view_without_any_decision(run: Any, keys: KeySpace) -> None:
+    async def scenario(redis: Redis) -> None:
+        registry = RedisWorkerRegistry(redis, keys=keys)
+        scheduler = ClusterScheduler(redis, keys=keys, refresh_interval_s=0.2)
+        async with kept_fresh(scheduler):
+            await registry.heartbeat(make_worker("late", WorkerRole.DECODE, 100), ttl_s=60)
+
+            async def seen() -> bool:
+                # A view of any age: reading it never refreshes it, only the task does.
+                return "late" in [v.id for v in await scheduler.snapshot(max_age_s=math.inf)]
+
+            await wait_until(seen, "the background refresh to see the new worker")
+        # Leaving stops the task (cancelled and awaited): nothing refreshes the view any more.
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == REFRESH_TASK]
+
+    run(scenario)
+
+
+def test_kept_fresh_outlives_an_unreachable_redis(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        redis = connect("redis://127.0.0.1:1/0", timeout_s=0.5, retries=0)  # nobody listens
+        scheduler = ClusterScheduler(redis, keys=KeySpace("unreachable"), refresh_interval_s=0.02)
+        try:
+            async with kept_fresh(scheduler):
+
+                async def warned() -> bool:
+                    return any("cannot refresh" in r.getMessage() for r in caplog.records)
+
+                await wait_until(warned, "the refresh task to report the outage")
+                (task,) = [t for t in asyncio.all_tasks() if t.get_name() == REFRESH_TASK]
+                assert not task.done()  # still trying
+            assert task.cancelled()
+        finally:
+            await redis.aclose()
+
+    with caplog.at_level("WARNING", logger="pdserve.scheduling.refresher"):
+        asyncio.run(scenario())
+    assert sum("cannot refresh" in r.getMessage() for r in caplog.records) == 1  # once per outage
 
 
 def test_orphaned_reservation_expires_and_frees_capacity(run: Any, keys: KeySpace) -> None:

@@ -14,6 +14,7 @@ from pdserve.scheduling.policies import (
     RoundRobin,
     make_policy,
 )
+from pdserve.scheduling.refresher import kept_fresh
 from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect
 from pdserve.scheduling.scheduler import Assignment, ClusterScheduler, Mode
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
@@ -37,5 +38,6 @@ __all__ = [
     "WorkerRole",
     "WorkerView",
     "connect",
+    "kept_fresh",
     "make_policy",
 ]

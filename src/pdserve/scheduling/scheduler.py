@@ -4,11 +4,13 @@ Lifecycle of one ``assign()``:
 
 1. Decide from the cache. The scheduler keeps a view of every live worker (heartbeat plus
    reserved amounts) that is at most ``refresh_interval_s`` old, so a decision costs no Redis
-   round trip to *choose*. It drops workers that are draining, of the wrong role, excluded
-   earlier in this call, or too full on that view, and lets the placement policy order the
-   rest: a decode worker (the scarce KV blocks) first, then a prefill worker with the same
-   model fingerprint; or a single mixed worker in colocated mode. If nothing fits, the view is
-   refreshed once before refusing, so a refusal is never based on data older than the call.
+   round trip to *choose* (the service refreshes it in the background, ``refresher``; without
+   that, the decision that finds it too old refreshes it first). It drops workers that are
+   draining, of the wrong role, excluded earlier in this call, or too full on that view, and
+   lets the placement policy order the rest: a decode worker (the scarce KV blocks) first, then
+   a prefill worker with the same model fingerprint; or a single mixed worker in colocated
+   mode. If nothing fits, the view is refreshed once before refusing, so a refusal is never
+   based on data older than the call.
 2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
    assigns queue instead of invalidating each other), then WATCH the chosen workers'
    heartbeat keys and reservation sets.
@@ -166,6 +168,10 @@ class ClusterScheduler:
         with _redis_reachable():
             await self._refresh(not_before=time.monotonic() - limit)
         return sorted(self._views.values(), key=lambda v: v.id)
+
+    async def refresh(self) -> None:
+        """Refresh the cached view from Redis now (``refresher.kept_fresh`` calls it)."""
+        await self._refresh(not_before=time.monotonic())
 
     async def _refresh(self, *, not_before: float) -> None:
         # Single flight: concurrent callers wait for one refresh instead of each doing one.
