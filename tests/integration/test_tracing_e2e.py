@@ -5,7 +5,8 @@ disaggregated cluster (router, scheduler, KV store, one prefill and one decode w
 its own process; run from ``cluster_driver.py``, see there why in a process of its own) is
 pointed at it through the standard ``OTEL_*`` variables only, serves a few concurrent streaming
 requests, has its ``/metrics`` scraped, and is stopped (which flushes every service's spans).
-Then the spans must form, per request, exactly one connected trace: one root (the Router call's
+Then the spans must form, per request, exactly one connected trace (and one more for the
+release of its reservation, after its call ended, linked to it): one root (the Router call's
 SERVER span), every stage span present once, recorded by the service that did the work and a
 child of ``router.request``, every span inside its parent, and the stages following each other
 without a hole, so that together they cover the end-to-end time but for the last chunk's way
@@ -47,6 +48,9 @@ STAGE_SERVICE = {
     "decode.generate": "pdserve-decode",
 }
 ROUTER_CALL = "/pdserve.v1.Router/Generate"
+RELEASE_ROOT = "router.release"
+"""A finished request's reservation is released after its call ended, in a trace of its own."""
+RELEASE_CALL = "/pdserve.v1.Scheduler/Release"
 TRANSPORT = "store"
 """Forced (``--transport store``): the KV goes through the KV store service, which then shows
 in the traces and counts the same bytes as the workers; the choice never depends on timing.
@@ -179,19 +183,63 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     )  # fmt: skip
 
 
-def _traces(run: Run) -> dict[str, list[Received]]:
-    """request id -> the spans of its trace."""
+def _by_trace(run: Run) -> list[list[Received]]:
     by_trace: dict[bytes, list[Received]] = defaultdict(list)
     for r in run.spans:
         by_trace[r.span.trace_id].append(r)
+    return list(by_trace.values())
+
+
+def _is_release(members: list[Received]) -> bool:
+    return any(r.span.name == RELEASE_ROOT for r in members)
+
+
+def _traces(run: Run) -> dict[str, list[Received]]:
+    """request id -> the spans of its trace (not the release traces, ``_release_traces``)."""
     out: dict[str, list[Received]] = {}
-    for members in by_trace.values():
+    for members in _by_trace(run):
+        if _is_release(members):
+            continue
         roots = [r for r in members if r.span.name == ROOT_STAGE]
         assert len(roots) == 1, [r.span.name for r in members]
         rid = _attr(roots[0].span, "pdserve.request_id")
         assert isinstance(rid, str) and rid not in out
         out[rid] = members
     return out
+
+
+def test_each_release_is_a_trace_of_its_own_linked_to_its_request(run: Run) -> None:
+    requests = {
+        rid: next(r.span for r in members if r.span.name == ROOT_STAGE)
+        for rid, members in _traces(run).items()
+    }
+    released = []
+    for members in filter(_is_release, _by_trace(run)):
+        (root,) = [r for r in members if not r.span.parent_span_id]
+        assert root.service == "pdserve-router" and root.span.name == RELEASE_ROOT
+        rid = _attr(root.span, "pdserve.request_id")
+        assert isinstance(rid, str) and rid in requests
+        # Linked to its request's root stage, in the request's own trace.
+        (link,) = root.span.links
+        assert (link.trace_id, link.span_id) == (
+            requests[rid].trace_id,
+            requests[rid].span_id,
+        )
+        # The Release call, both sides, inside the release span.
+        calls = sorted((r.service, r.span.kind) for r in members if r.span.name == RELEASE_CALL)
+        assert calls == [
+            ("pdserve-router", Span.SPAN_KIND_CLIENT),
+            ("pdserve-scheduler", Span.SPAN_KIND_SERVER),
+        ], rid
+        for r in members:
+            assert (
+                root.span.start_time_unix_nano - SLACK_NS
+                <= r.span.start_time_unix_nano
+                <= r.span.end_time_unix_nano
+                <= root.span.end_time_unix_nano + SLACK_NS
+            ), (rid, r.span.name)
+        released.append(rid)
+    assert sorted(released) == sorted(requests)  # one per finished request
 
 
 def test_one_connected_trace_per_request(run: Run) -> None:

@@ -223,22 +223,20 @@ def test_a_decode_side_recompute_counts_as_prefill_time(tokenizer: Tokenizer) ->
     assert timing.transport == "recompute" and timing.transfer_bytes == 0
 
 
-def test_the_release_starts_as_the_last_chunk_goes_out(tokenizer: Tokenizer) -> None:
+def test_the_call_ends_without_waiting_for_the_release(tokenizer: Tokenizer) -> None:
     got: list[RouteChunk] = []
 
     async def body(flow: RequestFlow, fakes: Fakes) -> None:
-        stream = flow.generate(_request(tokenizer))
-        async for chunk in stream:
-            got.append(chunk)
-            if chunk.finished:
-                break
-        # The caller holds the last chunk; the reservation's release is already on its way.
-        await asyncio.wait_for(fakes.release_seen.wait(), 10)
+        async def consume() -> None:
+            got.extend([c async for c in flow.generate(_request(tokenizer))])
+
+        # The whole stream, its clean-up included, ends while the scheduler holds the release
+        # at its gate (were the stream to wait for it, this would time out).
+        await asyncio.wait_for(consume(), 10)
+        await asyncio.wait_for(fakes.release_seen.wait(), 10)  # the release is on its way
         assert ("res-0", False) not in fakes.released  # held at the gate
         assert fakes.release_gate is not None
-        fakes.release_gate.set()
-        await stream.aclose()  # the clean-up waits for the release
-        assert ("res-0", False) in fakes.released
+        fakes.release_gate.set()  # flow.close() waits for it (run_with_fakes)
 
     def configure(f: Fakes) -> None:
         f.release_gate = asyncio.Event()

@@ -12,9 +12,10 @@ Whatever happens (success, error, client cancel, deadline) the clean-up runs: do
 still open are cancelled (a cancelled Decode frees its KV blocks on the worker), a KV payload
 that no decode worker has picked up is deleted from its store, and the reservation is released.
 The clean-up runs shielded from a second cancellation and is tracked, so ``close()`` can wait
-for it. When the worker sends its last chunk, the release of the reservation and the read of
-the stream's end start at once, while that chunk is on its way to the caller, so the caller's
-call ends soon after its last chunk. Every downstream call gets the caller's remaining deadline.
+for it. When the worker sends its last chunk, the read of the stream's end starts at once,
+while that chunk is on its way to the caller, and the release of the reservation runs in the
+background (tracked, in a trace of its own): the caller's call ends right after its last chunk,
+without waiting for the scheduler. Every downstream call gets the caller's remaining deadline.
 
 Tracing (``observed``): the flow records ``router.mode_decision``, names the mode on
 ``router.request`` and hands it, with the last stage's end, to every call (``handover``), so
@@ -350,7 +351,7 @@ class RequestFlow:
                 if finish is not None:
                     absorb(msg)
                     run.finished_stream = stream  # the worker is done: read, don't cancel
-                    self.housekeeper.wind_up(run, stream)
+                    self.housekeeper.wind_up(run, stream, self._track)
                 chunk = run.chunk(list(msg.token_ids), list(msg.logprobs), finish)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk

@@ -1,5 +1,6 @@
 """The calls that tidy up after a request: releases, renewals, KV deletions, stream ends;
-``Housekeeper.clean_up`` runs them for a request that ended, however it ended.
+``Housekeeper.clean_up`` runs them for a request that ended, however it ended, and
+``Housekeeper.wind_up`` starts them early for one whose worker sent its last chunk.
 
 Each is best effort by design: a failure is logged and the state it concerns expires on its
 own (a reservation by its TTL, a KV payload by its lease), so it never fails a request.
@@ -15,11 +16,14 @@ from typing import Any
 
 import grpc
 from grpc.aio import AioRpcError
+from opentelemetry import trace
 
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import late_kv
 from pdserve.router.state import RequestState
+from pdserve.router.telemetry import detached
+from pdserve.telemetry.spans import ROUTER_RELEASE
 from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -122,15 +126,25 @@ class Housekeeper:
             logger.debug("stream after its last chunk: %s", err)
             stream.cancel()
 
-    def wind_up(self, run: RequestState, stream: Any) -> None:
-        """The worker sent its last chunk: start the end of the request (the stream's end and
-        the release of the reservation) now, while the last chunk goes out to the caller,
-        rather than after it. The clean-up waits for both."""
+    def wind_up(self, run: RequestState, stream: Any, track: Track) -> None:
+        """The worker sent its last chunk: start the end of the request now, while the last
+        chunk goes out to the caller. The clean-up waits for the stream's end (its CLIENT
+        span must end inside the caller's call), not for the release of the reservation: that
+        runs through ``track`` (its owner waits for it on close), in a trace of its own, so
+        the caller's call ends without waiting for the scheduler."""
         if run.renewer is not None:
             run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
         run.tasks.append(asyncio.create_task(self.drain(stream)))
-        run.tasks.append(asyncio.create_task(self.release(run.reservation_id)))
+        track(self.release_after(run.request.request_id, run.reservation_id, run.root))
         run.wound_up = True
+
+    async def release_after(
+        self, request_id: str, reservation_id: str, root: trace.Span | None
+    ) -> None:
+        """Release the reservation of a request whose call may have ended: under a
+        ``router.release`` span linked to the request's ``router.request`` (``root``)."""
+        with detached(ROUTER_RELEASE, root, request_id):
+            await self.release(reservation_id)
 
     async def clean_up(self, run: RequestState, track: Track) -> None:
         """Close everything ``run`` opened: cancel open calls (read a finished stream to its

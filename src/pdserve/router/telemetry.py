@@ -15,7 +15,9 @@
 
 ``router.request`` is the request's root stage and its duration the end-to-end latency. It is
 deliberately *not* made the current span: the downstream calls (CLIENT spans) hang off the
-Router call's SERVER span, which lasts until the clean-up is done, while every stage, in every
+Router call's SERVER span, which lasts until the clean-up is done (but for the release of a
+finished request's reservation, which outlives the call: it is the root of a trace of its own,
+``router.release``, linked to ``router.request``; see ``detached``), while every stage, in every
 service, is a child of ``router.request`` (the flow hands its context over with each call, see
 ``pdserve.telemetry.handover``). So each span lies inside its parent, and the stages, which
 follow each other without gaps, add up to the end-to-end time.
@@ -34,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -83,6 +86,24 @@ def record_mode_decision(
         },
         trace.set_span_in_context(root) if root is not None else None,
     )
+
+
+@contextmanager
+def detached(name: str, link_to: trace.Span | None, request_id: str) -> Iterator[None]:
+    """Run the block outside the request's trace, under a root span ``name`` of a trace of
+    its own that links to ``link_to`` (the request's ``router.request``): for work that
+    outlives the request's call, whose spans could not lie inside it. Use it inside a task
+    of its own (it replaces that task's tracing context while the block runs)."""
+    token = otel_context.attach(otel_context.Context())  # no parent, no baggage
+    try:
+        context = link_to.get_span_context() if link_to is not None else None
+        links = [trace.Link(context)] if context is not None and context.is_valid else []
+        tracer = trace.get_tracer(_INSTRUMENTATION_NAME)
+        attributes = {ATTR_REQUEST_ID: request_id}
+        with tracer.start_as_current_span(name, links=links, attributes=attributes):
+            yield
+    finally:
+        otel_context.detach(token)
 
 
 def name_mode(root: trace.Span | None, mode: common_pb2.Mode) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.telemetry.record import SpanRecord
-from pdserve.telemetry.spans import ATTR_REQUEST_ID, E2E_SPAN, STAGES
+from pdserve.telemetry.spans import ATTR_REQUEST_ID, E2E_SPAN, ROUTER_RELEASE, STAGES
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -68,7 +68,8 @@ class Breakdown:
     stats: tuple[StageStats, ...]
     missing_stages: tuple[str, ...]
     skipped_traces: int
-    """Traces holding spans but no ``router.request`` (a router that does not trace)."""
+    """Traces holding spans but no ``router.request`` (a router that does not trace); the
+    traces of reservation releases (``router.release``) are neither requests nor skipped."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -157,6 +158,8 @@ def compute_breakdown(spans: Iterable[SpanRecord], stages: Sequence[str] = STAGE
     requests: list[RequestBreakdown] = []
     skipped = 0
     for trace_id, members in by_trace.items():
+        if any(s.name == ROUTER_RELEASE for s in members):
+            continue  # a finished request's release, after its call: no stage of it
         found = _requests_of_trace(trace_id, members, stage_set)
         skipped += not found
         requests.extend(found)

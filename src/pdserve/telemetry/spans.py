@@ -35,6 +35,9 @@ KV_TRANSFER_RECV = "kv.transfer.recv"
 DECODE_QUEUE = "decode.queue"
 DECODE_FIRST_TOKEN = "decode.first_token"
 DECODE_GENERATE = "decode.generate"
+ROUTER_RELEASE = "router.release"
+"""Not a stage: the release of a finished request's reservation, after the request's call
+ended, as the root of a trace of its own linked to the request's ``router.request``."""
 
 # --- attribute keys -----------------------------------------------------------------------
 

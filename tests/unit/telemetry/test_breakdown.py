@@ -83,3 +83,13 @@ def test_no_requests_gives_empty_stats() -> None:
     bd = compute_breakdown([_span("2" * 32, "a" * 16, None, "prefill.compute", 0, 5)])
     assert bd.requests == () and bd.stats == () and bd.skipped_traces == 1
     assert bd.missing_stages == STAGE_NAMES
+
+
+def test_release_traces_are_neither_requests_nor_skipped() -> None:
+    release = [
+        _span("3" * 32, "a" * 16, None, "router.release", 0, 5),
+        _span("3" * 32, "b" * 16, "a" * 16, "/pdserve.v1.Scheduler/Release", 1, 4),
+    ]
+    other = [_span("4" * 32, "c" * 16, None, "/pdserve.v1.Scheduler/Assign", 0, 5)]
+    bd = compute_breakdown([*release, *other])
+    assert bd.requests == () and bd.skipped_traces == 1  # only the trace without a request
