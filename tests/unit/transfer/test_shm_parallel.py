@@ -76,7 +76,8 @@ def test_one_thread_and_two_write_the_same_segment(shm_prefix: str, pool: Counti
     on_disk = [(SHM_DIR / d.name).read_bytes() for d in (alone, paired)]
     assert on_disk[0] == on_disk[1]
     for desc in (alone, paired):
-        got = asyncio.run(ShmReceiver(pool=pool).receive(desc, timeout_s=5.0))
+        receiver = ShmReceiver(pool=pool, inline_bytes=0)  # in a worker thread, with the pool
+        got = asyncio.run(receiver.receive(desc, timeout_s=5.0))
         assert_same_payload(got, payload)  # the strided views' values, byte for byte
     assert pool.submitted == lanes + 2  # and one K pass per receive
     assert leftovers(shm_prefix) == []
@@ -102,10 +103,40 @@ def test_a_flipped_byte_in_k_or_v_fails_its_layer(
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x01]))
-    receiver = ShmReceiver(pool=pool if with_pool else None)
+    # With the pool: read in a worker thread, K hashed on the pool; without: read inline.
+    receiver = ShmReceiver(pool=pool, inline_bytes=0) if with_pool else ShmReceiver()
     with pytest.raises(KVTransferError, match="layer 1 failed its checksum"):
         asyncio.run(receiver.receive(desc, timeout_s=5.0))
     assert receiver.state is TransferState.FAILED and leftovers(shm_prefix) == []
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_small_segment_is_read_on_the_callers_thread(
+    shm_prefix: str, pool: CountingPool, inline: bool
+) -> None:
+    payload = random_payload(make_layout(num_layers=3), 9)
+    desc = send(shm_prefix, payload, None, "r")
+    # Just big enough to read inline, or one byte short of it.
+    receiver = ShmReceiver(pool=pool, inline_bytes=desc.length - (0 if inline else 1))
+    readers: list[str] = []
+    real_read = receiver._read
+
+    def spying_read(*args: object, **kwargs: object) -> KVPayload:
+        readers.append(threading.current_thread().name)
+        return real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    receiver._read = spying_read  # type: ignore[method-assign]
+
+    async def receive() -> KVPayload:
+        got = await receiver.receive(desc, timeout_s=5.0)
+        readers.append(threading.current_thread().name)  # the event loop's thread
+        return got
+
+    assert_same_payload(asyncio.run(receive()), payload)
+    on_loop = readers[0] == readers[1]
+    assert on_loop is inline
+    assert pool.submitted == (0 if inline else 1)  # inline: this thread hashes K and V alone
+    assert receiver.state is TransferState.DONE and leftovers(shm_prefix) == []
 
 
 def test_the_deadline_holds_on_both_threads(shm_prefix: str, pool: CountingPool) -> None:
