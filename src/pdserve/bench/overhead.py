@@ -35,7 +35,7 @@ CRITICAL_PATH = (
     "client -> router",
     "router -> scheduler (Assign)",
     "router -> prefill worker",
-    "prefill worker -> KV store (prefix Lookup)",
+    "prefill worker -> decode worker (which prompt prefix it holds: Lookup)",
     "router -> decode worker",
 )
 """The gRPC calls of one request that wait for each other: each call's answer (or, for the
