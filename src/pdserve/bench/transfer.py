@@ -19,7 +19,7 @@ only (no layer-wise or recompute run), since one 32K prefill takes minutes on a 
 Bandwidths: each side's bytes over its busy time, from deferred hand-offs (a sender then has
 every layer at hand, so its rate is the link's, not the compute's). ``store`` crosses two
 links (prefill -> store, store -> decode), ``direct`` one (into the decode worker's endpoint;
-its read is in-process), ``shm`` none (copy into the segment and hash it; the reader maps it
+its read is in-process), ``shm`` none (hash and copy into the segment; the reader maps it
 and checks the hashes: XXH3-64).
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.

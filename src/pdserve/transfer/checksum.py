@@ -10,7 +10,14 @@ then V's, little-endian u64). Hashing K and V separately lets the receiver's two
 take one each (verify); one thread alone gets the same value. The sender copies and hashes
 whole layers, alternating between two threads (``shm.ShmSender``).
 
-The CPU copies are numpy's, not ``Tensor.copy_``: a numpy copy runs on the calling thread
+A contiguous CPU source is copied by ``_hashcopy`` (a C module built at install; optional):
+each small piece is hashed from the source, which brings it into cache, then copied from there
+with streaming stores, which do not read the destination first. That is two passes over
+memory, as a large memcpy makes, where copying into the mapping and then hashing what was
+written makes three (the store reads each destination line, the hash reads it again). The
+checksum is the same either way: XXH3-64 of the bytes; the receiver hashes what it finds.
+
+Other CPU copies are numpy's, not ``Tensor.copy_``: a numpy copy runs on the calling thread
 and releases the GIL, where ``copy_`` would start an OpenMP team in each of the two threads.
 """
 
@@ -26,6 +33,17 @@ import torch
 import xxhash
 
 Buffer = bytes | bytearray | memoryview
+
+_hash_copy: Callable[[np.ndarray, np.ndarray, int], int] | None
+try:
+    from pdserve.transfer._hashcopy import hash_copy as _hash_copy
+except ImportError:  # installed without a C compiler: numpy's copy, the same checksums
+    _hash_copy = None
+
+NATIVE = _hash_copy is not None
+"""Whether the one-pass copy (``_hashcopy``) was built."""
+_NATIVE_PIECE_BYTES = 64 * 1024
+"""Hashed, then streamed out, at a time: the piece is still in L1/L2 for the copy."""
 
 _R = TypeVar("_R")
 _DIGESTS = struct.Struct("<QQ")
@@ -70,23 +88,33 @@ def in_pair(
 
 
 def copy_and_hash(
-    dst: np.ndarray, src: torch.Tensor, piece_bytes: int, *, torch_copy: bool = False
+    dst: np.ndarray,
+    src: torch.Tensor,
+    piece_bytes: int,
+    *,
+    torch_copy: bool = False,
+    native: bool = True,
 ) -> int:
     """Copy ``src`` (``[T, ...]``, any strides, any device) into the contiguous uint8
     ``dst`` (exactly its size) and return the XXH3-64 of what was written.
 
-    The copy goes ``piece_bytes`` (rounded to whole leading rows) at a time and each piece is
-    hashed right after it is written, while it is still in cache: one pass over memory
-    instead of a copy then a second read of everything. A CPU ``src`` is copied by numpy on
-    this thread, unless ``torch_copy`` (then by ``Tensor.copy_``, on torch's intra-op
-    threads: faster when this is the only thread copying).
+    A contiguous CPU ``src`` goes through ``_hashcopy`` on this thread when it was built
+    (``native``: allowed to; tests compare both ways). Otherwise the copy goes
+    ``piece_bytes`` (rounded to whole leading rows) at a time and each piece is hashed right
+    after it is written, while it is still in cache; a CPU ``src`` is copied by numpy on this
+    thread, unless ``torch_copy`` (then by ``Tensor.copy_``, on torch's intra-op threads:
+    faster when this is the only thread copying).
     """
+    cpu = src.device.type == "cpu" and not torch_copy
+    if cpu and native and _hash_copy is not None and src.is_contiguous():
+        flat = src.detach().reshape(-1).view(torch.uint8).numpy()
+        return _hash_copy(dst, flat, _NATIVE_PIECE_BYTES)
     rows = src.shape[0]
     row_bytes = dst.size // max(1, rows)
     step = max(1, piece_bytes // max(1, row_bytes))
     hasher = xxhash.xxh3_64()
     written = dst.data  # a memoryview: what the hasher reads
-    if src.device.type == "cpu" and not torch_copy:
+    if cpu:
         # Same-size int views of both sides ([T, ...], src strided as it comes): no dtype
         # conversion, one strided memcpy loop per piece, GIL released.
         s = src.detach().view(_INT_BY_SIZE[src.element_size()]).numpy()

@@ -8,8 +8,9 @@ unlinks it after reading, whatever the outcome. A segment whose owner died is re
 ``janitor.reclaim_orphans``.
 
 Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
-(``Tensor.copy_`` into a view over it, device-to-host when the engine is on a GPU; numpy
-copies on CPU when two threads share the layer) and hashes K and V there (``checksum.py``).
+(``Tensor.copy_`` into a view over it, device-to-host when the engine is on a GPU; on CPU,
+when two threads share the layers, the one-pass copy of ``_hashcopy`` or numpy's) and hashes
+K and V as it goes (``checksum.copy_and_hash``).
 The receiver copies nothing: it unlinks the sealed segment, maps it privately, checks each
 layer's checksum over the mapping and hands the engine views over it; the engine's import is
 the one copy into its blocks.
@@ -66,7 +67,8 @@ _LANE_DEPTH = 2
 """Layers the pool thread may have in hand: it keeps up, or the engine's thread takes over."""
 
 _PIECE_BYTES = 1 << 20
-"""Bytes copied then hashed at a time: small enough to be hashed from cache (L2)."""
+"""Bytes copied then hashed at a time where the one-pass copy does not apply: small enough to
+be hashed from cache (L2)."""
 
 
 class _Mapper(threading.Thread):

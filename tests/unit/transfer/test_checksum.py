@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import shutil
 import struct
+import sysconfig
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,9 +18,16 @@ import torch
 import xxhash
 
 from pdserve.errors import KVTransferError
-from pdserve.transfer import segment, shm
+from pdserve.transfer import checksum, segment, shm
 from pdserve.transfer.base import TransferState
-from pdserve.transfer.checksum import combine, copy_and_hash, in_pair, kv_checksum, layer_checksum
+from pdserve.transfer.checksum import (
+    NATIVE,
+    combine,
+    copy_and_hash,
+    in_pair,
+    kv_checksum,
+    layer_checksum,
+)
 from pdserve.transfer.shm import ShmReceiver, ShmSender
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -77,6 +86,77 @@ def test_copy_and_hash_copies_strided_views_then_hashes_what_it_wrote(
     vd = copy_and_hash(dst[half:], v, piece_bytes, torch_copy=torch_copy)
     assert dst.tobytes() == expected
     assert combine(kd, vd) == reference_checksum(expected[:half], expected[half:])
+
+
+def test_the_one_pass_copy_is_built_where_a_compiler_is() -> None:
+    """The install builds ``_hashcopy`` on any machine with a C compiler (it falls back to
+    numpy only without one): a broken build must not pass unnoticed."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}): the numpy path is the one in use")
+    assert NATIVE
+
+
+needs_native = pytest.mark.skipif(not NATIVE, reason="_hashcopy was not built (no C compiler)")
+
+
+@needs_native
+@pytest.mark.parametrize("num_bytes", [0, 1, 63, 64, 65, 4095, 65536, 65537, 3 * 65536 + 17])
+@pytest.mark.parametrize("dst_offset", [0, 1, 8, 15])
+def test_one_pass_copy_writes_the_bytes_and_their_xxh3(num_bytes: int, dst_offset: int) -> None:
+    """Heads and tails around the 16-byte aligned streamed middle, pieces of 64 KiB: the
+    destination holds the source's bytes, nothing around it is touched, the checksum is the
+    xxhash package's, as numpy's copy and hash give it."""
+    g = torch.Generator().manual_seed(num_bytes)
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=g)
+    if num_bytes % 2 == 0:  # a bf16 [T, 2, 4]-like source where the size allows
+        src = src.view(torch.bfloat16)
+    expected = src.view(torch.uint8).numpy().tobytes()
+    buf = np.full(num_bytes + dst_offset + 16, 0xEE, dtype=np.uint8)
+    dst = buf[dst_offset : dst_offset + num_bytes]
+    digest = copy_and_hash(dst, src, 1 << 20)
+    assert dst.tobytes() == expected
+    assert (buf[:dst_offset] == 0xEE).all() and (buf[dst_offset + num_bytes :] == 0xEE).all()
+    assert digest == xxhash.xxh3_64_intdigest(expected)
+    again = np.zeros(num_bytes, dtype=np.uint8)
+    assert copy_and_hash(again, src, 100, native=False) == digest
+    assert again.tobytes() == expected
+
+
+@needs_native
+def test_one_pass_copy_rejects_bad_buffers() -> None:
+    from pdserve.transfer._hashcopy import hash_copy
+
+    src = np.arange(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="dst has 99 bytes, src 100"):
+        hash_copy(np.zeros(99, dtype=np.uint8), src, 64)
+    with pytest.raises(ValueError, match="piece_bytes must be >= 1"):
+        hash_copy(np.zeros(100, dtype=np.uint8), src, 0)
+    with pytest.raises(TypeError):  # read-only destination
+        hash_copy(bytes(100), src, 64)
+    with pytest.raises((TypeError, BufferError, ValueError)):  # not contiguous
+        hash_copy(np.zeros(200, dtype=np.uint8)[::2], src, 64)
+
+
+def test_a_layer_written_either_way_reads_back_the_same(
+    shm_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contiguous K and V (as the engine's hook gives them) through a two-lane sender,
+    one-pass or numpy: the same checksums, and the receiver accepts both."""
+    payload = random_payload(make_layout(num_layers=4), 37)
+    descs = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for native in (NATIVE, False):
+            if not native:
+                monkeypatch.setattr(checksum, "_hash_copy", None)
+            sender = ShmSender(prefix=shm_prefix, pool=pool)
+            sender.begin(f"r{native}", payload.layout, 37)
+            for i in range(4):
+                sender.send_layer(i, payload.keys[i], payload.values[i])
+            descs.append(sender.finish())
+            got = asyncio.run(ShmReceiver().receive(descs[-1], timeout_s=5.0))
+            assert_same_payload(got, payload)
+    assert descs[0].layer_checksums == descs[1].layer_checksums
 
 
 class CountingPool(ThreadPoolExecutor):
