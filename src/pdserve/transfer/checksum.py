@@ -88,25 +88,19 @@ def in_pair(
 
 
 def copy_and_hash(
-    dst: np.ndarray,
-    src: torch.Tensor,
-    piece_bytes: int,
-    *,
-    torch_copy: bool = False,
-    native: bool = True,
+    dst: np.ndarray, src: torch.Tensor, piece_bytes: int, *, torch_copy: bool = False
 ) -> int:
     """Copy ``src`` (``[T, ...]``, any strides, any device) into the contiguous uint8
     ``dst`` (exactly its size) and return the XXH3-64 of what was written.
 
-    A contiguous CPU ``src`` goes through ``_hashcopy`` on this thread when it was built
-    (``native``: allowed to; tests compare both ways). Otherwise the copy goes
-    ``piece_bytes`` (rounded to whole leading rows) at a time and each piece is hashed right
-    after it is written, while it is still in cache; a CPU ``src`` is copied by numpy on this
-    thread, unless ``torch_copy`` (then by ``Tensor.copy_``, on torch's intra-op threads:
-    faster when this is the only thread copying).
+    A contiguous CPU ``src`` goes through ``_hashcopy`` on this thread when it was built.
+    Otherwise the copy goes ``piece_bytes`` (rounded to whole leading rows) at a time and each
+    piece is hashed right after it is written, while it is still in cache; a CPU ``src`` is
+    copied by numpy on this thread, unless ``torch_copy`` (then by ``Tensor.copy_``, on
+    torch's intra-op threads: faster when this is the only thread copying).
     """
     cpu = src.device.type == "cpu" and not torch_copy
-    if cpu and native and _hash_copy is not None and src.is_contiguous():
+    if cpu and _hash_copy is not None and src.is_contiguous():
         flat = src.detach().reshape(-1).view(torch.uint8).numpy()
         return _hash_copy(dst, flat, _NATIVE_PIECE_BYTES)
     rows = src.shape[0]
