@@ -24,7 +24,13 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.launcher import Cluster, read_heartbeats
-from pdserve.transfer.janitor import SHM_DIR, parse_owner_pid
+from pdserve.transfer.janitor import (
+    SHM_DIR,
+    SegmentState,
+    holds_hand_off,
+    parse_owner_pid,
+    segment_state,
+)
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.test_transfer import hand_off
 
@@ -92,6 +98,10 @@ async def writing(address: str) -> int:
     return totals.num_writing
 
 
+def owner(path: Path) -> int | None:
+    return parse_owner_pid(path.name)
+
+
 async def assert_nothing_left(c: Cluster, *, dead: set[str]) -> None:
     """No hand-off entry or pending write (store, decode endpoints), no shm segment of any
     cluster process (dead ones included: the janitor reclaims those), no busy KV block."""
@@ -109,7 +119,7 @@ async def assert_nothing_left(c: Cluster, *, dead: set[str]) -> None:
             assert t is not None
             if t.num_entries - t.num_cache_entries or t.num_writing:
                 return False
-        if any(parse_owner_pid(p.name) in pids for p in SHM_DIR.glob("pdserve-kv-*")):
+        if any(holds_hand_off(p) for p in SHM_DIR.glob("pdserve-kv-*") if owner(p) in pids):
             return False
         for w in read_heartbeats(c.redis_url or "", c.namespace):
             live = any(w.address.endswith(f":{s.port}") for s in c.workers() if s.name not in dead)
@@ -165,8 +175,11 @@ def test_prefill_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None
         assert prefill.proc is not None
         pid = prefill.proc.pid
 
-        async def segments() -> int:
-            return sum(parse_owner_pid(p.name) == pid for p in SHM_DIR.glob("pdserve-kv-*"))
+        async def segments() -> int:  # being written: a slot between hand-offs is not
+            return sum(
+                owner(p) == pid and segment_state(p) is SegmentState.WRITING
+                for p in SHM_DIR.glob("pdserve-kv-*")
+            )
 
         async def body() -> None:
             # Load that completes before the kill.

@@ -25,7 +25,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.launcher import Cluster, read_heartbeats
-from pdserve.transfer.janitor import SHM_DIR, parse_owner_pid
+from pdserve.transfer.janitor import SHM_DIR, holds_hand_off, parse_owner_pid
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -135,7 +135,11 @@ async def assert_nothing_left(c: Cluster) -> None:
             assert t is not None
             if t.num_entries - t.num_cache_entries or t.num_writing:
                 problems.append(f"{name}: {t.num_entries} entries, {t.num_writing} writing")
-        segments = [p.name for p in SHM_DIR.glob("pdserve-kv-*") if parse_owner_pid(p.name) in pids]
+        segments = [
+            p.name
+            for p in SHM_DIR.glob("pdserve-kv-*")
+            if parse_owner_pid(p.name) in pids and holds_hand_off(p)
+        ]
         if segments:
             problems.append(f"shm segments {segments}")
         for w in read_heartbeats(c.redis_url or "", c.namespace):

@@ -295,6 +295,8 @@ class Engine:
             self._imports.popleft()
             for i in range(kv.layout.num_layers):
                 self.runner.write_layer(i, seq.block_table, kv.keys[i], kv.values[i])
+            if kv.release is not None:  # the transport's memory is free for its next hand-off
+                kv.release()
             seq.num_computed_tokens = seq.num_cached_tokens = kv.num_tokens
             self.block_manager.register_computed_blocks(seq)
             self.scheduler.add_running(seq)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -45,11 +46,11 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise ``KVPayloadMismatchError`` naming the first field that differs."""
-        for field in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim"):
-            mine, theirs = getattr(self, field), getattr(other, field)
+        for name in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+            mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise KVPayloadMismatchError(
-                    f"KV payload {field} is {theirs!r} but this engine has {mine!r}"
+                    f"KV payload {name} is {theirs!r} but this engine has {mine!r}"
                 )
 
 
@@ -62,6 +63,9 @@ class KVPayload:
     keys: tuple[torch.Tensor, ...]
     """Per layer ``[num_tokens, num_kv_heads, head_dim]``, on CPU, contiguous."""
     values: tuple[torch.Tensor, ...]
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    """Called (once) when the engine has imported the payload: the transport may then use
+    the memory the views lie on again (a reused shm slot). Idempotent; None: nothing to do."""
 
     @property
     def nbytes(self) -> int:

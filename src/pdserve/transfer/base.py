@@ -24,8 +24,10 @@ decode worker, both used once):
   6. Import (decode): ``receive`` returns a ``KVPayload``; the worker passes it to
      ``engine.add_request(..., kv=payload, first_token=...)``. RECEIVING -> DONE.
   7. Release: the receiver frees the transport's copy as soon as it has read it (shm: unlink
-     the segment) on success and on failure; ``receiver.cleanup()`` is the idempotent backstop
-     for cancellation. What a crashed process leaves behind, ``janitor.reclaim_orphans`` frees.
+     the segment; a reused slot is freed once the engine imported the payload,
+     ``KVPayload.release``) on success and on failure; ``receiver.cleanup()`` is the
+     idempotent backstop for cancellation. What a crashed process leaves behind,
+     ``janitor.reclaim_orphans`` frees.
 
 This module imports no torch (the policy and janitor use it from torch-free processes); the
 tensor-facing types appear in annotations only.
@@ -119,6 +121,8 @@ class TransferDescriptor:
     layer_checksums: tuple[int, ...] = ()
     """CRC-32 of each layer's bytes as sent (K then V)."""
     compression: str = "none"
+    generation: int = 0
+    """shm: the hand-off's generation in a reused slot (``slots.py``); 0: a one-off segment."""
 
 
 @dataclass(slots=True)

@@ -7,6 +7,10 @@ outlives both only when a process died in between (SIGKILL, OOM kill) or a hand-
 picked up. ``reclaim_orphans`` removes such segments: the owner is gone, or the segment was
 sealed (handed over) longer ago than any reader may take.
 
+A reused slot (``{prefix}{owner_pid}-s{n}``, ``slots.py``) lives as long as its writer: its
+live owner expires what no reader took itself (its pool is its reservation of ``/dev/shm``),
+and the janitor reclaims it only when the owner is dead.
+
 A segment its live owner is still writing is never reclaimed by age: a long prompt's prefill
 (minutes on a CPU) keeps it unsealed for as long as it computes, and its writer seals or
 unlinks it on every path. The writer refreshes the segment's mtime as it seals, so the age
@@ -33,17 +37,20 @@ SEGMENT_PREFIX = "pdserve-kv-"
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared memory (``shm_open`` names are files here)."""
 
-MAGIC = b"PDSHMKV3"  # 3: per-layer checksums combine K's and V's digests
+MAGIC = b"PDSHMKV4"  # 4: a flags word and a generation (reused slots, ``slots.py``)
 """A segment's first bytes (``segment.py`` has the whole format); its state word follows."""
 STATE_OFFSET = 8
 
 
 class SegmentState(IntEnum):
-    """A segment's state word: being written, handed over (sealed), given up."""
+    """A segment's state word: being written, handed over (sealed), given up; a reused slot
+    (``slots.py``) also: held by its reader, and free for its writer again."""
 
     WRITING = 0
     SEALED = 1
     ABORTED = 2
+    CLAIMED = 3
+    FREE = 4
 
 
 def parse_state(preamble: bytes) -> SegmentState | None:
@@ -145,6 +152,23 @@ def segment_state(path: str | Path) -> SegmentState | None:
         os.close(fd)
 
 
+def is_slot(name: str, prefix: str = SEGMENT_PREFIX) -> bool:
+    """Whether ``name`` is a reused slot's (``{prefix}{pid}-s{n}``, ``slots.py``)."""
+    return parse_owner_pid(name, prefix) is not None and name.rpartition("-")[2][:1] == "s"
+
+
+def holds_hand_off(path: Path, prefix: str = SEGMENT_PREFIX) -> bool:
+    """Whether the segment at ``path`` holds a hand-off: any one-off segment, and a reused
+    slot being written, sealed or claimed (a live writer keeps its slots FREE or ABORTED
+    between hand-offs). What a leak check counts."""
+    if not path.exists():
+        return False
+    return not is_slot(path.name, prefix) or segment_state(path) not in (
+        SegmentState.FREE,
+        SegmentState.ABORTED,
+    )
+
+
 class ReclaimReason(StrEnum):
     OWNER_DEAD = "owner_dead"
     EXPIRED = "expired"
@@ -196,6 +220,7 @@ def reclaim_orphans(
         elif (
             max_age_s is not None
             and age > max_age_s
+            and not is_slot(entry.name, prefix)  # a live writer's pool
             and (pid is None or segment_state(entry.path) in HANDED_OVER)
         ):
             reason = ReclaimReason.EXPIRED

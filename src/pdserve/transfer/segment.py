@@ -2,12 +2,14 @@
 
 Segment layout (little-endian, offsets relative to the segment's start)::
 
-    0   b"PDSHMKV3"  magic
-    8   u32 state    0 = being written, 1 = sealed (the writer's commit point), 2 = aborted
+    0   b"PDSHMKV4"  magic
+    8   u32 state    0 = being written, 1 = sealed (the writer's commit point), 2 = aborted;
+                     a reused slot also 3 = claimed by its reader, 4 = free (``slots.py``)
     12  u32 header_len
     16  u32 num_layers
-    20  u32 reserved
-    24  header       ``KVPayload.header_bytes()`` (layout + num_tokens, JSON)
+    20  u32 flags    1 = a reused slot: its reader releases it instead of unlinking it
+    24  u64 generation  of a reused slot's hand-off (the descriptor names it); 0 otherwise
+    32  header       ``KVPayload.header_bytes()`` (layout + num_tokens, JSON)
     T   u64[num_layers]  checksum of each layer (T = header end, 64-aligned): XXH3-64 over
                          the 16 bytes of XXH3-64(K) and XXH3-64(V) (``checksum.kv_checksum``)
     R   u32[num_layers]  1 once the layer and its checksum are written (R = table end)
@@ -26,28 +28,31 @@ is a ``CapacityError`` then, not a SIGBUS in the middle of a forward pass.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
 import struct
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.janitor import MAGIC, STATE_OFFSET, SegmentState, parse_state
+from pdserve.transfer.populate import Populator
 
-_PREAMBLE = struct.Struct("<8sIIII")  # magic, state, header_len, num_layers, reserved
+_PREAMBLE = struct.Struct("<8sIIIIQ")  # magic, state, header_len, num_layers, flags, generation
+_GENERATION_OFFSET = 24
+FLAG_POOLED = 1
+"""The flags bit of a reused slot (``slots.py``)."""
 _ALIGN = 64
-_MADV_POPULATE_READ = 22
-"""Linux >= 5.14; not in Python 3.11's ``mmap`` module."""
 
 
 def _align(n: int) -> int:
@@ -100,22 +105,50 @@ def create(path: Path) -> int:
         raise DuplicateRequestError(f"shm segment {path.name!r} already exists") from None
 
 
-def map_for_writing(fd: int, header: bytes, geom: SegmentGeometry) -> mmap.mmap:
-    """Reserve the segment's bytes in the file ``create`` made (so that a full ``/dev/shm``
-    fails here, ``CapacityError``, not as a SIGBUS on a write), map it with its page tables
-    filled in (``MAP_POPULATE``), write the preamble and header; closes ``fd`` (the mapping
-    keeps the memory, the name the segment). On failure the caller unlinks the segment.
+def map_for_writing(
+    fd: int,
+    header: bytes,
+    geom: SegmentGeometry,
+    *,
+    capacity: int = 0,
+    keep_fd: bool = False,
+    generation: int = 0,
+) -> mmap.mmap:
+    """Reserve the segment's bytes (``capacity``, at least ``geom.total``) in the file
+    ``create`` made (so that a full ``/dev/shm`` fails here, ``CapacityError``, not as a
+    SIGBUS on a write), map it with its page tables filled in (``MAP_POPULATE``), write the
+    preamble and header; closes ``fd`` unless ``keep_fd`` (the mapping keeps the memory, the
+    name the segment). On failure the caller unlinks the segment (and closes a kept fd).
+    A ``generation`` (> 0) marks it a reused slot's (``slots.py``).
 
     Without the pre-faulting, the layer copies would take one page fault per 4 KiB page
     (about 1 us each: 0.1 s for a 400 MB payload, twice the copy itself)."""
+    size = max(capacity, geom.total)
     try:
-        _reserve(fd, geom.total)
-        mm = mmap.mmap(fd, geom.total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        _reserve(fd, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
-        os.close(fd)
-    _PREAMBLE.pack_into(mm, 0, MAGIC, SegmentState.WRITING, len(header), geom.num_layers, 0)
-    mm[_PREAMBLE.size : _PREAMBLE.size + len(header)] = header
+        if not keep_fd:
+            os.close(fd)
+    start(mm, header, geom, flags=FLAG_POOLED if generation else 0, generation=generation)
     return mm
+
+
+def start(
+    mm: mmap.mmap, header: bytes, geom: SegmentGeometry, *, flags: int = 0, generation: int = 0
+) -> None:
+    """Begin a hand-off in ``mm``: state WRITING, no layer marked, the preamble and header,
+    and the generation last. A reused slot (``slots.py``) held an earlier hand-off: a reader
+    following generation ``g`` trusts the marks only once it reads ``g``, so they are cleared
+    before it is written (x86 keeps stores in order)."""
+    struct.pack_into("<I", mm, STATE_OFFSET, SegmentState.WRITING)
+    mm[geom.table_offset : geom.data_offset] = bytes(geom.data_offset - geom.table_offset)
+    old = mapped_generation(mm) if mm[: len(MAGIC)] == MAGIC else 0
+    _PREAMBLE.pack_into(
+        mm, 0, MAGIC, SegmentState.WRITING, len(header), geom.num_layers, flags, old
+    )
+    mm[_PREAMBLE.size : _PREAMBLE.size + len(header)] = header
+    struct.pack_into("<Q", mm, _GENERATION_OFFSET, generation)
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -176,9 +209,18 @@ def mapped_state(mm: mmap.mmap) -> SegmentState | None:
     return parse_state(mm[: STATE_OFFSET + 4])
 
 
+def mapped_generation(mm: mmap.mmap) -> int:
+    """The generation word (a reused slot's current hand-off; 0 for a one-off segment)."""
+    return int(struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0])
+
+
+def set_state(mm: mmap.mmap, state: SegmentState) -> None:
+    struct.pack_into("<I", mm, STATE_OFFSET, state)
+
+
 def mapped_header(mm: mmap.mmap, name: str) -> tuple[KVLayout, int, SegmentGeometry]:
     """Layout, token count and geometry from a mapping whose preamble is written."""
-    magic, _, header_len, num_layers, _ = _PREAMBLE.unpack_from(mm, 0)
+    magic, _, header_len, num_layers, _, _ = _PREAMBLE.unpack_from(mm, 0)
     if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
     layout, num_tokens = parse_header(bytes(mm[_PREAMBLE.size : _PREAMBLE.size + header_len]))
@@ -216,13 +258,17 @@ def read_header(fd: int, offset: int, name: str) -> SegmentHeader:
     """Preamble, header and checksum table of the sealed segment at ``offset`` of ``fd``."""
     if os.fstat(fd).st_size < offset + _PREAMBLE.size:  # created, not reserved yet
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
-    magic, state, header_len, num_layers, _ = _PREAMBLE.unpack(
+    magic, state, header_len, num_layers, flags, _ = _PREAMBLE.unpack(
         _pread_exact(fd, _PREAMBLE.size, offset)
     )
     if magic == bytes(len(MAGIC)):  # created and reserved, its preamble not written yet
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
     if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
+    if flags & FLAG_POOLED:  # only a claim (``slots.py``) may read a reused slot
+        raise KVTransferError(
+            f"shm segment {name!r} is a reused slot; its handle lacks the generation"
+        )
     if state != SegmentState.SEALED:
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer never finished)")
     layout, num_tokens = parse_header(_pread_exact(fd, header_len, offset + _PREAMBLE.size))
@@ -246,27 +292,44 @@ def read_payload(
     pool: Executor | None = None,
 ) -> KVPayload:
     """Every layer, as views over a private mapping of the segment, each checked against its
-    checksum (``deadline``, ``time.monotonic``, checked between layers).
+    checksum (``check_layers``).
 
     No copy: the payload's K and V ``[num_tokens, kvh, hd]`` are views over the mapping, which
     they keep alive; the engine's import is the only copy into its blocks. The mapping is
     ``MAP_PRIVATE`` (writable views, and a stray write stays in this process). Unlink the
     segment before calling this: then no one can open it anew, and its writer closed its own
     mapping when it sealed, so the bytes checked are the bytes imported.
+    """
+    # mmap's offset must be page-aligned: map from 0 and index from ``offset``.
+    mm = mmap.mmap(
+        fd, offset + head.geom.total, flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )  # fmt: skip
+    check_layers(mm, offset, head.geom, checksums, deadline, pool)
+    return payload_views(mm, offset, head.layout, head.num_tokens, head.geom)
+
+
+def check_layers(
+    mm: mmap.mmap,
+    offset: int,
+    geom: SegmentGeometry,
+    checksums: tuple[int, ...],
+    deadline: float,
+    pool: Executor | None = None,
+    *,
+    populate: bool = True,
+) -> None:
+    """Check every layer of the segment at ``offset`` of ``mm`` against its checksum
+    (``deadline``, ``time.monotonic``, checked between layers); ``populate``: fill in each
+    range's page tables just before hashing it (a fresh mapping; ``Populator``).
 
     With a ``pool``, one of its threads hashes every layer's K while this thread hashes the
     V's; the first layer that fails its checksum is reported once both are done.
     """
-    geom, layout, n = head.geom, head.layout, head.num_tokens
     if len(checksums) != geom.num_layers:
         raise KVTransferError(f"{len(checksums)} layer checksums for {geom.num_layers} layers")
-    size = geom.layer_bytes
-    half = size // 2
-    # mmap's offset must be page-aligned: map from 0 and index from ``offset``.
-    mm = mmap.mmap(
-        fd, offset + geom.total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-    )
-    populate = Populator(mm)
+    half = geom.layer_bytes // 2
+    fill = Populator(mm) if populate else None
     with memoryview(mm) as whole:
 
         def digests(start: int) -> Callable[[], list[int]]:
@@ -279,7 +342,8 @@ def read_payload(
                             f"shm read timed out at layer {i} of {geom.num_layers}"
                         )
                     at = offset + geom.layer_offset(i) + start
-                    populate(at, half)
+                    if fill is not None:
+                        fill(at, half)
                     with whole[at : at + half] as part:
                         out.append(layer_checksum(part))
                 return out
@@ -290,17 +354,26 @@ def read_payload(
     for i, (kd, vd) in enumerate(zip(ks, vs, strict=True)):
         if combine(kd, vd) != checksums[i]:
             raise KVTransferError(f"KV layer {i} failed its checksum")
-    return payload_views(mm, offset, layout, n, geom)
 
 
 def payload_views(
-    mm: mmap.mmap, offset: int, layout: KVLayout, num_tokens: int, geom: SegmentGeometry
+    mm: mmap.mmap,
+    offset: int,
+    layout: KVLayout,
+    num_tokens: int,
+    geom: SegmentGeometry,
+    release: Callable[[], None] | None = None,
 ) -> KVPayload:
-    """The payload as K and V ``[num_tokens, kvh, hd]`` views over a (private) mapping of the
-    segment at ``offset``, which they keep alive."""
+    """The payload as K and V ``[num_tokens, kvh, hd]`` views over a mapping of the segment
+    at ``offset``, which they keep alive. ``release`` (a reused slot's claim) runs once the
+    engine imported the payload (``KVPayload.release``) or, failing that, once every view is
+    gone."""
     size, half = geom.layer_bytes, geom.layer_bytes // 2
-    body = torch.frombuffer(mm, dtype=torch.uint8, count=geom.num_layers * size,
-                            offset=offset + geom.data_offset)  # fmt: skip
+    span = geom.num_layers * size
+    base = np.frombuffer(mm, dtype=np.uint8, count=span, offset=offset + geom.data_offset)
+    done = None if release is None else weakref.finalize(base, release)
+    body = torch.from_numpy(base)  # keeps ``base`` (and so the finalizer's trigger) alive
+    del base
     dtype, shape = DTYPES[layout.dtype], (num_tokens, layout.num_kv_heads, layout.head_dim)
     layers = [body[i * size : (i + 1) * size] for i in range(geom.num_layers)]
     return KVPayload(
@@ -308,45 +381,15 @@ def payload_views(
         num_tokens,
         tuple(t[:half].view(dtype).view(shape) for t in layers),
         tuple(t[half:].view(dtype).view(shape) for t in layers),
+        release=done,
     )
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_madvise.restype = ctypes.c_int
-
-
-class Populator:
-    """Fills in the page tables of ranges of a private mapping, read-only, a call per range.
-
-    Else each 4 KiB page is a minor fault when first hashed. ``MAP_POPULATE`` would not do:
-    on a writable private mapping it write-faults, copying every page. ``madvise`` goes
-    through ctypes, which lets go of the GIL (``mmap.madvise`` does not): the two threads
-    that hash a segment's K and V each fault their own range in just before hashing it, at
-    once (1K tokens of the base preset, 50 MB: 6-7 ms read whole and then hashed, 4-4.6 ms
-    so). On a kernel without ``MADV_POPULATE_READ`` (EINVAL) the pages fault in as they are
-    read, as they always did.
-    """
-
-    def __init__(self, mm: mmap.mmap) -> None:
-        anchor = ctypes.c_char.from_buffer(mm)  # the mapping's address; no export kept
-        self._base = ctypes.addressof(anchor)
-        del anchor
-        self._size = len(mm)
-        self._supported = True
-
-    def __call__(self, start: int, length: int) -> None:
-        """Populate ``[start, start + length)``."""
-        end = min(self._size, start + length)
-        low = start - start % mmap.PAGESIZE
-        if not self._supported or end <= low:
-            return
-        if _madvise(self._base + low, end - low, _MADV_POPULATE_READ) != 0:
-            err = ctypes.get_errno()
-            if err != errno.EINVAL:
-                raise OSError(err, os.strerror(err))
-            self._supported = False
+def mapped_sealed_header(mm: mmap.mmap, name: str) -> SegmentHeader:
+    """What a sealed segment's mapping says about itself (a claimed slot's, ``slots.py``)."""
+    layout, num_tokens, geom = mapped_header(mm, name)
+    table = struct.unpack_from(f"<{geom.num_layers}Q", mm, geom.table_offset)
+    return SegmentHeader(layout, num_tokens, geom, tuple(int(c) for c in table))
 
 
 def _pread_exact(fd: int, n: int, offset: int) -> bytes:

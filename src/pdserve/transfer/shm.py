@@ -5,7 +5,9 @@ The segment format is in ``segment.py``; its name, ``pdserve-kv-{owner_pid}-{req
 in ``janitor.py``. Ownership: the sender's ``begin`` creates the segment and ``abort`` unlinks
 it; once sealed (as its last layer is written, or by ``finish``), the receiver owns it and
 unlinks it after reading, whatever the outcome. A segment whose owner died is reclaimed by
-``janitor.reclaim_orphans``.
+``janitor.reclaim_orphans``. Given a ``SlotPool``, the sender writes into a reused segment
+(a slot, ``slots.py``) when one fits: it stays the writer's, mapped on both sides between
+hand-offs, and the reader claims and then releases it instead of unlinking it.
 
 Copies: the sender writes each layer once, straight from the engine's tensors into the mapping
 (``Tensor.copy_`` into a view over it, device-to-host when the engine is on a GPU; on CPU,
@@ -59,6 +61,7 @@ from pdserve.transfer.base import (
 from pdserve.transfer.checksum import combine, copy_and_hash
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
 from pdserve.transfer.shm_receiver import ShmReceiver
+from pdserve.transfer.slots import Slot, SlotPool
 from pdserve.transfer.stream import check_layer, missing_layers
 
 logger = logging.getLogger(__name__)
@@ -72,17 +75,27 @@ be hashed from cache (L2)."""
 
 
 class _Mapper(threading.Thread):
-    """Maps a new segment for writing in the background (``segment.map_for_writing``)."""
+    """Maps a new segment (or slot) for writing in the background
+    (``segment.map_for_writing``)."""
 
-    def __init__(self, fd: int, header: bytes, geom: segment.SegmentGeometry) -> None:
+    def __init__(
+        self, fd: int, header: bytes, geom: segment.SegmentGeometry, slot: Slot | None
+    ) -> None:
         super().__init__(name="shm-map", daemon=True)
         self._args = (fd, header, geom)
+        self._slot = slot
         self._mm: mmap.mmap | None = None
         self._error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self._mm = segment.map_for_writing(*self._args)
+            if self._slot is None:
+                self._mm = segment.map_for_writing(*self._args)
+            else:
+                self._mm = segment.map_for_writing(
+                    *self._args, capacity=self._slot.capacity, keep_fd=True,
+                    generation=self._slot.generation,
+                )  # fmt: skip
         except BaseException as err:  # handed to whoever joins: result() raises it
             self._error = err
 
@@ -114,6 +127,7 @@ class ShmSender:
         prefix: str = SEGMENT_PREFIX,
         pool: Executor | None = None,
         closer: Executor | None = None,
+        slots: SlotPool | None = None,
     ) -> None:
         self.host = host or socket.gethostname()
         self.shm_dir = shm_dir
@@ -124,6 +138,10 @@ class ShmSender:
         """Unmaps the segment once sealed (tearing down the page tables of a large segment
         takes ~40 ms per GB); None: the sealing thread unmaps it itself. Owned by
         the caller, who shuts it down (waiting) when done."""
+        self.slots = slots
+        """Reused segments (``slots.py``), kept mapped; None, or none free and no room for
+        another: a one-off segment, unlinked by its reader."""
+        self._slot: Slot | None = None
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
         self.tamper: Callable[[np.ndarray], None] | None = None
@@ -157,21 +175,39 @@ class ShmSender:
         self.stats.send_start_ns = time.monotonic_ns()
         header = KVPayload(layout, num_tokens, (), ()).header_bytes()
         geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
-        name = segment_name(request_id, prefix=self.prefix)
         try:
-            fd = segment.create(self.shm_dir / name)
+            name = self._reserve(request_id, header, geom)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
-        # Reserving, mapping and pre-faulting the segment run beside the prefill's compute;
-        # the first layer waits for them (``_mapping``); a full /dev/shm fails that layer,
-        # hence the commit. ``abort`` and ``finish`` join the mapper on every path.
-        self._mapper = _Mapper(fd, header, geom)
-        self._mapper.start()
         self.name, self._geom, self._request_id = name, geom, request_id
         self._layout, self._num_tokens = layout, num_tokens
         self.stats.num_bytes = geom.total
         self.state = advance(self.state, TransferState.SENDING)
+
+    def _reserve(self, request_id: str, header: bytes, geom: segment.SegmentGeometry) -> str:
+        """A mapped slot, started now; else a new slot or one-off segment, its mapping made
+        beside the prefill's compute. The segment's name."""
+        slot = self.slots.acquire(geom.total) if self.slots is not None else None
+        if slot is not None and slot.mm is not None:
+            segment.start(
+                slot.mm, header, geom, flags=segment.FLAG_POOLED, generation=slot.generation
+            )
+            self._slot, self._mm = slot, slot.mm
+            return slot.name
+        slot = self.slots.create(geom.total) if self.slots is not None else None
+        if slot is not None:
+            fd, name = slot.fd, slot.name
+        else:
+            name = segment_name(request_id, prefix=self.prefix)
+            fd = segment.create(self.shm_dir / name)
+        # Reserving, mapping and pre-faulting the segment run beside the prefill's compute;
+        # the first layer waits for them (``_mapping``); a full /dev/shm fails that layer,
+        # hence the commit. ``abort`` and ``finish`` join the mapper on every path.
+        self._slot = slot
+        self._mapper = _Mapper(fd, header, geom, slot)
+        self._mapper.start()
+        return name
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer at its offset. Never raises: ``finish`` reports a failure."""
@@ -194,6 +230,8 @@ class ShmSender:
         if self._mm is None and self._mapper is not None:
             mapper, self._mapper = self._mapper, None
             self._mm = mapper.result()
+            if self._slot is not None:
+                self._slot.mm = self._mm  # the pool's from now on
         if self._mm is None:
             raise KVTransferError(f"shm segment {self.name!r} is not mapped")
         return self._mm
@@ -273,6 +311,7 @@ class ShmSender:
             offset=0,
             length=self._geom.total,
             layout=self._layout,
+            generation=self._slot.generation if self._slot is not None else 0,
         )
 
     def finish(self) -> TransferDescriptor:
@@ -313,7 +352,9 @@ class ShmSender:
         segment.touch(self.shm_dir / self.name)  # the janitor's clock starts at the hand-off
         segment.seal(mm, self._geom, crcs)
         self._mm, self._sealed = None, crcs
-        if self.closer is None:
+        if self._slot is not None and self.slots is not None:
+            self.slots.sealed(self._slot)  # kept mapped, for the next hand-off
+        elif self.closer is None:
             segment.close_mapping(mm)
         else:
             self.closer.submit(segment.close_mapping, mm).add_done_callback(_log_failure)
@@ -328,6 +369,13 @@ class ShmSender:
             mapper, self._mapper = self._mapper, None
             with contextlib.suppress(Exception):  # aborting: the mapping's outcome is moot
                 self._mm = self._mm or mapper.result()
+        if self._slot is not None and self.slots is not None:
+            if self._slot.mm is None and self._mm is not None:
+                self._slot.mm = self._mm
+            self.slots.aborted(self._slot)  # marked ABORTED, or dropped if never mapped
+            self._mm = None
+            self.state = advance(self.state, TransferState.FAILED)
+            return
         if self._mm is not None:
             segment.mark_aborted(self._mm)  # a reader following the writes stops at once
         segment.close_mapping(self._mm)

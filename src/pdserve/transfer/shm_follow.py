@@ -34,7 +34,9 @@ from pdserve.errors import KVTransferError
 from pdserve.transfer import segment
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.janitor import SegmentState
+from pdserve.transfer.populate import Populator
 from pdserve.transfer.segment import SegmentGeometry, SegmentHeader
+from pdserve.transfer.slots import SlotMappings, SlotNotReservedError
 
 _WAIT_MIN_S = 50e-6
 _WAIT_MAX_S = 2e-3
@@ -92,14 +94,65 @@ def follow_segment(
     finally:
         os.close(fd)
 
-    def aborted() -> bool:
-        return segment.mapped_state(mm) is SegmentState.ABORTED
-
     try:
-        return _follow(mm, name, _Waiter(name, deadline, stop, aborted), pool)
+        return _follow(mm, name, _Waiter(name, deadline, stop, lambda: aborted(mm)), pool)
     except BaseException:
         segment.close_mapping(mm)
         raise
+
+
+def mapped_when_reserved(
+    slots: SlotMappings, path: Path, deadline: float, stop: threading.Event
+) -> mmap.mmap:
+    """The reader's kept mapping of the slot at ``path``, once its writer has reserved it (a
+    new slot is reserved beside the compute, as a one-off segment is)."""
+    found: list[mmap.mmap] = []
+
+    def mapped() -> bool:
+        try:
+            found.append(slots.mapping(path))
+        except SlotNotReservedError:
+            return False
+        return True
+
+    _Waiter(path.name, deadline, stop, lambda: not path.exists()).until(
+        mapped, "its writer's reservation"
+    )
+    return found[-1]
+
+
+def follow_slot(
+    mm: mmap.mmap,
+    name: str,
+    generation: int,
+    deadline: float,
+    stop: threading.Event,
+    pool: Executor | None = None,
+    *,
+    populate: bool = True,
+) -> SegmentHeader:
+    """``follow_segment`` for the hand-off of ``generation`` in a reused slot, over the
+    reader's kept mapping ``mm`` (``slots.py``): it waits for the writer to start that
+    generation; the writer gave up if it aborts it or starts a later one. The caller claims
+    the slot once this returns (sealed)."""
+
+    def mine() -> bool:
+        return segment.mapped_generation(mm) == generation
+
+    def gave_up() -> bool:
+        now = segment.mapped_generation(mm)
+        return now > generation or (now == generation and aborted(mm))
+
+    wait = _Waiter(name, deadline, stop, gave_up)
+    wait.until(mine, "its writer to start")
+    _, head = _follow(mm, name, wait, pool, populate=populate)
+    if not mine():
+        raise KVTransferError(f"shm slot {name!r}: its writer gave up")
+    return head
+
+
+def aborted(mm: mmap.mmap) -> bool:
+    return segment.mapped_state(mm) is SegmentState.ABORTED
 
 
 def _reserved_size(fd: int, wait: _Waiter) -> int:
@@ -114,17 +167,18 @@ def _marked(mm: mmap.mmap, geom: SegmentGeometry, layer: int) -> bool:
     return segment.mapped_layer(mm, geom, layer) is not None
 
 
-def _populated_checksum(populate: segment.Populator, at: int, part: memoryview) -> int:
-    populate(at, len(part))
+def _populated_checksum(populate: Populator | None, at: int, part: memoryview) -> int:
+    if populate is not None:
+        populate(at, len(part))
     return layer_checksum(part)
 
 
 def _follow(
-    mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None
+    mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None, *, populate: bool = True
 ) -> tuple[mmap.mmap, SegmentHeader]:
     wait.until(lambda: segment.mapped_state(mm) is not None, "its header")
     layout, num_tokens, geom = segment.mapped_header(mm, name)
-    populate = segment.Populator(mm)
+    fill = Populator(mm) if populate else None
     half = geom.layer_bytes // 2
     checksums = []
     seen: list[float] = []  # when each mark was found
@@ -139,8 +193,8 @@ def _follow(
             try:
                 kd, vd = in_pair(
                     pool,
-                    functools.partial(_populated_checksum, populate, at, k),
-                    functools.partial(_populated_checksum, populate, at + half, v),
+                    functools.partial(_populated_checksum, fill, at, k),
+                    functools.partial(_populated_checksum, fill, at + half, v),
                 )
             finally:
                 k.release()

@@ -25,7 +25,8 @@ from pdserve.transfer.base import (
     advance,
 )
 from pdserve.transfer.janitor import HANDED_OVER, SHM_DIR, segment_state
-from pdserve.transfer.shm_follow import follow_segment
+from pdserve.transfer.shm_follow import follow_segment, follow_slot, mapped_when_reserved
+from pdserve.transfer.slots import Claim, SlotMappings
 
 INLINE_READ_BYTES = 1 << 20
 """A sealed segment up to this size is read on the caller's thread, hashed there alone:
@@ -48,6 +49,7 @@ class ShmReceiver:
         pool: Executor | None = None,
         follow: bool = False,
         inline_bytes: int = INLINE_READ_BYTES,
+        slots: SlotMappings | None = None,
     ) -> None:
         self.expected_layout = expected_layout
         self.host = host or socket.gethostname()
@@ -59,9 +61,14 @@ class ShmReceiver:
         self.inline_bytes = inline_bytes
         """Sealed segments up to this size (as the descriptor gives it) are read on the
         caller's thread (``INLINE_READ_BYTES``); 0: always in a worker thread."""
+        self.slots = slots
+        """This process's kept mappings of reused slots (``slots.py``); None: a reused slot
+        is mapped for this read alone."""
         self.state = TransferState.PENDING
         self.stats = TransferStats(TransportKind.SHM)
         self._path: Path | None = None
+        self._pooled = False
+        self._generation = 0
         self._stop = threading.Event()
 
     async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
@@ -77,13 +84,19 @@ class ShmReceiver:
         self.stats.recv_start_ns = time.monotonic_ns()
         try:
             self._path = self._segment_path(descriptor)
+            self._pooled = descriptor.generation > 0
+            self._generation = descriptor.generation
             deadline = time.monotonic() + timeout_s
-            read = self._follow_read if self.follow else self._read
+            if self._pooled:
+                read = self._follow_slot if self.follow else self._read_slot
+            else:
+                read = self._follow_read if self.follow else self._read
             # ``length`` is the segment's whole size; the read checks it against the header.
             inline = not self.follow and 0 < descriptor.length <= self.inline_bytes
             try:
                 if inline:
-                    payload = self._read(self._path, descriptor, deadline, use_pool=False)
+                    plain = self._read_slot if self._pooled else self._read
+                    payload = plain(self._path, descriptor, deadline, use_pool=False)
                 else:
                     payload = await asyncio.to_thread(read, self._path, descriptor, deadline)
             except asyncio.CancelledError:
@@ -103,8 +116,14 @@ class ShmReceiver:
 
         A segment still being written is its writer's: a follow-read that gave up on a long
         prefill (its bound passed, or it was dropped) leaves it, the writer seals it and the
-        ``Decode`` call reads it the plain way; or the writer unlinks it on abort."""
+        ``Decode`` call reads it the plain way; or the writer unlinks it on abort. A reused
+        slot is its writer's to keep: a claim on it ends with its payload, and a sealed
+        hand-off in it that this reader did not take is freed (``discard_slot``)."""
         self._stop.set()
+        if self._pooled:
+            if self._path is not None and self.state is not TransferState.DONE:
+                self.discard_slot(self._path, self._generation)
+            return
         if self._path is not None and segment_state(self._path) in HANDED_OVER:
             segment.unlink(self._path)
 
@@ -161,6 +180,54 @@ class ShmReceiver:
         except BaseException:
             segment.close_mapping(mm)
             raise
+
+    def _read_slot(
+        self, path: Path, d: TransferDescriptor, deadline: float, *, use_pool: bool = True
+    ) -> KVPayload:
+        """Claim the reused slot, check it on the kept mapping, and hand out views over it;
+        the claim ends once the engine imported them (``KVPayload.release``)."""
+        claim = self._slot_mappings().claim(path, d.generation, deadline)
+        try:
+            head = segment.mapped_sealed_header(claim.mm, d.name)
+            self._check(d, head)
+            segment.check_layers(
+                claim.mm, 0, head.geom, d.layer_checksums or head.checksums, deadline,
+                self.pool if use_pool else None, populate=not claim.populated,
+            )  # fmt: skip
+            claim.populated_now()
+            return self._views(claim, head)
+        except BaseException:
+            claim.release()
+            raise
+
+    def _follow_slot(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+        slots = self._slot_mappings()
+        mm = mapped_when_reserved(slots, path, deadline, self._stop)
+        fresh = not slots.populated(path)
+        head = follow_slot(mm, d.name, d.generation, deadline, self._stop, self.pool,
+                           populate=fresh)  # fmt: skip
+        claim = slots.claim(path, d.generation, deadline)
+        try:
+            self._check(d, head)
+            claim.populated_now()
+            return self._views(claim, head)
+        except BaseException:
+            claim.release()
+            raise
+
+    def discard_slot(self, path: Path, generation: int) -> None:
+        """Give up, unread, the sealed hand-off of ``generation`` in the reused slot at
+        ``path`` (``SlotMappings.discard``): its writer may use the slot again at once."""
+        self._slot_mappings().discard(path, generation)
+
+    def _slot_mappings(self) -> SlotMappings:
+        return self.slots if self.slots is not None else SlotMappings(1)
+
+    @staticmethod
+    def _views(claim: Claim, head: segment.SegmentHeader) -> KVPayload:
+        return segment.payload_views(
+            claim.mm, 0, head.layout, head.num_tokens, head.geom, release=claim.release
+        )
 
     def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:
         """The segment's own header against the descriptor and this engine's layout."""

@@ -158,16 +158,18 @@ class DirectLocation(_message.Message):
     def __init__(self, address: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class ShmLocation(_message.Message):
-    __slots__ = ("host", "name", "offset", "length")
+    __slots__ = ("host", "name", "offset", "length", "generation")
     HOST_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     host: str
     name: str
     offset: int
     length: int
-    def __init__(self, host: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, host: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class EngineNativeLocation(_message.Message):
     __slots__ = ("opaque_state",)

@@ -56,6 +56,7 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
+from pdserve.transfer.slots import SlotMappings
 from pdserve.worker import decode_prefix
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
@@ -124,6 +125,8 @@ class DecodeWorker:
         self._stores: dict[str, KVStoreClient] = {}
         # Checks the K half of shm layers beside the reading thread's V half.
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
+        # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.slots``).
+        self._slot_maps = SlotMappings()
         if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
             inbox.route_lookups(
                 decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
@@ -133,6 +136,7 @@ class DecodeWorker:
         """Drop the prefetches, close the KV store connections."""
         await self.prefetches.close()
         self._hash_pool.shutdown(wait=True)
+        self._slot_maps.close()
         stores, self._stores = self._stores, {}
         for client in stores.values():
             await client.close()
@@ -150,7 +154,11 @@ class DecodeWorker:
             return None
         if kv.kind is TransportKind.SHM:
             receiver = ShmReceiver(
-                expected_layout=layout, host=self.host, pool=self._hash_pool, follow=follow
+                expected_layout=layout,
+                host=self.host,
+                pool=self._hash_pool,
+                follow=follow,
+                slots=self._slot_maps,
             )
             return ShmInbound(receiver, kv)
         local = self.inbox is not None and kv.address == self.address

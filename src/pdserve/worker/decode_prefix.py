@@ -116,9 +116,12 @@ async def join_cached_prefix(
         raise UnknownRequestError(f"the cached prefix of {prefix_tokens} tokens was evicted")
     layout.check_compatible(payload.layout)
     n = layout.num_layers
-    return KVPayload(
+    joined = KVPayload(
         payload.layout,
         len(prompt_ids),
         tuple(torch.cat([prefix.keys[i], payload.keys[i]]) for i in range(n)),
         tuple(torch.cat([prefix.values[i], payload.values[i]]) for i in range(n)),
     )
+    if payload.release is not None:  # copied out: the transport's memory is free again
+        payload.release()
+    return joined

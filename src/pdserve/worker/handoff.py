@@ -39,6 +39,8 @@ class KVLocation:
     """shm: the writer's host name."""
     offset: int = 0
     length: int = 0
+    generation: int = 0
+    """shm: the hand-off's generation in a reused slot (``transfer.slots``); 0: one-off."""
     reason: str = ""
     """recompute: why nothing moved."""
     prefix_tokens: int = 0
@@ -59,6 +61,7 @@ class KVLocation:
             return cls(
                 d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint,
                 key=d.name, host=d.host, offset=d.offset, length=d.length,
+                generation=d.generation,
             )  # fmt: skip
         return cls(
             d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint, address=d.host, key=d.name
@@ -70,6 +73,7 @@ class KVLocation:
             return TransferDescriptor(
                 self.kind, self.request_id, self.num_tokens, self.num_bytes, "",
                 name=self.key, host=self.host, offset=self.offset, length=self.length,
+                generation=self.generation,
             )  # fmt: skip
         return TransferDescriptor(
             self.kind, self.request_id, self.num_tokens, self.num_bytes, "",

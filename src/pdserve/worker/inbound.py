@@ -189,7 +189,8 @@ class ShmInbound(_Timed):
     """``shm``: ``ShmReceiver`` behind the ``Inbound`` interface (it unlinks what it read).
 
     ``discard`` before any ``receive`` (the request was refused) unlinks the segment too, if
-    its name is one of pdserve's segments and it lies on this host.
+    its name is one of pdserve's segments and it lies on this host (a reused slot: frees the
+    hand-off in it, ``ShmReceiver.discard_slot``).
     """
 
     def __init__(self, receiver: ShmReceiver, location: KVLocation) -> None:
@@ -214,4 +215,8 @@ class ShmInbound(_Timed):
             return  # another host's name: nothing of ours
         if parse_owner_pid(name) is None or "/" in name:
             return  # not a pdserve segment name: never unlink what came off the network
-        (self.receiver.shm_dir / name).unlink(missing_ok=True)
+        path = self.receiver.shm_dir / name
+        if self.location.generation:  # a reused slot: its writer's; free this hand-off
+            self.receiver.discard_slot(path, self.location.generation)
+            return
+        path.unlink(missing_ok=True)

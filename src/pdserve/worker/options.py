@@ -83,6 +83,9 @@ class WorkerOptions:
     prefix_lease_s: float = 600.0
     inbox_bytes: int = 2 * 1024**3
     """RAM budget of a decode worker's own KV endpoint (direct hand-offs land there)."""
+    shm_slot_bytes: int = 1024**3
+    """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.slots``);
+    0: a fresh segment per hand-off."""
     janitor_interval_s: float = 60.0
     """How often orphaned shm segments are looked for (also once at start)."""
     janitor_max_age_s: float = 600.0
@@ -104,6 +107,7 @@ class WorkerOptions:
             prefetch_min_bytes=self.kv_prefetch_min_bytes,
             timeout_s=self.kv_transfer_timeout_s,
             lease_s=self.kv_lease_s,
+            shm_slot_bytes=self.shm_slot_bytes,
             faults=parse_faults(self.faults),
         )
 
@@ -249,6 +253,13 @@ def worker_parser(
         default=int(d("inbox_bytes", 2 * 1024**3)),
         help="decode: RAM budget of the worker's own KV endpoint (direct)",
     )
+    t.add_argument(
+        "--shm-slot-bytes",
+        type=int,
+        default=int(d("shm_slot_bytes", 1024**3)),
+        help="prefill: /dev/shm bytes of shm segments kept mapped and reused (at most a "
+        "quarter of /dev/shm); 0: a fresh segment per hand-off",
+    )
     t.add_argument("--janitor-interval-s", type=float, default=float(d("janitor_interval_s", 60.0)))
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
     # Fault injection, for fault tests only: corrupt[@PREFIX] or stall:N[@PREFIX], repeatable.
@@ -333,6 +344,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         prefix_chunk_tokens=args.prefix_chunk_tokens,
         prefix_lease_s=args.prefix_lease_s,
         inbox_bytes=args.inbox_bytes,
+        shm_slot_bytes=args.shm_slot_bytes,
         janitor_interval_s=args.janitor_interval_s,
         janitor_max_age_s=args.janitor_max_age_s,
         faults=tuple(args.fault),

@@ -58,6 +58,8 @@ class TransferOptions:
     """Bound on a commit (sender) or a read (receiver); 0: from payload size and bandwidth."""
     lease_s: float = 60.0
     """Lease of a hand-off entry whose reader never comes."""
+    shm_slot_bytes: int = 0
+    """``/dev/shm`` bytes of reused shm segments (``transfer.slots``); 0: none."""
     faults: SendFaults | None = None
     """Fault injection, for fault tests only."""
 
@@ -72,6 +74,8 @@ class TransferOptions:
             raise InvalidArgumentError("timeout_s", f"must be >= 0, got {self.timeout_s}")
         if not self.lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {self.lease_s}")
+        if self.shm_slot_bytes < 0:
+            raise InvalidArgumentError("shm_slot_bytes", f"must be >= 0, got {self.shm_slot_bytes}")
         if self.prefetch_min_bytes < 0:
             raise InvalidArgumentError(
                 "prefetch_min_bytes", f"must be >= 0, got {self.prefetch_min_bytes}"

@@ -41,6 +41,7 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmSender
+from pdserve.transfer.slots import SlotPool, slot_budget
 from pdserve.worker import decode_prefix
 from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.async_engine import AsyncEngine
@@ -133,6 +134,9 @@ class PrefillWorker:
         # sealed segments off the request's path.
         self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
         self._shm_closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-unmap")
+        # shm segments kept mapped and reused: neither side builds page tables per hand-off.
+        budget = slot_budget(self.options.shm_slot_bytes)
+        self._shm_slots = SlotPool(budget, lease_s=self.options.lease_s) if budget else None
         # store/direct: one thread seals the frames of every stream, in the order taken.
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
 
@@ -144,6 +148,8 @@ class PrefillWorker:
             await self.announcers.close()
         self._shm_pool.shutdown(wait=True)
         self._shm_closer.shutdown(wait=True)
+        if self._shm_slots is not None:
+            self._shm_slots.close()
         self._sealer.shutdown(wait=True)
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
@@ -167,7 +173,10 @@ class PrefillWorker:
         if kind is TransportKind.RECOMPUTE:
             return None
         if kind is TransportKind.SHM:
-            sender = ShmSender(host=self.host, pool=self._shm_pool, closer=self._shm_closer)
+            sender = ShmSender(
+                host=self.host, pool=self._shm_pool, closer=self._shm_closer,
+                slots=self._shm_slots,
+            )  # fmt: skip
             out = ShmOutbound(sender, faults=o.faults)
         else:
             client = self.store if kind is TransportKind.STORE else self._endpoint(decode_address)

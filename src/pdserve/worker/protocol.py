@@ -38,7 +38,13 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
         handle.direct.CopyFrom(common_pb2.DirectLocation(address=kv.address, key=kv.key))
     elif kv.kind is TransportKind.SHM:
         handle.shm.CopyFrom(
-            common_pb2.ShmLocation(host=kv.host, name=kv.key, offset=kv.offset, length=kv.length)
+            common_pb2.ShmLocation(
+                host=kv.host,
+                name=kv.key,
+                offset=kv.offset,
+                length=kv.length,
+                generation=kv.generation,
+            )
         )
     else:
         handle.recompute.CopyFrom(common_pb2.RecomputeLocation(reason=kv.reason))
@@ -62,7 +68,7 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
             raise InvalidArgumentError("kv.shm.name", "must not be empty")
         return KVLocation(
             TransportKind.SHM, *common, key=shm.name, host=shm.host, offset=shm.offset,
-            length=shm.length, prefix_tokens=skip,
+            length=shm.length, generation=shm.generation, prefix_tokens=skip,
         )  # fmt: skip
     if where == "recompute":
         return KVLocation(TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason)
