@@ -391,8 +391,13 @@ class SlotMappings:
                 self._forget(oldest)
             return m
 
+    def sweep(self) -> None:
+        """Drop mappings of slots their writer (or the janitor) unlinked: the mapping would
+        keep their memory (the decode worker runs this every second)."""
+        with self._lock:
+            self._sweep()
+
     def _sweep(self) -> None:
-        """Drop mappings of slots their writer (or the janitor) unlinked."""
         for name, m in list(self._maps.items()):
             if not m.claimed and os.fstat(m.fd).st_nlink == 0:
                 self._forget(name)

@@ -188,8 +188,10 @@ class DecodeWorker:
         return PrefetchOutcome(accepted=True, ready=not reason, reason=reason)
 
     async def sweep(self) -> None:
-        """Drop prefetches that no Decode call took in time."""
+        """Drop prefetches that no Decode call took in time, and mappings of dropped shm
+        slots."""
         await self.prefetches.sweep()
+        self._slot_maps.sweep()  # mappings of slots their writer dropped hold their memory
 
     # -- Decode ----------------------------------------------------------------------------
     async def decode(

@@ -265,6 +265,9 @@ def test_closing_and_the_janitor_leave_nothing(shm_prefix: str, maps: SlotMappin
     receive(maps, d).release()
     pool.close()
     assert leftovers(shm_prefix) == []
+    assert maps.num_mappings == 1  # the reader's mapping keeps the unlinked slot's memory ...
+    maps.sweep()
+    assert maps.num_mappings == 0  # ... until its periodic sweep
     with pytest.raises(KVTransferError, match="gone"):
         maps.claim(SHM_DIR / d.name, d.generation, time.monotonic() + 1)
 
