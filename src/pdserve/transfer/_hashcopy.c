@@ -97,10 +97,21 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The module's name: ``setup.py`` builds this file as ``_hashcopy`` (the baseline
+ * instruction set: SSE2 on x86-64) and, through ``_hashcopy_avx2.c``, as ``_hashcopy_avx2``
+ * (``-mavx2``: XXH3's AVX2 loop); ``checksum.py`` imports that one only on a CPU with AVX2. */
+#ifndef HASHCOPY_NAME
+#define HASHCOPY_NAME _hashcopy
+#endif
+#define HC_STR2(x) #x
+#define HC_STR(x) HC_STR2(x)
+#define HC_CAT2(a, b) a##b
+#define HC_CAT(a, b) HC_CAT2(a, b)
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_hashcopy",
+    PyModuleDef_HEAD_INIT, HC_STR(HASHCOPY_NAME),
     "One-pass copy and XXH3-64 of a KV buffer into shared memory.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__hashcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC HC_CAT(PyInit_, HASHCOPY_NAME)(void) { return PyModule_Create(&module); }

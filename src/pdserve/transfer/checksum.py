@@ -10,7 +10,8 @@ then V's, little-endian u64). Hashing K and V separately lets the receiver's two
 take one each (verify); one thread alone gets the same value. The sender copies and hashes
 whole layers, alternating between two threads (``shm.ShmSender``).
 
-A contiguous CPU source is copied by ``_hashcopy`` (a C module built at install; optional):
+A contiguous CPU source is copied by ``_hashcopy`` (a C module built at install; optional;
+its AVX2 build, ``_hashcopy_avx2``, where the CPU has AVX2: 5-12% faster writer here):
 each small piece is hashed from the source, which brings it into cache, then copied from there
 with streaming stores, which do not read the destination first. That is two passes over
 memory, as a large memcpy makes, where copying into the mapping and then hashing what was
@@ -23,6 +24,7 @@ and releases the GIL, where ``copy_`` would start an OpenMP team in each of the 
 
 from __future__ import annotations
 
+import importlib
 import struct
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -34,12 +36,34 @@ import xxhash
 
 Buffer = bytes | bytearray | memoryview
 
-_hash_copy: Callable[[np.ndarray, np.ndarray, int], int] | None
-try:
-    from pdserve.transfer._hashcopy import hash_copy as _hash_copy
-except ImportError:  # installed without a C compiler: numpy's copy, the same checksums
-    _hash_copy = None
+HashCopy = Callable[[np.ndarray, np.ndarray, int], int]
 
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((x for x in info if x.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def _load_hash_copy() -> tuple[HashCopy | None, str]:
+    """The one-pass copy: its AVX2 build on a CPU that has AVX2 (XXH3's AVX2 loop hashes
+    faster), else the baseline build; (None, "") when neither was built (no C compiler:
+    numpy's copy, the same checksums)."""
+    names = (["_hashcopy_avx2"] if "avx2" in cpu_flags() else []) + ["_hashcopy"]
+    for name in names:
+        try:
+            module = importlib.import_module(f"pdserve.transfer.{name}")
+        except ImportError:
+            continue
+        return module.hash_copy, name
+    return None, ""
+
+
+_hash_copy, NATIVE_MODULE = _load_hash_copy()
 NATIVE = _hash_copy is not None
 """Whether the one-pass copy (``_hashcopy``) was built."""
 _NATIVE_PIECE_BYTES = 64 * 1024

@@ -4,8 +4,11 @@ thread or two), and the shm segment's use."""
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import mmap
 import os
+import platform
 import shutil
 import struct
 import sysconfig
@@ -22,8 +25,10 @@ from pdserve.transfer import checksum, segment, shm
 from pdserve.transfer.base import TransferState
 from pdserve.transfer.checksum import (
     NATIVE,
+    NATIVE_MODULE,
     combine,
     copy_and_hash,
+    cpu_flags,
     in_pair,
     kv_checksum,
     layer_checksum,
@@ -95,20 +100,31 @@ def test_the_one_pass_copy_is_built_where_a_compiler_is() -> None:
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}): the numpy path is the one in use")
     assert NATIVE
+    if platform.machine() == "x86_64" and "avx2" in cpu_flags():
+        assert NATIVE_MODULE == "_hashcopy_avx2"  # the faster build is the one in use
+
+
+def _builds() -> list[str]:
+    """The builds of the one-pass copy that exist and can run on this CPU."""
+    names = ["_hashcopy"] + (["_hashcopy_avx2"] if "avx2" in cpu_flags() else [])
+    return [n for n in names if importlib.util.find_spec(f"pdserve.transfer.{n}") is not None]
 
 
 needs_native = pytest.mark.skipif(not NATIVE, reason="_hashcopy was not built (no C compiler)")
 
 
 @needs_native
+@pytest.mark.parametrize("build", _builds())
 @pytest.mark.parametrize("num_bytes", [0, 1, 63, 64, 65, 4095, 65536, 65537, 3 * 65536 + 17])
 @pytest.mark.parametrize("dst_offset", [0, 1, 8, 15])
 def test_one_pass_copy_writes_the_bytes_and_their_xxh3(
-    num_bytes: int, dst_offset: int, monkeypatch: pytest.MonkeyPatch
+    build: str, num_bytes: int, dst_offset: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Heads and tails around the 16-byte aligned streamed middle, pieces of 64 KiB: the
-    destination holds the source's bytes, nothing around it is touched, the checksum is the
-    xxhash package's, as numpy's copy and hash give it."""
+    """Heads and tails around the 16-byte aligned streamed middle, pieces of 64 KiB, each
+    build: the destination holds the source's bytes, nothing around it is touched, the
+    checksum is the xxhash package's, as numpy's copy and hash give it."""
+    module = importlib.import_module(f"pdserve.transfer.{build}")
+    monkeypatch.setattr(checksum, "_hash_copy", module.hash_copy)
     g = torch.Generator().manual_seed(num_bytes)
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=g)
     if num_bytes % 2 == 0:  # a bf16 [T, 2, 4]-like source where the size allows
@@ -127,8 +143,9 @@ def test_one_pass_copy_writes_the_bytes_and_their_xxh3(
 
 
 @needs_native
-def test_one_pass_copy_rejects_bad_buffers() -> None:
-    from pdserve.transfer._hashcopy import hash_copy
+@pytest.mark.parametrize("build", _builds())
+def test_one_pass_copy_rejects_bad_buffers(build: str) -> None:
+    hash_copy = importlib.import_module(f"pdserve.transfer.{build}").hash_copy
 
     src = np.arange(100, dtype=np.uint8)
     with pytest.raises(ValueError, match="dst has 99 bytes, src 100"):
