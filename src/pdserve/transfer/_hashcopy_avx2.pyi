@@ -1,10 +1,1 @@
-import numpy as np
-
-def hash_copy(
-    dst: bytearray | memoryview | np.ndarray,
-    src: bytes | bytearray | memoryview | np.ndarray,
-    piece_bytes: int,
-    /,
-) -> int:
-    """Copy ``src`` into ``dst`` (same length, C-contiguous) with streaming stores and return
-    the XXH3-64 of the bytes; releases the GIL."""
+from pdserve.transfer._hashcopy import hash_copy as hash_copy

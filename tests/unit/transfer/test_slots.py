@@ -221,9 +221,10 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
     assert_same_payload(receive(maps, d3), sent3)
 
 
-def test_a_follower_reads_the_slot_as_it_is_written(pool: SlotPool, maps: SlotMappings) -> None:
-    receive(maps, send(pool, "warm")[1]).release()  # type: ignore[arg-type]
-    payload = random_payload(LAYOUT, 6, seed=3)
+def follow_a_hand_off(pool: SlotPool, maps: SlotMappings, seed: int) -> None:
+    """A follower started as the hand-off begins ends with exactly the payload written, and
+    the slot is free once the payload is released."""
+    payload = random_payload(LAYOUT, 6, seed=seed)
     sender = ShmSender(prefix=pool.prefix, slots=pool)
     sender.begin("r", LAYOUT, 6)
     d = sender.planned()
@@ -231,15 +232,20 @@ def test_a_follower_reads_the_slot_as_it_is_written(pool: SlotPool, maps: SlotMa
 
     async def body() -> KVPayload:
         task = asyncio.create_task(rx.receive(d, 10.0))
-        await asyncio.sleep(0)  # let the follower start; the writer goes on regardless
-        for i in range(LAYOUT.num_layers):
-            sender.send_layer(i, payload.keys[i], payload.values[i])
+        for i in range(LAYOUT.num_layers):  # the first layer waits for a new slot's mapper
+            await asyncio.to_thread(sender.send_layer, i, payload.keys[i], payload.values[i])
         sender.finish()
         return await task
 
     got = asyncio.run(body())
     assert_same_payload(got, payload)
     got.release()
+    assert segment_state(SHM_DIR / d.name) is SegmentState.FREE
+
+
+def test_a_follower_reads_the_slot_as_it_is_written(pool: SlotPool, maps: SlotMappings) -> None:
+    receive(maps, send(pool, "warm")[1]).release()  # type: ignore[arg-type]
+    follow_a_hand_off(pool, maps, seed=3)  # the warm slot, mapped on both sides
 
 
 def test_the_pool_keeps_to_its_budget(shm_prefix: str) -> None:
@@ -370,21 +376,5 @@ def test_a_follower_waits_for_a_new_slot_to_be_reserved(
 
     monkeypatch.setattr(maps, "mapping", watched)
     monkeypatch.setattr(segment, "map_for_writing", held_back)
-    payload = random_payload(LAYOUT, 6, seed=4)
-    sender = ShmSender(prefix=pool.prefix, slots=pool)
-    sender.begin("r", LAYOUT, 6)
-    d = sender.planned()
-    rx = ShmReceiver(expected_layout=LAYOUT, slots=maps, follow=True)
-
-    async def body() -> KVPayload:
-        task = asyncio.create_task(rx.receive(d, 10.0))
-        for i in range(LAYOUT.num_layers):  # the first layer waits for the mapper
-            await asyncio.to_thread(sender.send_layer, i, payload.keys[i], payload.values[i])
-        sender.finish()
-        return await task
-
-    got = asyncio.run(body())
+    follow_a_hand_off(pool, maps, seed=4)
     assert found_empty.is_set()
-    assert_same_payload(got, payload)
-    got.release()
-    assert state(pool) is SegmentState.FREE
