@@ -143,7 +143,7 @@ def start(
     before it is written (x86 keeps stores in order)."""
     struct.pack_into("<I", mm, STATE_OFFSET, SegmentState.WRITING)
     mm[geom.table_offset : geom.data_offset] = bytes(geom.data_offset - geom.table_offset)
-    old = mapped_generation(mm) if mm[: len(MAGIC)] == MAGIC else 0
+    old = mapped_generation(mm)  # 0 in a new file
     _PREAMBLE.pack_into(
         mm, 0, MAGIC, SegmentState.WRITING, len(header), geom.num_layers, flags, old
     )

@@ -27,7 +27,8 @@ preamble, ``segment.py``; ``flock`` on the file guards the moves between writer 
      gone, or the read failed. -> FREE, unlock.
   7. Crashes: a dead reader's lock goes with it (step 2 takes the slot back); a dead writer's
      slots are the janitor's (``janitor.reclaim_orphans``: owner dead), and a reader drops
-     its mappings of unlinked slots at its next claim. ``SlotPool.close`` unlinks every slot.
+     its mappings of unlinked slots at its periodic sweep. ``SlotPool.close`` unlinks every
+     slot.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +123,7 @@ class SlotPool:
     def num_bytes(self) -> int:
         """``/dev/shm`` bytes the pool's slots hold."""
         with self._lock:
-            return sum(s.capacity for s in self._slots)
+            return self._held()
 
     @property
     def slots(self) -> list[Slot]:
@@ -151,11 +153,11 @@ class SlotPool:
             if self._closed or capacity > self.budget_bytes:
                 return None
             for victim in sorted(self._idle(0), key=lambda s: s.capacity):
-                if sum(s.capacity for s in self._slots) + capacity <= self.budget_bytes:
+                if self._held() + capacity <= self.budget_bytes:
                     break
                 if self._reclaim(victim):
                     self._drop(victim)
-            if sum(s.capacity for s in self._slots) + capacity > self.budget_bytes:
+            if self._held() + capacity > self.budget_bytes:
                 return None
             name = f"{self.prefix}{os.getpid()}-s{self._next}"
             self._next += 1
@@ -191,6 +193,9 @@ class SlotPool:
             self._closed = True
             for slot in list(self._slots):
                 self._drop(slot)
+
+    def _held(self) -> int:
+        return sum(s.capacity for s in self._slots)
 
     def _idle(self, size: int) -> list[Slot]:
         return [s for s in self._slots if not s.busy and s.mm is not None and s.capacity >= size]
@@ -241,6 +246,11 @@ class _Mapping:
     claimed: bool = False
     populated: bool = False
     """Its page tables are filled in (a read went through it): no need to again."""
+
+    def __post_init__(self) -> None:
+        # The fd goes with the mapping: forgotten, or garbage with its ``SlotMappings`` (a
+        # receiver's one-read mappings) once its last payload view is gone.
+        self.close_fd = weakref.finalize(self, os.close, self.fd)
 
 
 class Claim:
@@ -360,7 +370,6 @@ class SlotMappings:
 
     def _get(self, path: Path) -> _Mapping:
         with self._lock:
-            self._sweep()
             try:
                 st = os.stat(path)
             except FileNotFoundError:
@@ -395,17 +404,14 @@ class SlotMappings:
         """Drop mappings of slots their writer (or the janitor) unlinked: the mapping would
         keep their memory (the decode worker runs this every second)."""
         with self._lock:
-            self._sweep()
-
-    def _sweep(self) -> None:
-        for name, m in list(self._maps.items()):
-            if not m.claimed and os.fstat(m.fd).st_nlink == 0:
-                self._forget(name)
+            for name, m in list(self._maps.items()):
+                if not m.claimed and os.fstat(m.fd).st_nlink == 0:
+                    self._forget(name)
 
     def _forget(self, name: str) -> None:
         m = self._maps.pop(name)
         segment.close_mapping(m.mm)
-        os.close(m.fd)
+        m.close_fd()
 
 
 def _lock(fd: int, deadline: float, name: str) -> None:

@@ -214,6 +214,8 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     # Its lock went with it: the slot is taken back, CLAIMED as it was left.
     assert segment_state(path) is SegmentState.CLAIMED
     _, d3, sent3 = send(pool, "r3", seed=2)
