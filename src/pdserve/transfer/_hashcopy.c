@@ -1,4 +1,5 @@
-/* Copy a KV buffer into shared memory and return the XXH3-64 of its bytes, in one pass.
+/* Copy a KV buffer into shared memory and return the XXH3-64 of its bytes, in one pass;
+ * and hash a buffer without the GIL (the reader's checks).
  *
  * ``hash_copy(dst, src, piece_bytes) -> int``: ``src`` is read ``piece_bytes`` at a time;
  * each piece is hashed first (which brings it into this core's cache) and then copied from
@@ -56,6 +57,9 @@ static void stream_copy(char *dst, const char *src, size_t n) { memcpy(dst, src,
 static void stream_fence(void) {}
 #endif
 
+/* Below this many bytes a hash takes less time than handing the GIL over and back. */
+#define GIL_FREE_BYTES (64 * 1024)
+
 static PyObject *hash_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     Py_ssize_t piece;
@@ -90,10 +94,30 @@ static PyObject *hash_copy(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* ``hash64(data) -> int``: the XXH3-64 of a buffer, the GIL released while it runs (the
+ * ``xxhash`` package holds it), so that a reader's two threads hash K and V at once. */
+static PyObject *hash64(PyObject *self, PyObject *arg) {
+    Py_buffer data;
+    XXH64_hash_t digest;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0) return NULL;
+    if (data.len < GIL_FREE_BYTES) {
+        digest = XXH3_64bits(data.buf, (size_t)data.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        digest = XXH3_64bits(data.buf, (size_t)data.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong((unsigned long long)digest);
+}
+
 static PyMethodDef methods[] = {
     {"hash_copy", hash_copy, METH_VARARGS,
      "hash_copy(dst, src, piece_bytes) -> int: copy src into dst (streaming stores) and "
      "return the XXH3-64 of its bytes, hashed piece by piece from cache."},
+    {"hash64", hash64, METH_O,
+     "hash64(data) -> int: the XXH3-64 of a C-contiguous buffer, without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -110,7 +134,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, HC_STR(HASHCOPY_NAME),
-    "One-pass copy and XXH3-64 of a KV buffer into shared memory.", -1, methods,
+    "One-pass copy and XXH3-64 of a KV buffer into shared memory; GIL-free XXH3-64.", -1,
+    methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -8,3 +8,6 @@ def hash_copy(
 ) -> int:
     """Copy ``src`` into ``dst`` (same length, C-contiguous) with streaming stores and return
     the XXH3-64 of the bytes; releases the GIL."""
+
+def hash64(data: bytes | bytearray | memoryview | np.ndarray, /) -> int:
+    """The XXH3-64 of ``data`` (C-contiguous); releases the GIL on buffers of 64 KiB or more."""

@@ -37,6 +37,7 @@ import xxhash
 Buffer = bytes | bytearray | memoryview
 
 HashCopy = Callable[[np.ndarray, np.ndarray, int], int]
+Hash = Callable[[Buffer], int]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -49,21 +50,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def _load_hash_copy() -> tuple[HashCopy | None, str]:
-    """The one-pass copy: its AVX2 build on a CPU that has AVX2 (XXH3's AVX2 loop hashes
-    faster), else the baseline build; (None, "") when neither was built (no C compiler:
-    numpy's copy, the same checksums)."""
+def _load_native() -> tuple[HashCopy | None, Hash | None, str]:
+    """The one-pass copy and the GIL-free hash: the AVX2 build on a CPU that has AVX2
+    (XXH3's AVX2 loop hashes faster), else the baseline build; (None, None, "") when neither
+    was built (no C compiler: numpy's copy and the ``xxhash`` package, the same checksums)."""
     names = (["_hashcopy_avx2"] if "avx2" in cpu_flags() else []) + ["_hashcopy"]
     for name in names:
         try:
             module = importlib.import_module(f"pdserve.transfer.{name}")
         except ImportError:
             continue
-        return module.hash_copy, name
-    return None, ""
+        return module.hash_copy, module.hash64, name
+    return None, None, ""
 
 
-_hash_copy, NATIVE_MODULE = _load_hash_copy()
+_hash_copy, _hash64, NATIVE_MODULE = _load_native()
 NATIVE = _hash_copy is not None
 """Whether the one-pass copy (``_hashcopy``) was built."""
 _NATIVE_PIECE_BYTES = 64 * 1024
@@ -76,7 +77,12 @@ _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def layer_checksum(data: Buffer) -> int:
-    """XXH3-64 of ``data`` (an unsigned 64-bit int); reads the buffer in place, no copy."""
+    """XXH3-64 of ``data`` (an unsigned 64-bit int); reads the buffer in place, no copy.
+
+    The native build's hash releases the GIL, so the reader's two threads hash K and V at
+    once; the ``xxhash`` package's holds it, and they hash in turn."""
+    if _hash64 is not None:
+        return _hash64(data)
     return int(xxhash.xxh3_64_intdigest(data))
 
 

@@ -144,6 +144,31 @@ def test_one_pass_copy_writes_the_bytes_and_their_xxh3(
 
 @needs_native
 @pytest.mark.parametrize("build", _builds())
+@pytest.mark.parametrize("num_bytes", [0, 1, 63, 240, 65535, 65536, 3 * 65536 + 17])
+def test_gil_free_hash_is_the_xxhash_packages(
+    build: str, num_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hash64`` (the reader's checks; it releases the GIL from 64 KiB on) gives the
+    ``xxhash`` package's XXH3-64 for bytes, a view into an mmap and a numpy array, and
+    ``layer_checksum`` is the same with or without it."""
+    hash64 = importlib.import_module(f"pdserve.transfer.{build}").hash64
+    data = np.random.default_rng(num_bytes).integers(0, 256, num_bytes + 5, dtype=np.uint8)
+    expected = xxhash.xxh3_64_intdigest(data[5:].tobytes())
+    with mmap.mmap(-1, max(1, num_bytes + 5)) as mm:
+        mm[: num_bytes + 5] = data.tobytes()
+        with memoryview(mm)[5 : 5 + num_bytes] as view:
+            assert hash64(view) == expected
+    assert hash64(data[5:].tobytes()) == hash64(data[5:]) == expected
+    monkeypatch.setattr(checksum, "_hash64", hash64)
+    assert layer_checksum(data[5:].data) == expected
+    monkeypatch.setattr(checksum, "_hash64", None)
+    assert layer_checksum(data[5:].data) == expected
+    with pytest.raises((TypeError, BufferError, ValueError)):  # not contiguous
+        hash64(np.zeros(200, dtype=np.uint8)[::2])
+
+
+@needs_native
+@pytest.mark.parametrize("build", _builds())
 def test_one_pass_copy_rejects_bad_buffers(build: str) -> None:
     hash_copy = importlib.import_module(f"pdserve.transfer.{build}").hash_copy
 
