@@ -2,11 +2,12 @@
 
 The prefill worker streams a hand-off's layer frames into this endpoint while it computes.
 Instead of keeping the chunks, the endpoint feeds them to a ``FrameCollector`` as they arrive:
-each frame is copied once into its own buffer and checked there (its CRC combined from the
-chunks' already checked ones), and its K and V become tensors over that buffer. At the last
-chunk the entry is committed with the frames as its data (the same bytes: a remote ``Get``
-still streams the layer stream) and the assembled ``KVPayload`` attached, so the ``Decode``
-call that follows finds the KV ready: decoding starts as soon as the last layer has landed.
+each frame is checked (its CRC combined from the chunks' already checked ones) and its K and
+V become tensors over the received pieces (a layer whose K and V each fit a chunk) or over a
+buffer the frame was copied into once. At the last chunk the entry is committed with the
+frames as its data (the same bytes: a remote ``Get`` still streams the layer stream) and the
+assembled ``KVPayload`` attached, so the ``Decode`` call that follows finds the KV ready:
+decoding starts as soon as the last layer has landed.
 
 A stream that is not a hand-off (another key, or no stream header) is stored as it came. A
 frame that fails its check fails the Put (once the stream is read, so that the reason reaches

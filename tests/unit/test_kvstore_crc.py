@@ -62,3 +62,14 @@ def test_split_parts_keeps_known_crcs_and_splits_the_rest() -> None:
             c.key, c.header, c.total_bytes = "k", b"", 4000
         asm.feed(c)
     assert asm.finish() == big + unknown
+
+
+def test_a_part_a_frame_header_over_a_chunk_goes_out_whole() -> None:
+    """A layer frame's first piece is a chunk of K with the frame header in front: within
+    1/64 of a chunk over, a part with its CRC leaves as one chunk; further over, it is split."""
+    lead, over = b"h" * 1028, b"o" * 1100
+    chunks = list(
+        split_parts([(lead, zlib.crc32(lead)), (over, zlib.crc32(over))], chunk_bytes=1024)
+    )
+    assert [len(c.data) for c in chunks] == [1028, 1024, 76]
+    assert all(c.crc32 == zlib.crc32(c.data) for c in chunks)

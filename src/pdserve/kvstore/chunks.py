@@ -64,11 +64,14 @@ def chunk_pieces(
     parts: Sequence[tuple[Buffer, int | None]], chunk_bytes: int
 ) -> list[tuple[Buffer, int | None]]:
     """The data of ``parts`` as chunk-sized pieces: a part whose CRC-32 is known and that fits
-    a chunk goes out as it is (no copy, no second checksum); others are split (views); empty
-    parts are left out."""
+    a chunk, give or take 1/64 of one, goes out as it is (no copy, no second checksum); others
+    are split (views); empty parts are left out.
+
+    The margin lets a layer frame's first piece (a full chunk of K behind the frame's 28-byte
+    header, ``worker.frames``) leave as it came, so a reader can keep K without a copy."""
     pieces: list[tuple[Buffer, int | None]] = []
     for data, crc in parts:
-        if crc is not None and len(data) <= chunk_bytes:
+        if crc is not None and len(data) <= chunk_bytes + chunk_bytes // 64:
             pieces.append((data, crc))
             continue
         view = memoryview(data)

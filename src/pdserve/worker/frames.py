@@ -14,15 +14,18 @@ copies per side. Here:
   combined from those (``kvstore.crc``), and int8 compression happens here too. The frame's
   header travels in front of K's first piece (the one piece copied here). The chunk codec
   (``kvstore.wire``) copies each piece once, into the message gRPC sends.
-* ``FrameCollector`` (receiving side) accepts the byte stream in pieces of any size, copies
-  each frame once into a buffer of its own, checks the CRC and sizes there (combining the
-  chunks' already checked CRCs when the pieces line up with the frame), and views K and V as
-  tensors over that buffer (int8: dequantizes). ``build()`` returns the ``KVPayload``.
+* ``FrameCollector`` (receiving side) accepts the byte stream in pieces of any size. A
+  received header-and-K piece and its V piece (each K and V within one chunk: up to 1024
+  tokens of the base preset) are kept as they came, and K and V are tensors over them;
+  otherwise each frame is copied once into a buffer of its own and viewed there. It checks
+  the CRC (combined from the chunks' already checked CRCs when the pieces line up with the
+  frame) and the sizes; int8 is dequantized. ``build()`` returns the ``KVPayload``.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,11 +173,15 @@ class FrameCollector:
         self._shape = (header.num_tokens, layout.num_kv_heads, layout.head_dim)
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
-        self._frame = _frame_buffer(self.frame_size)
+        self._frame: memoryview | None = None  # the frame being copied together
         self._filled = 0
         self._kv_crc: int | None = 0  # of the current frame's K/V so far; None: unknown
+        self._lead: memoryview | None = None  # a frame's header and whole K, kept as received
+        self._lead_crc = 0  # of the K bytes in ``_lead``
         self.frames: list[memoryview] = []
-        """Every complete frame's bytes, in arrival order (K and V tensors are views)."""
+        """The complete frames' bytes in arrival order, as parts: a frame copied together,
+        or a frame's header-and-K piece and its V piece kept as they came (K and V tensors
+        are views over these)."""
 
     @property
     def complete(self) -> bool:
@@ -188,6 +195,10 @@ class FrameCollector:
         computed again.
         """
         view = memoryview(data).cast("B")
+        if crc32 is not None and view.readonly and self._keep(view, crc32):
+            return
+        if self._lead is not None:
+            self._copy_lead()
         head = FRAME_HEAD.size
         if (
             crc32 is not None
@@ -203,20 +214,70 @@ class FrameCollector:
         elif len(view) and not (self._filled == 0 and len(view) == head):
             self._kv_crc = None  # some K/V bytes came without a CRC: check the frame whole
         while len(view):
+            if self._frame is None:
+                self._frame = _frame_buffer(self.frame_size)
+            frame = self._frame
             take = min(len(view), self.frame_size - self._filled)
-            self._frame[self._filled : self._filled + take] = view[:take]
+            frame[self._filled : self._filled + take] = view[:take]
             self._filled += take
             view = view[take:]
             if self._filled == self.frame_size:
-                self._accept(self._frame, self._kv_crc)
-                self._frame = _frame_buffer(self.frame_size)
-                self._filled = 0
+                self._frame, self._filled = None, 0
+                k_end = head + self.part
+                self._accept(frame[:head], frame[head:k_end], frame[k_end:], self._kv_crc, frame)
                 self._kv_crc = 0
                 if len(view):
                     self._kv_crc = None  # the rest spans another frame: no CRC for its part
 
-    def _accept(self, frame: memoryview, kv_crc: int | None) -> None:
-        magic, layer, klen, vlen, crc = FRAME_HEAD.unpack_from(frame)
+    def _keep(self, view: memoryview, crc32: int) -> bool:
+        """Take a piece that holds a frame's header and its whole K, or then its whole V,
+        without a copy; False: it does not line up (``feed`` copies it).
+
+        A layer of up to one chunk's size per K (1024 tokens of the base preset with 1 MiB
+        chunks) travels as exactly these two pieces (``LayerCopy.seal``), so the frame is
+        never copied together: measured, the endpoint's copy of each piece into its frame was
+        about a tenth of a 1K ``direct`` hand-off's time. Only read-only pieces are kept (a
+        received message's bytes, which nothing else holds or writes); the K and V tensors
+        are views over them, which torch cannot mark read-only (nothing writes into a
+        received payload: the engine copies it into its blocks).
+        """
+        head = FRAME_HEAD.size
+        if self._lead is None:
+            if self._filled or len(view) != head + self.part:
+                return False
+            self._lead = view
+            # The CRC of the K bytes: the piece's less the header's, shifted over them.
+            self._lead_crc = crc32 ^ crc32_combine(fast_crc32(view[:head]), 0, self.part)
+            return True
+        if len(view) != self.part:
+            return False
+        lead, self._lead = self._lead, None
+        kv_crc = crc32_combine(self._lead_crc, crc32, self.part)
+        self._accept(lead[:head], lead[head:], view, kv_crc, lead, view)
+        return True
+
+    def _copy_lead(self) -> None:
+        """A kept header-and-K piece whose V does not come whole: copy it into the frame
+        buffer, as ``feed`` would have, and go on from there."""
+        lead, self._lead = self._lead, None
+        if lead is None:
+            return
+        self._frame = frame = _frame_buffer(self.frame_size)
+        frame[: len(lead)] = lead
+        self._filled = len(lead)
+        self._kv_crc = self._lead_crc
+
+    def _accept(
+        self,
+        head: memoryview,
+        keys: memoryview,
+        values: memoryview,
+        kv_crc: int | None,
+        *parts: memoryview,
+    ) -> None:
+        """Check one frame (its header, K and V bytes) and keep K and V as tensors over
+        them; ``parts``: the buffers they lie in, in stream order (``frames``)."""
+        magic, layer, klen, vlen, crc = FRAME_HEAD.unpack_from(head)
         n = self.header.layout.num_layers
         if magic != FRAME_MAGIC:
             raise KVTransferError("not a KV layer frame (bad magic)")
@@ -229,33 +290,35 @@ class FrameCollector:
         if layer in self._keys:
             raise KVTransferError(f"KV layer {layer} arrived twice")
         if kv_crc is None:
-            with memoryview(frame) as view:
-                kv_crc = fast_crc32(view[FRAME_HEAD.size :])
+            kv_crc = fast_crc32(values, fast_crc32(keys))
         if kv_crc != crc:
             raise KVTransferError(f"KV layer {layer} failed its checksum")
-        k_off, v_off = FRAME_HEAD.size, FRAME_HEAD.size + self.part
+        dtype = DTYPES[self.header.layout.dtype]
         if self.header.compression is Compression.INT8:
-            dtype = DTYPES[self.header.layout.dtype]
-            with memoryview(frame) as view:
-                k = dequantize(QuantizedTensor.from_bytes(view[k_off:v_off], *self._shape), dtype)
-                v = dequantize(QuantizedTensor.from_bytes(view[v_off:], *self._shape), dtype)
+            k = dequantize(QuantizedTensor.from_bytes(keys, *self._shape), dtype)
+            v = dequantize(QuantizedTensor.from_bytes(values, *self._shape), dtype)
         else:
-            dtype = DTYPES[self.header.layout.dtype]
-            k = self._view(frame, k_off, dtype)
-            v = self._view(frame, v_off, dtype)
+            k, v = self._view(keys, dtype), self._view(values, dtype)
         self._keys[layer], self._values[layer] = k, v
-        self.frames.append(frame)
+        self.frames.extend(parts)
 
-    def _view(self, frame: memoryview, offset: int, dtype: torch.dtype) -> torch.Tensor:
-        # A view over the frame buffer (which the tensor keeps alive): no further copy.
-        raw = torch.frombuffer(frame, dtype=torch.uint8, count=self.part, offset=offset)
+    def _view(self, data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+        # A view over the buffer (which the tensor keeps alive): no further copy.
+        if not data.readonly:
+            return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(self._shape)
+        with warnings.catch_warnings():
+            # A received piece kept as it came (``_keep``): torch warns that it cannot mark
+            # the tensor read-only; nothing writes into a received payload.
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
         return raw.view(dtype).view(self._shape)
 
     def build(self) -> KVPayload:
         """The payload; ``KVTransferError`` naming what is missing or left over."""
         n = self.header.layout.num_layers
-        if self._filled:
-            raise KVTransferError(f"KV stream ended inside a frame ({self._filled} bytes)")
+        if self._filled or self._lead is not None:
+            inside = self._filled + (len(self._lead) if self._lead is not None else 0)
+            raise KVTransferError(f"KV stream ended inside a frame ({inside} bytes)")
         missing = [i for i in range(n) if i not in self._keys]
         if missing:
             raise KVTransferError(f"KV layers {missing} never arrived")

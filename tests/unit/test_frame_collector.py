@@ -1,0 +1,134 @@
+"""``FrameCollector`` keeping a layer's pieces as they came: a received header-and-K piece
+and its V piece become the K and V tensors without a copy, anything else is copied together,
+and every check (CRC, sizes, an unfinished frame) holds on both paths."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.kv_payload import KVLayout
+from pdserve.errors import KVTransferError
+from pdserve.transfer.compress import Compression
+from pdserve.transfer.stream import StreamHeader
+from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, Piece, part_bytes
+
+LAYOUT = KVLayout("fp", "bfloat16", 3, 2, 8, 16)
+TOKENS = 5
+PART = part_bytes(LAYOUT, TOKENS, Compression.NONE)
+
+
+def _layers(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (TOKENS, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [
+        (torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
+        for _ in range(LAYOUT.num_layers)
+    ]
+
+
+def _received(pieces: list[Piece]) -> list[tuple[bytes, int]]:
+    """The pieces as a reader gets them: each its own immutable message bytes."""
+    return [(bytes(data), crc) for data, crc in pieces]
+
+
+def _address(data: bytes) -> int:
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+
+
+def _within(t: torch.Tensor, data: bytes) -> bool:
+    return _address(data) <= t.data_ptr() < _address(data) + len(data)
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.INT8])
+def test_received_pieces_that_line_up_become_the_tensors_without_a_copy(
+    compression: Compression,
+) -> None:
+    layers = _layers(0)
+    header = StreamHeader("r", LAYOUT, TOKENS, compression)
+    collector = FrameCollector(header, expected_layout=LAYOUT)
+    sent: list[tuple[bytes, int]] = []
+    for i, (k, v) in enumerate(layers):
+        pieces = _received(LayerCopy.take(i, k, v).seal(1 << 20, compression))
+        assert [len(p) for p, _ in pieces] == [
+            FRAME_HEAD.size + len(pieces[1][0]),
+            len(pieces[1][0]),
+        ]
+        for data, crc in pieces:
+            collector.feed(data, crc)
+        sent += pieces
+    payload = collector.build()
+    assert [bytes(part) for part in collector.frames] == [data for data, _ in sent]
+    copied = FrameCollector(header)  # the same bytes, writable: copied together
+    for data, crc in sent:
+        copied.feed(bytearray(data), crc)
+    reference = copied.build()
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(payload.keys[i], reference.keys[i])
+        assert torch.equal(payload.values[i], reference.values[i])
+        if compression is Compression.NONE:
+            assert torch.equal(payload.keys[i], k) and torch.equal(payload.values[i], v)
+            assert _within(payload.keys[i], sent[2 * i][0])
+            assert _within(payload.values[i], sent[2 * i + 1][0])
+            assert not _within(reference.keys[i], sent[2 * i][0])
+
+
+def test_writable_pieces_are_copied_so_their_owner_may_reuse_them() -> None:
+    (k, v), *_ = _layers(1)
+    one = StreamHeader("r", KVLayout("fp", "bfloat16", 1, 2, 8, 16), TOKENS)
+    collector = FrameCollector(one)
+    buffers = [
+        (bytearray(data), crc)
+        for data, crc in LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE)
+    ]
+    for data, crc in buffers:
+        collector.feed(data, crc)
+    for data, _ in buffers:
+        data[:] = bytes(len(data))  # the owner reuses its buffers
+    payload = collector.build()
+    assert torch.equal(payload.keys[0], k) and torch.equal(payload.values[0], v)
+
+
+def test_a_kept_lead_whose_v_comes_in_pieces_is_copied_together() -> None:
+    """Header and K in one piece, V in two: the kept piece is copied into the frame, and the
+    frame's CRC still comes from the pieces' (nothing is hashed again but the header)."""
+    layers = _layers(2)
+    collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
+    for i, (k, v) in enumerate(layers):
+        (lead, lead_crc), (tail, _) = _received(
+            LayerCopy.take(i, k, v).seal(1 << 20, Compression.NONE)
+        )
+        collector.feed(lead, lead_crc)
+        half = len(tail) // 2
+        for part in (tail[:half], tail[half:]):
+            collector.feed(part, zlib.crc32(part))
+    payload = collector.build()
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(payload.keys[i], k) and torch.equal(payload.values[i], v)
+    assert len(collector.frames) == LAYOUT.num_layers  # one frame buffer each
+
+
+def test_a_flipped_byte_in_a_kept_piece_fails_the_frame() -> None:
+    """The sender flips a byte of K after the frame's CRC (each chunk's own CRC is right):
+    combining the kept pieces' CRCs does not match the frame's."""
+    (k, v), *_ = _layers(3)
+    collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
+    pieces = _received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE, corrupt=True))
+    assert all(zlib.crc32(p) == c for p, c in pieces)
+    with pytest.raises(KVTransferError, match="checksum"):
+        for data, crc in pieces:
+            collector.feed(data, crc)
+
+
+def test_a_stream_ending_after_a_kept_lead_is_refused() -> None:
+    (k, v), *_ = _layers(4)
+    collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
+    (lead, crc), _ = _received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE))
+    collector.feed(lead, crc)
+    with pytest.raises(
+        KVTransferError, match=f"ended inside a frame \\({FRAME_HEAD.size + PART} bytes"
+    ):
+        collector.build()
