@@ -198,7 +198,7 @@ class FrameCollector:
         if crc32 is not None and view.readonly and self._keep(view, crc32):
             return
         if self._lead is not None:
-            self._copy_lead()
+            self._copy_lead(self._lead)
         head = FRAME_HEAD.size
         if (
             crc32 is not None
@@ -256,12 +256,10 @@ class FrameCollector:
         self._accept(lead[:head], lead[head:], view, kv_crc, lead, view)
         return True
 
-    def _copy_lead(self) -> None:
+    def _copy_lead(self, lead: memoryview) -> None:
         """A kept header-and-K piece whose V does not come whole: copy it into the frame
         buffer, as ``feed`` would have, and go on from there."""
-        lead, self._lead = self._lead, None
-        if lead is None:
-            return
+        self._lead = None
         self._frame = frame = _frame_buffer(self.frame_size)
         frame[: len(lead)] = lead
         self._filled = len(lead)
