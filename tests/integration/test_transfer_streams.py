@@ -34,15 +34,16 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR, segment_name
 from pdserve.transfer.stream import StreamHeader
-from pdserve.worker import frames
+from pdserve.worker import frames, outbound
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, stream_bytes
+from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, frame_bytes, stream_bytes
 from pdserve.worker.outbound import SendFaults, StreamSender
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
 from services.decode.inbox import InboxServicer
 from services.kvstore.servicer import KVStoreServicer
+from tests.unit.test_frame_collector import received
 
 pytestmark = pytest.mark.integration
 
@@ -337,7 +338,7 @@ def test_frames_assemble_however_the_bytes_are_cut(
     pieces = [
         p
         for i, (k, v) in enumerate(layers)
-        for p in LayerCopy.take(i, k, v).seal(100, Compression.NONE)
+        for p in received(LayerCopy.take(i, k, v).seal(100, Compression.NONE))
     ]
     # No message for a frame header alone: it rides with the first 100 bytes of K.
     part = n * LAYOUT.num_kv_heads * LAYOUT.head_dim * 4
@@ -376,7 +377,7 @@ def test_a_flipped_byte_fails_the_frame_check_whichever_crcs_came_along() -> Non
     header = StreamHeader("r", LAYOUT, n)
     (k, v), *_ = _layer_tensors(LAYOUT, n, 1)
     for with_crcs in (True, False):
-        pieces = LayerCopy.take(0, k, v).seal(64, Compression.NONE, corrupt=True)
+        pieces = received(LayerCopy.take(0, k, v).seal(64, Compression.NONE, corrupt=True))
         assert all(zlib.crc32(p) == c for p, c in pieces)  # each chunk itself looks fine
         collector = FrameCollector(header)
         with pytest.raises(KVTransferError, match="checksum"):
@@ -440,22 +441,32 @@ class _CountingSealer(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def test_layers_are_sealed_as_they_are_taken_not_when_the_loop_asks() -> None:
-    """The layer hook hands each layer to the sealing thread itself: every seal is under way
-    before the event loop runs once more, and the stream still carries the layers intact."""
+@pytest.mark.parametrize("inline", [True, False])
+def test_large_layers_are_sealed_as_they_are_taken_small_ones_by_the_loop(
+    inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large frame goes to the sealing thread from the layer hook itself: every seal is
+    under way before the event loop runs once more. A small one is left to the loop, which
+    seals it as it sends it: the thread gets nothing. Either way the stream carries the layers
+    intact."""
+    n = 11
+    if not inline:
+        size = frame_bytes(LAYOUT, n, Compression.NONE)
+        monkeypatch.setattr(outbound, "INLINE_SEAL_BYTES", size - 1)
 
     async def body() -> None:
         async with AsyncExitStack() as stack:
             store, client = await _store_and_client(stack)
             sealer = stack.enter_context(_CountingSealer())
-            n = 11
             layers = _layer_tensors(LAYOUT, n, 4)
             sender = StreamSender(client, TransportKind.STORE, lease_s=30, sealer=sealer)
             sender.begin("r-sealed", LAYOUT, n)
             for i, (k, v) in enumerate(layers):
                 sender.send_layer(i, k, v)
-            assert sealer.submitted == LAYOUT.num_layers  # no await since the first layer
+            # No await since the first layer.
+            assert sealer.submitted == (0 if inline else LAYOUT.num_layers)
             descriptor = await sender.commit(5.0)
+            assert sealer.submitted == (0 if inline else LAYOUT.num_layers)
             collector: FrameCollector | None = None
             async for chunk in client.stream(descriptor.name, delete_after_read=True):
                 collector = collector or FrameCollector(StreamHeader.decode(chunk.header))

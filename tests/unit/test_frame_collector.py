@@ -12,6 +12,8 @@ import torch
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import KVTransferError
+from pdserve.kvstore import wire
+from pdserve.kvstore.chunks import ChunkSequence
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.stream import StreamHeader
 from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, Piece, part_bytes
@@ -30,9 +32,12 @@ def _layers(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _received(pieces: list[Piece]) -> list[tuple[bytes, int]]:
-    """The pieces as a reader gets them: each its own immutable message bytes."""
-    return [(bytes(data), crc) for data, crc in pieces]
+def received(pieces: list[Piece]) -> list[tuple[bytes, int]]:
+    """The pieces as a reader gets them: each a chunk through the wire codec (a frame's
+    header in front of its first piece), its data and CRC-32 as they arrive."""
+    sequence = ChunkSequence("k")
+    chunks = [wire.decode(wire.encode(sequence.chunk(*piece))) for piece in pieces]
+    return [(bytes(chunk.data), chunk.crc32) for chunk in chunks]
 
 
 def _address(data: bytes) -> int:
@@ -52,7 +57,7 @@ def test_received_pieces_that_line_up_become_the_tensors_without_a_copy(
     collector = FrameCollector(header, expected_layout=LAYOUT)
     sent: list[tuple[bytes, int]] = []
     for i, (k, v) in enumerate(layers):
-        pieces = _received(LayerCopy.take(i, k, v).seal(1 << 20, compression))
+        pieces = received(LayerCopy.take(i, k, v).seal(1 << 20, compression))
         assert [len(p) for p, _ in pieces] == [
             FRAME_HEAD.size + len(pieces[1][0]),
             len(pieces[1][0]),
@@ -82,7 +87,7 @@ def test_writable_pieces_are_copied_so_their_owner_may_reuse_them() -> None:
     collector = FrameCollector(one)
     buffers = [
         (bytearray(data), crc)
-        for data, crc in LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE)
+        for data, crc in received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE))
     ]
     for data, crc in buffers:
         collector.feed(data, crc)
@@ -98,7 +103,7 @@ def test_a_kept_lead_whose_v_comes_in_pieces_is_copied_together() -> None:
     layers = _layers(2)
     collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
     for i, (k, v) in enumerate(layers):
-        (lead, lead_crc), (tail, _) = _received(
+        (lead, lead_crc), (tail, _) = received(
             LayerCopy.take(i, k, v).seal(1 << 20, Compression.NONE)
         )
         collector.feed(lead, lead_crc)
@@ -115,8 +120,10 @@ def test_a_flipped_byte_in_a_kept_piece_fails_the_frame() -> None:
     """The sender flips a byte of K after the frame's CRC (each chunk's own CRC is right):
     combining the kept pieces' CRCs does not match the frame's."""
     (k, v), *_ = _layers(3)
+    original = k.clone()
     collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
-    pieces = _received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE, corrupt=True))
+    pieces = received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE, corrupt=True))
+    assert torch.equal(k, original)  # the flip is on a copy: the hooked tensor is untouched
     assert all(zlib.crc32(p) == c for p, c in pieces)
     with pytest.raises(KVTransferError, match="checksum"):
         for data, crc in pieces:
@@ -126,7 +133,7 @@ def test_a_flipped_byte_in_a_kept_piece_fails_the_frame() -> None:
 def test_a_stream_ending_after_a_kept_lead_is_refused() -> None:
     (k, v), *_ = _layers(4)
     collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
-    (lead, crc), _ = _received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE))
+    (lead, crc), _ = received(LayerCopy.take(0, k, v).seal(1 << 20, Compression.NONE))
     collector.feed(lead, crc)
     with pytest.raises(
         KVTransferError, match=f"ended inside a frame \\({FRAME_HEAD.size + PART} bytes"

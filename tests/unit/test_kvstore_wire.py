@@ -37,6 +37,21 @@ def test_encode_parses_as_the_protobuf_message(data_len: int) -> None:
         assert getattr(message, name) == getattr(chunk, name), name
 
 
+@pytest.mark.parametrize(("lead_len", "data_len"), [(28, 0), (28, 1 << 20), (200, 127), (1, 1)])
+def test_a_lead_goes_in_front_of_the_data_in_the_same_field(lead_len: int, data_len: int) -> None:
+    """A sender's ``lead`` is part of ``data`` on the wire: protobuf and ``decode`` both read
+    the two as one field, and the decoded chunk has no lead of its own."""
+    rng = random.Random(lead_len * 7 + data_len)
+    chunk = _random_chunk(rng, data_len)
+    chunk.lead = rng.randbytes(lead_len)
+    raw = encode(chunk)
+    assert kvstore_pb2.KVChunk.FromString(raw).data == chunk.lead + bytes(chunk.data)
+    got = decode(raw)
+    assert (bytes(got.data), got.lead) == (chunk.lead + bytes(chunk.data), b"")
+    for name in FIELDS:
+        assert getattr(got, name) == getattr(chunk, name), name
+
+
 @pytest.mark.parametrize("data_len", [0, 5, 300, 70_000])
 def test_decode_reads_what_protobuf_wrote(data_len: int) -> None:
     rng = random.Random(1000 + data_len)

@@ -79,12 +79,14 @@ def chunk_pieces(
     return [p for p in pieces if len(p[0])]
 
 
-def data_chunk(seq: int, piece: Buffer, last: bool, crc32: int | None = None) -> Chunk:
-    """One chunk carrying ``piece`` (not copied: the wire codec copies it once, when gRPC
-    sends the chunk; keep it unchanged until then) and its CRC-32 (``crc32`` if the caller
-    computed it already)."""
-    crc = fast_crc32(piece) if crc32 is None else crc32
-    return Chunk(seq=seq, data=piece, crc32=crc, last=last)
+def data_chunk(
+    seq: int, piece: Buffer, last: bool, crc32: int | None = None, lead: bytes = b""
+) -> Chunk:
+    """One chunk carrying ``lead`` then ``piece`` (not copied: the wire codec copies them
+    once, when gRPC sends the chunk; keep them unchanged until then) and their CRC-32
+    (``crc32`` if the caller computed it already)."""
+    crc = fast_crc32(piece, fast_crc32(lead)) if crc32 is None else crc32
+    return Chunk(seq=seq, data=piece, crc32=crc, last=last, lead=lead)
 
 
 @dataclass(slots=True)
@@ -100,14 +102,14 @@ class ChunkSequence:
     cache: bool = False
     seq: int = 0
 
-    def chunk(self, piece: Buffer, crc32: int | None = None) -> Chunk:
-        return self._next(piece, False, crc32)
+    def chunk(self, piece: Buffer, crc32: int | None = None, lead: bytes = b"") -> Chunk:
+        return self._next(piece, False, crc32, lead)
 
     def end(self) -> Chunk:
         return self._next(b"", True, None)
 
-    def _next(self, piece: Buffer, last: bool, crc32: int | None) -> Chunk:
-        chunk = data_chunk(self.seq, piece, last, crc32)
+    def _next(self, piece: Buffer, last: bool, crc32: int | None, lead: bytes = b"") -> Chunk:
+        chunk = data_chunk(self.seq, piece, last, crc32, lead)
         if self.seq == 0:
             first_chunk_fields(
                 chunk, self.key, self.header, self.lease_s, self.total_bytes, self.cache

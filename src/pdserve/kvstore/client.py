@@ -43,8 +43,10 @@ from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 Bytes = bytes | bytearray | memoryview
-Piece = tuple[Bytes, int]
-"""A chunk's data with its CRC-32 already computed by the caller (sent as one chunk)."""
+Piece = tuple[Bytes, int] | tuple[Bytes, int, bytes]
+"""A chunk's data with its CRC-32 already computed by the caller (sent as one chunk); a third
+item is a lead sent in front of the data, in the same chunk, and covered by the CRC
+(``Chunk.lead``)."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),

@@ -9,7 +9,9 @@ bytes without protobuf (loopback TCP: 4.1 GB/s). The bytes on the wire stay exac
 
 * ``encode``: the small fields serialized by protobuf, then field 4 (``data``) appended by
   hand (tag, varint length, the bytes): protobuf allows fields in any order. One copy of the
-  data, into the message bytes gRPC sends.
+  data, into the message bytes gRPC sends. A sender may give the data as two buffers
+  (``Chunk.lead`` in front of ``Chunk.data``): both are copied straight into the message, so
+  a layer frame's 28-byte header travels with its first MiB of K without a joined copy first.
 * ``decode``: walks the message's fields; ``data`` becomes a ``memoryview`` into the received
   bytes (no copy) and everything else is parsed by protobuf from the few bytes around it.
 
@@ -43,13 +45,17 @@ class Chunk:
 
     seq: int = 0
     data: Buffer = b""
-    crc32: int = 0
+    crc32: int = 0  # of ``lead`` then ``data``
     last: bool = False
     key: str = ""
     header: bytes = b""
     lease_s: float = 0.0
     total_bytes: int = 0
     cache: bool = False
+    lead: bytes = b""
+    """Sending side only: bytes that go in front of ``data``, in the same field (``encode``
+    copies each once, into the message). A decoded chunk's ``data`` holds all of it, and
+    its ``lead`` is empty."""
 
 
 def _varint(n: int) -> bytes:
@@ -76,7 +82,7 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
 
 
 def encode(chunk: Chunk) -> bytes:
-    """The chunk as a serialized ``KVChunk`` (one copy of ``data``)."""
+    """The chunk as a serialized ``KVChunk`` (one copy of ``lead`` and ``data``)."""
     meta = kvstore_pb2.KVChunk(
         key=chunk.key,
         header=chunk.header,
@@ -87,10 +93,10 @@ def encode(chunk: Chunk) -> bytes:
         total_bytes=chunk.total_bytes,
         cache=chunk.cache,
     ).SerializeToString()
-    n = len(chunk.data)
+    n = len(chunk.lead) + len(chunk.data)
     if not n:
         return meta  # proto3 leaves an empty bytes field out
-    return b"".join((meta, _DATA_TAG, _varint(n), chunk.data))
+    return b"".join((meta, _DATA_TAG, _varint(n), chunk.lead, chunk.data))
 
 
 def decode(raw: bytes) -> Chunk:
