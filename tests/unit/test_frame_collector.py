@@ -139,3 +139,31 @@ def test_a_stream_ending_after_a_kept_lead_is_refused() -> None:
         KVTransferError, match=f"ended inside a frame \\({FRAME_HEAD.size + PART} bytes"
     ):
         collector.build()
+
+
+def test_views_are_made_once_the_stream_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torch call while frames arrive (each lets go of the GIL, which grpcio's threads
+    then take): the K and V views are made by ``build()``, still over the received bytes."""
+    made: list[int] = []
+    frombuffer = torch.frombuffer
+
+    def counting(buffer: object, **kwargs: object) -> torch.Tensor:
+        made.append(1)
+        return frombuffer(buffer, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "frombuffer", counting)
+    layers = _layers(5)
+    collector = FrameCollector(StreamHeader("r", LAYOUT, TOKENS))
+    sent = [
+        piece
+        for i, (k, v) in enumerate(layers)
+        for piece in received(LayerCopy.take(i, k, v).seal(1 << 20, Compression.NONE))
+    ]
+    for data, crc in sent:
+        collector.feed(data, crc)
+    assert collector.complete and not made
+    payload = collector.build()
+    assert len(made) == 2 * LAYOUT.num_layers
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(payload.keys[i], k) and torch.equal(payload.values[i], v)
+        assert _within(payload.keys[i], sent[2 * i][0])
