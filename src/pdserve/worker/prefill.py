@@ -137,7 +137,7 @@ class PrefillWorker:
         # shm segments kept mapped and reused: neither side builds page tables per hand-off.
         budget = slot_budget(self.options.shm_slot_bytes)
         self._shm_slots = SlotPool(budget, lease_s=self.options.lease_s) if budget else None
-        # store/direct: one thread seals the frames of every stream, in the order taken.
+        # store/direct: one thread seals the large frames of every stream, in the order taken.
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
 
     async def close(self) -> None:
