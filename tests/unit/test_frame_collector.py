@@ -14,9 +14,10 @@ from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import KVTransferError
 from pdserve.kvstore import wire
 from pdserve.kvstore.chunks import ChunkSequence
+from pdserve.kvstore.client import Piece
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.stream import StreamHeader
-from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, Piece, part_bytes
+from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, part_bytes
 
 LAYOUT = KVLayout("fp", "bfloat16", 3, 2, 8, 16)
 TOKENS = 5

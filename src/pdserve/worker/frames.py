@@ -35,6 +35,7 @@ import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
 from pdserve.errors import KVPayloadMismatchError, KVTransferError
+from pdserve.kvstore.client import Piece
 from pdserve.kvstore.crc import crc32_combine, fast_crc32
 from pdserve.transfer.compress import (
     Compression,
@@ -68,11 +69,6 @@ def stream_bytes(header: StreamHeader) -> int:
     return len(header.encode()) + n * frame_bytes(
         header.layout, header.num_tokens, header.compression
     )
-
-
-Piece = tuple[bytes | memoryview, int] | tuple[bytes | memoryview, int, bytes]
-"""Chunk data, its CRC-32 and, on a frame's first piece, the frame's header sent in front of
-it (``kvstore.client.Piece``)."""
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -124,7 +120,7 @@ class LayerCopy:
             parts = [memoryview(quantize(t).to_bytes()) for t in (self.k, self.v)]
         else:
             parts = [_byte_view(self.k), _byte_view(self.v)]
-        pieces: list[tuple[bytes | memoryview, int]] = []
+        pieces: list[tuple[memoryview, int]] = []
         crc = 0  # CRC-32 of nothing
         for part in parts:
             for start in range(0, len(part), piece_bytes):

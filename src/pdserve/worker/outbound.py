@@ -36,7 +36,7 @@ import torch
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
-from pdserve.kvstore.client import KVStoreClient, PutResult
+from pdserve.kvstore.client import KVStoreClient, Piece, PutResult
 from pdserve.transfer.base import (
     TransferDescriptor,
     TransferState,
@@ -47,7 +47,7 @@ from pdserve.transfer.base import (
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.shm import ShmSender
 from pdserve.transfer.stream import StreamHeader, check_layer, missing_layers
-from pdserve.worker.frames import LayerCopy, Piece, frame_bytes, stream_bytes
+from pdserve.worker.frames import LayerCopy, frame_bytes, stream_bytes
 from pdserve.worker.handoff import store_key
 
 logger = logging.getLogger(__name__)
