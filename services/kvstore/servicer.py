@@ -135,8 +135,10 @@ class KVStoreServicer:
         self, follower: Follower, request: kvstore_pb2.GetRequest
     ) -> AsyncIterator[Chunk]:
         """An entry still being written, chunk by chunk as its pieces arrive; the last chunk
-        (empty) once it is committed."""
+        (empty) once it is committed. The first (empty) carries the stream's fields at once;
+        the data chunks then have the seqs they were put with (see ``split_parts``)."""
         sequence = ChunkSequence(follower.key, follower.header, total_bytes=follower.total_bytes)
+        yield sequence.chunk(b"", 0)
         async for part in follower.parts():
             for data, crc in chunk_pieces((part,), self.chunk_bytes):
                 yield sequence.chunk(data, crc)

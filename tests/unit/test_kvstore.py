@@ -12,10 +12,10 @@ from contextlib import asynccontextmanager
 import pytest
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, UnknownRequestError
-from pdserve.kvstore.chunks import ChunkAssembler, split
+from pdserve.kvstore.chunks import ChunkAssembler, split, split_parts
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
-from pdserve.kvstore.wire import add_kvstore_servicer
+from pdserve.kvstore.wire import add_kvstore_servicer, received_as
 from pdserve.rpc.server import build_server
 from services.kvstore.servicer import KVStoreServicer
 
@@ -182,6 +182,32 @@ def test_client_put_get_delete_stat() -> None:
             with pytest.raises(CapacityError):
                 await client.put("kv/big", b"x" * 200_000)
             assert (await client.stat()).num_entries == 0
+
+    run(body)
+
+
+def test_a_put_stream_is_read_back_in_the_messages_that_brought_it() -> None:
+    """The store keeps what a writer's stream brought over gRPC as it came, and a read sends
+    each data chunk on in the very message it arrived in."""
+    pieces = [bytes([i]) * (900 + i) for i in range(5)]
+
+    async def source() -> AsyncIterator[tuple[bytes, int]]:
+        yield b"", 0  # as a prefill worker opens its stream: the fields, then the data
+        for p in pieces:
+            yield p, zlib.crc32(p)
+
+    async def body() -> None:
+        store = KVStore(100_000)
+        async with serving(store) as address, KVStoreClient(address, timeout_s=5) as client:
+            await client.put_stream("kv/s", source(), header=b"H")
+            handle = store.open_read("kv/s")
+            try:
+                chunks = list(split_parts(handle.payload.parts, key="kv/s", chunk_bytes=1000))
+            finally:
+                handle.close()
+            assert [received_as(c) for c in chunks] == [False, *[True] * len(pieces), False]
+            assert await client.get("kv/s", delete_after_read=True) == b"H" + b"".join(pieces)
+            assert store.stats().num_entries == 0
 
     run(body)
 

@@ -8,8 +8,9 @@ import zlib
 
 import pytest
 
-from pdserve.kvstore.chunks import ChunkAssembler, split_parts
+from pdserve.kvstore.chunks import ChunkAssembler, ChunkSequence, split_parts
 from pdserve.kvstore.crc import crc32_combine, fast_crc32
+from pdserve.kvstore.wire import decode, encode
 
 
 @pytest.mark.parametrize(
@@ -73,3 +74,27 @@ def test_a_part_a_frame_header_over_a_chunk_goes_out_whole() -> None:
     )
     assert [len(c.data) for c in chunks] == [1028, 1024, 76]
     assert all(c.crc32 == zlib.crc32(c.data) for c in chunks)
+
+
+def test_parts_put_as_a_sequence_go_out_in_the_messages_they_came_in() -> None:
+    """A writer's stream (an empty first chunk, the data, an empty last one), received and
+    kept as its chunks' data, goes out numbered as it came: each data chunk's message is the
+    one it arrived in, not a copy."""
+    rng = random.Random(3)
+    pieces = [rng.randbytes(1000), rng.randbytes(700), rng.randbytes(1010)]
+    sequence = ChunkSequence("k", b"H", total_bytes=1 + 2710)
+    sent = [encode(sequence.chunk(b"", 0))]
+    sent += [encode(sequence.chunk(p)) for p in pieces]
+    sent.append(encode(sequence.end()))
+    parts = [(c.data, c.crc32) for c in map(decode, sent) if c.data]
+    out = list(split_parts(parts, key="k", header=b"H", chunk_bytes=1000))
+    assert [c.seq for c in out] == [0, 1, 2, 3, 4]
+    assert (out[0].key, out[0].header, out[0].total_bytes, bytes(out[0].data)) == (
+        "k", b"H", 2711, b"",
+    )  # fmt: skip
+    assert all(encode(c) is message for c, message in zip(out[1:4], sent[1:4], strict=True))
+    assert out[-1].last and not out[-1].data
+    asm = ChunkAssembler()
+    for c in out:
+        asm.feed(decode(encode(c)))
+    assert asm.finish() == b"".join(pieces)

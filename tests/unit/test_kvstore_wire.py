@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from google.protobuf.message import DecodeError
 
-from pdserve.kvstore.wire import Chunk, decode, encode
+from pdserve.kvstore.wire import Chunk, decode, encode, received_as
 from pdserve.v1 import kvstore_pb2
 
 FIELDS = ("seq", "crc32", "last", "key", "header", "lease_s", "total_bytes", "cache")
@@ -81,6 +82,30 @@ def test_data_from_a_memoryview_and_decoded_without_a_copy() -> None:
     assert isinstance(got.data, memoryview) and got.data.obj is raw
     assert bytes(got.data) == bytes(source[100:9000])
     assert (got.seq, got.crc32, got.last) == (3, 7, True)
+
+
+def test_a_received_chunk_goes_out_as_the_message_it_came_in() -> None:
+    raw = encode(Chunk(seq=5, data=bytes(range(256)) * 40, crc32=99))
+    got = decode(raw)
+    assert received_as(got) and encode(got) is raw
+    # Anything else is a message of its own, as protobuf serializes the same fields.
+    others = {
+        "another seq": replace(got, seq=6),
+        "a key": replace(got, key="k"),
+        "last": replace(got, last=True),
+        "a lead": replace(got, lead=b"h"),
+        "part of the data": replace(got, data=got.data[1:]),
+        "as many bytes of the message, elsewhere in it": replace(got, data=got.data.obj[:10240]),
+        "the same bytes, copied": replace(got, data=memoryview(bytes(got.data))),
+    }
+    for why, chunk in others.items():
+        out = encode(chunk)
+        assert not received_as(chunk) and out is not raw, why
+        expected = kvstore_pb2.KVChunk(
+            seq=chunk.seq, data=chunk.lead + bytes(chunk.data), crc32=chunk.crc32,
+            last=chunk.last, key=chunk.key,
+        )  # fmt: skip
+        assert kvstore_pb2.KVChunk.FromString(out) == expected, why
 
 
 def test_fields_in_any_order_and_the_last_data_field_wins() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
 from pdserve.kvstore.crc import fast_crc32
-from pdserve.kvstore.wire import Buffer, Chunk
+from pdserve.kvstore.wire import Buffer, Chunk, received_as
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
@@ -50,14 +50,25 @@ def split_parts(
     header: bytes = b"",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[Chunk]:
-    """Data kept in pieces as a chunk stream (``chunk_pieces``)."""
+    """Data kept in pieces as a chunk stream (``chunk_pieces``).
+
+    Pieces received as the data chunks of a ``ChunkSequence`` stream (the data from seq 1 on,
+    between a first chunk that only opens the stream and an empty last one: how pdserve's
+    writers put) go out the same way, each as the chunk it came in: then the wire codec sends
+    the received messages on unchanged (``wire.encode``). Other pieces go out from seq 0, the
+    first carrying the stream's fields, the last ``last``."""
     pieces = chunk_pieces(parts, chunk_bytes) or [(b"", None)]
     total = len(header) + sum(len(p) for p, _ in pieces)
+    first, first_crc = pieces[0]
+    if first_crc is not None and received_as(data_chunk(1, first, False, first_crc)):
+        yield first_chunk_fields(data_chunk(0, b"", False, 0), key, header, 0.0, total)
+        for seq, (piece, crc) in enumerate(pieces, start=1):
+            yield data_chunk(seq, piece, False, crc)
+        yield data_chunk(len(pieces) + 1, b"", True, 0)
+        return
     for seq, (piece, crc) in enumerate(pieces):
         chunk = data_chunk(seq, piece, seq == len(pieces) - 1, crc)
-        if seq == 0:
-            first_chunk_fields(chunk, key, header, 0.0, total)
-        yield chunk
+        yield first_chunk_fields(chunk, key, header, 0.0, total) if seq == 0 else chunk
 
 
 def chunk_pieces(
@@ -125,13 +136,14 @@ def first_chunk_fields(
     lease_s: float,
     total_bytes: int,
     cache: bool = False,
-) -> None:
-    """Set what only the first chunk of a stream carries."""
+) -> Chunk:
+    """Set what only the first chunk of a stream carries; returns the chunk."""
     chunk.key = key
     chunk.header = header
     chunk.lease_s = lease_s
     chunk.total_bytes = total_bytes
     chunk.cache = cache
+    return chunk
 
 
 class ChunkReader:

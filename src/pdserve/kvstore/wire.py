@@ -14,6 +14,10 @@ bytes without protobuf (loopback TCP: 4.1 GB/s). The bytes on the wire stay exac
   a layer frame's 28-byte header travels with its first MiB of K without a joined copy first.
 * ``decode``: walks the message's fields; ``data`` becomes a ``memoryview`` into the received
   bytes (no copy) and everything else is parsed by protobuf from the few bytes around it.
+* A chunk whose message would be byte for byte the one its ``data`` arrived in (the same
+  fields, ``data`` the tail of that message) is sent on as that message: no copy at all. The
+  KV store's ``Get`` numbers its chunks as the writer's ``Put`` did so that this holds for
+  every data chunk of a hand-off (``chunks.split_parts``).
 
 ``Chunk`` is the domain type both ends see; ``add_kvstore_servicer`` and ``KVStoreCalls``
 register and call ``Put``/``Get`` with this codec, the other methods with protobuf's.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from pdserve.v1 import kvstore_pb2
@@ -82,7 +87,23 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
 
 
 def encode(chunk: Chunk) -> bytes:
-    """The chunk as a serialized ``KVChunk`` (one copy of ``lead`` and ``data``)."""
+    """The chunk as a serialized ``KVChunk``: one copy of ``lead`` and ``data``, or none when
+    the message is the one ``data`` was received in (``_received_in``)."""
+    head = _head(chunk)
+    if not chunk.data and not chunk.lead:
+        return head  # proto3 leaves an empty bytes field out
+    if not chunk.lead and (received := _received_in(head, chunk.data)):
+        return received
+    return b"".join((head, chunk.lead, chunk.data))
+
+
+def received_as(chunk: Chunk) -> bool:
+    """Whether ``encode(chunk)`` sends the message the chunk's data was received in."""
+    return not chunk.lead and bool(_received_in(_head(chunk), chunk.data))
+
+
+def _head(chunk: Chunk) -> bytes:
+    """The chunk's message up to its data: the small fields, then the data's tag and length."""
     meta = kvstore_pb2.KVChunk(
         key=chunk.key,
         header=chunk.header,
@@ -94,9 +115,25 @@ def encode(chunk: Chunk) -> bytes:
         cache=chunk.cache,
     ).SerializeToString()
     n = len(chunk.lead) + len(chunk.data)
-    if not n:
-        return meta  # proto3 leaves an empty bytes field out
-    return b"".join((meta, _DATA_TAG, _varint(n), chunk.lead, chunk.data))
+    return b"".join((meta, _DATA_TAG, _varint(n))) if n else meta
+
+
+def _received_in(head: bytes, data: Buffer) -> bytes:
+    """The received message that ``data`` is the tail of, if that message is ``head`` then
+    ``data`` (so byte for byte what ``encode`` would build); else empty.
+
+    A store sends what it received back out: a hand-off's chunks go through it unchanged, and
+    this spares it a copy of each (measured, paired, a 1K-token hand-off of the base preset
+    put and read back: 8% less of the store's CPU; the read's rate 1.00-1.08x, as its reader
+    is the slower end)."""
+    if not isinstance(data, memoryview) or type(data.obj) is not bytes:
+        return b""
+    raw: bytes = data.obj
+    if len(raw) != len(head) + data.nbytes or not raw.startswith(head):
+        return b""
+    # Where the view starts: the same length at the same place is the same bytes.
+    start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    return raw if start == np.frombuffer(raw, dtype=np.uint8).ctypes.data + len(head) else b""
 
 
 def decode(raw: bytes) -> Chunk:
