@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -137,11 +138,15 @@ async def serve_until_signal(
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain and stop gracefully.
 
+    Before it serves, what the start-up built is frozen (``freeze_startup_heap``).
+
     Drain order: health says NOT_SERVING (load balancers stop sending), ``on_drain`` runs (a
     worker marks itself draining in its heartbeat), then ``server.stop(grace_s)`` lets running
     calls finish for up to ``grace_s`` seconds and cancels the rest. Also returns if the server
     terminates by itself.
     """
+    frozen = freeze_startup_heap()
+    logger.info("%d objects of the start-up moved out of the garbage collector's scans", frozen)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -165,3 +170,18 @@ async def serve_until_signal(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     logger.info("server stopped")
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive out of the garbage collector's scans
+    (``gc.freeze``); returns how many that is.
+
+    A full collection walks every tracked object. In a worker with its model loaded that is
+    over 300K objects (modules, the model, tokenizer, protobuf descriptors): 160-170 ms in one
+    process here, 190-330 ms in the workers of a transfer benchmark, spent on the event loop
+    whenever the collector decides, a stall of every stream the process serves. What the
+    start-up built lives as long as the process, so scanning it again is pure cost; frozen,
+    a full collection walks only what came after (0.01 ms right after the freeze)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
