@@ -7,7 +7,7 @@ caught at a slow moment with the machine at its fastest; against one reference t
 earlier, it compares the transport with a different machine. So each hand-off is bracketed:
 its reference (memcpy for ``shm``, loopback TCP and raw gRPC for ``store`` and ``direct``) is
 measured right before and right after it, its ratio is its rate over the mean of the two, and
-a point's ratio is the median over ``--rounds`` rounds (default 5), reported with its range.
+a point's ratio is the median over ``--rounds`` rounds (default 9), reported with its range.
 
 The hand-offs are deferred (every layer at hand, so the rate is the pipeline's, not the
 compute's) and their prompt is served from the deferred prefill worker's prefix cache: a round
