@@ -61,14 +61,17 @@ def split_parts(
     total = len(header) + sum(len(p) for p, _ in pieces)
     first, first_crc = pieces[0]
     if first_crc is not None and received_as(data_chunk(1, first, False, first_crc)):
-        yield first_chunk_fields(data_chunk(0, b"", False, 0), key, header, 0.0, total)
-        for seq, (piece, crc) in enumerate(pieces, start=1):
-            yield data_chunk(seq, piece, False, crc)
-        yield data_chunk(len(pieces) + 1, b"", True, 0)
+        sequence = ChunkSequence(key, header, total_bytes=total)
+        yield sequence.chunk(b"", 0)
+        for piece, crc in pieces:
+            yield sequence.chunk(piece, crc)
+        yield sequence.end()
         return
     for seq, (piece, crc) in enumerate(pieces):
         chunk = data_chunk(seq, piece, seq == len(pieces) - 1, crc)
-        yield first_chunk_fields(chunk, key, header, 0.0, total) if seq == 0 else chunk
+        if seq == 0:
+            first_chunk_fields(chunk, key, header, 0.0, total)
+        yield chunk
 
 
 def chunk_pieces(
@@ -136,14 +139,13 @@ def first_chunk_fields(
     lease_s: float,
     total_bytes: int,
     cache: bool = False,
-) -> Chunk:
-    """Set what only the first chunk of a stream carries; returns the chunk."""
+) -> None:
+    """Set what only the first chunk of a stream carries."""
     chunk.key = key
     chunk.header = header
     chunk.lease_s = lease_s
     chunk.total_bytes = total_bytes
     chunk.cache = cache
-    return chunk
 
 
 class ChunkReader:
