@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampler import sample
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import can_prepack
-from pdserve.models.llama import AttentionMetadata, KVCache, LlamaModel, PrefillSpan
+from pdserve.models.llama import (
+    AttentionMetadata,
+    DecodeGroup,
+    KVCache,
+    LlamaModel,
+    PrefillSpan,
+)
 
 
 @dataclass(slots=True)
@@ -22,6 +29,35 @@ class StepResult:
     """request id -> (token, logprob) for every chunk that reached its last token."""
     logits: dict[str, torch.Tensor] | None = None
     """request id -> ``[vocab]`` float32 logits, when the config asks for them."""
+
+
+GROUP_OVERHEAD_TOKENS = 256
+"""A decode group's fixed cost (its gather and attention calls, per layer) in padded key
+positions' worth; padding below this is cheaper than another group."""
+
+
+def length_groups(lengths: Seq[int]) -> list[tuple[int, int]]:
+    """Split ascending context ``lengths`` into ``(start, end)`` runs to pad to one length each.
+
+    A run grows while its padding (``count * longest - sum``) stays under
+    ``GROUP_OVERHEAD_TOKENS`` or under half the keys it really reads: a step whose decodes
+    are all alike is one group, and one 2K-token context among short ones is its own, so the
+    short ones do not each read 2K padded keys.
+    """
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start:
+            if n < lengths[i - 1]:
+                raise ValueError("lengths must be ascending")
+            padding = (i - start + 1) * n - (total + n)
+            if padding > max(GROUP_OVERHEAD_TOKENS, (total + n) // 2):
+                groups.append((start, i))
+                start, total = i, 0
+        total += n
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups
 
 
 class ModelRunner:
@@ -72,7 +108,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         ctx_lens: list[int] = []
-        for chunk in out.decodes:
+        # Decodes ordered by context length, so that length groups are runs of rows.
+        decodes = sorted(out.decodes, key=lambda c: c.seq.num_computed_tokens)
+        for chunk in decodes:
             seq = chunk.seq
             p = seq.num_computed_tokens
             sample_rows.append(len(ids))
@@ -109,25 +147,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=flat[2 * T :],
             num_decodes=D,
-            decode_block_ids=None,
-            decode_len=0,
-            decode_mask=None,
+            decode_groups=[
+                self._decode_group(decodes[a:b], ctx_lens[a:b], a)
+                for a, b in length_groups(ctx_lens)
+            ],
             prefills=spans,
         )
-        if D:
-            width = -(-max(ctx_lens) // bs)  # blocks of the longest decoding context
-            block_ids: list[int] = []
-            for chunk in out.decodes:
-                row = chunk.seq.block_table[:width]
-                block_ids.extend(row)
-                block_ids.extend([0] * (width - len(row)))
-            meta.decode_block_ids = self._long(block_ids)
-            meta.decode_len = max(ctx_lens)
-            if min(ctx_lens) != meta.decode_len:  # padding to mask out: [D, 1, 1, S]
-                valid = self._arange[: meta.decode_len] < self._long(ctx_lens).unsqueeze(1)
-                meta.decode_mask = torch.zeros(
-                    valid.shape, dtype=self.dtype, device=self.device
-                ).masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
         # Logits rows: every row when the step is decode only (no gather needed).
         rows = None if len(sample_rows) == T else self._long(sample_rows)
@@ -148,6 +173,25 @@ class ModelRunner:
         if self.config.return_logits:
             result.logits = {s.request_id: logits[i].cpu() for i, s in enumerate(sample_seqs)}
         return result
+
+    def _decode_group(
+        self, chunks: Seq[ScheduledChunk], ctx_lens: list[int], start: int
+    ) -> DecodeGroup:
+        bs = self.block_size
+        S = ctx_lens[-1]  # ascending: the last is the longest
+        width = -(-S // bs)  # blocks of the longest context
+        block_ids: list[int] = []
+        for chunk in chunks:
+            row = chunk.seq.block_table[:width]
+            block_ids.extend(row)
+            block_ids.extend([0] * (width - len(row)))
+        mask = None
+        if ctx_lens[0] != S:  # padding to mask out: [n, 1, 1, S]
+            valid = self._arange[:S] < self._long(ctx_lens).unsqueeze(1)
+            mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~valid, float("-inf")
+            )[:, None, None, :]
+        return DecodeGroup(start, len(chunks), self._long(block_ids), S, mask)
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

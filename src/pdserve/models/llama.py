@@ -53,19 +53,31 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode tokens ``start .. start + count`` of the flat batch, attending over contexts
+    padded to one length. Decoding sequences are grouped by context length so that one long
+    context does not make every short one in the step read (and gather) as many keys."""
+
+    start: int
+    count: int
+    block_ids: torch.Tensor
+    """``[count * max_blocks]`` the sequences' block tables, row after row, each padded with
+    block 0 to ``max_blocks`` (flat: one ``index_select`` gathers them all)."""
+    context_len: int
+    """Key positions read: the longest context of the group."""
+    mask: torch.Tensor | None
+    """``[count, 1, 1, context_len]`` additive mask in the model dtype (0 = attend, -inf =
+    padding); None when every sequence of the group has ``context_len`` tokens of context."""
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """``[T]`` flat cache slot (block * block_size + offset) each new token's K/V goes to."""
     num_decodes: int
     """The first ``num_decodes`` tokens are decode tokens, one per sequence."""
-    decode_block_ids: torch.Tensor | None
-    """``[D * max_blocks]`` the decoding sequences' block tables, row after row, each padded
-    with block 0 to ``max_blocks`` (flat: one ``index_select`` gathers them all)."""
-    decode_len: int
-    """Key positions the decode attention reads: the longest decoding context."""
-    decode_mask: torch.Tensor | None
-    """``[D, 1, 1, decode_len]`` additive mask in the model dtype (0 = attend, -inf = padding);
-    None when every decoding sequence has ``decode_len`` tokens of context (no padding)."""
+    decode_groups: list[DecodeGroup]
+    """The decode tokens in groups that tile ``0 .. num_decodes``."""
     prefills: list[PrefillSpan]
 
 
@@ -183,25 +195,39 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q ``[D, nh, hd]`` (one token per sequence) -> ``[D, nh * hd]``."""
-        if meta.decode_block_ids is None:
+        groups = meta.decode_groups
+        if not groups:
             raise RuntimeError("decode tokens scheduled without decode block tables")
-        D, S = q.shape[0], meta.decode_len
+        if len(groups) == 1:
+            return self._decode_group(q, k_cache, v_cache, groups[0])
+        out = torch.empty(q.shape[0], self.nh * self.hd, dtype=q.dtype, device=q.device)
+        for g in groups:
+            out[g.start : g.start + g.count] = self._decode_group(
+                q[g.start : g.start + g.count], k_cache, v_cache, g
+            )
+        return out
+
+    def _decode_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+    ) -> torch.Tensor:
+        """q ``[n, nh, hd]`` of one group -> ``[n, nh * hd]``."""
+        n, S = q.shape[0], group.context_len
         kvh, hd = self.kvh, self.hd
-        # Gather each sequence's blocks: [D * max_blocks, bs, kvh, hd] -> [D, kvh, S, hd].
+        # Gather each sequence's blocks: [n * max_blocks, bs, kvh, hd] -> [n, kvh, S, hd].
         # index_select copies whole blocks (contiguous rows); advanced indexing was 4x slower.
-        keys = k_cache.index_select(0, meta.decode_block_ids).view(D, -1, kvh, hd)[:, :S]
-        vals = v_cache.index_select(0, meta.decode_block_ids).view(D, -1, kvh, hd)[:, :S]
+        keys = k_cache.index_select(0, group.block_ids).view(n, -1, kvh, hd)[:, :S]
+        vals = v_cache.index_select(0, group.block_ids).view(n, -1, kvh, hd)[:, :S]
         # GQA without repeating K/V: the g = nh / kvh query heads sharing a KV head become g
-        # query rows of that head ([D, kvh, g, hd]; head h reads KV head h // g, as in HF).
+        # query rows of that head ([n, kvh, g, hd]; head h reads KV head h // g, as in HF).
         # Measured ~25 % faster than enable_gqa=True, whose kernel expands K/V.
         o = F.scaled_dot_product_attention(
-            q.view(D, kvh, -1, hd),
+            q.view(n, kvh, -1, hd),
             keys.transpose(1, 2),
             vals.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            attn_mask=group.mask,
             scale=self.scale,
         )
-        return o.reshape(D, self.nh * hd)
+        return o.reshape(n, self.nh * hd)
 
     def _prefill(
         self,

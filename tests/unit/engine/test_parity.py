@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import GROUP_OVERHEAD_TOKENS, length_groups
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_reference import HFReference
@@ -180,3 +181,46 @@ def test_cuda_matches_cpu(tiny_llama_dir: Path) -> None:
     ref = HFReference(tiny_llama_dir)
     for i, p in enumerate(prompts):
         assert_matches_hf(ref, p, *b[f"r{i}"])
+
+
+def test_decode_groups_match_hf(tiny_llama_dir: Path) -> None:
+    """Short contexts decoding beside a long one run as separate length groups (the long
+    one's padding is not every row's) and still match HF token for token."""
+    ref = HFReference(tiny_llama_dir)
+    engine = Engine.from_pretrained(tiny_llama_dir, dtype="float32", return_logits=True)
+    prompts = prompts_of(engine, [3, 9, 400, 420], seed=2)
+    assert len(length_groups([3 + 1, 9 + 1, 400 + 1, 420 + 1])) == 2
+    got = run_collect(engine, prompts)
+    for i, p in enumerate(prompts):
+        tokens, logits = got[f"r{i}"]
+        assert len(tokens) == GREEDY.max_tokens
+        assert_matches_hf(ref, p, tokens, logits)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "expected"),
+    [
+        ([], []),
+        ([5], [(0, 1)]),
+        ([10, 10, 10], [(0, 3)]),
+        # Padding under the fixed cost of a group stays one group.
+        ([100, 150, 200, 250], [(0, 4)]),
+        # One long context among short ones is its own group.
+        ([100, 110, 120, 2400], [(0, 3), (3, 4)]),
+        ([50] * 8 + [1000, 1100, 2400], [(0, 8), (8, 10), (10, 11)]),
+    ],
+)
+def test_length_groups(lengths: list[int], expected: list[tuple[int, int]]) -> None:
+    groups = length_groups(lengths)
+    assert groups == expected
+    # The groups tile the rows, and no group pads more than its fixed cost or half its keys.
+    assert [i for a, b in groups for i in range(a, b)] == list(range(len(lengths)))
+    for a, b in groups:
+        run = lengths[a:b]
+        padding = len(run) * run[-1] - sum(run)
+        assert padding <= max(GROUP_OVERHEAD_TOKENS, sum(run) // 2)
+
+
+def test_length_groups_need_ascending_lengths() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        length_groups([10, 5])
