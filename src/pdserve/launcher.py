@@ -91,6 +91,9 @@ class Cluster:
     """OTLP gRPC collector for the traces, e.g. ``http://localhost:4317``."""
     metrics_base_port: int = 0
     """First ``/metrics`` port (one per service, in start order); 0: free ports."""
+    host_lease: bool = True
+    """The workers share this host's cores through a ``HostLease`` (one engine step at a
+    time, decode steps first) instead of oversubscribing them."""
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
@@ -198,7 +201,9 @@ class Cluster:
 
         worker_common = [
             *common, "--model", str(self.model_dir), "--redis-url", redis_url,
-            "--namespace", self.namespace, "--kvstore", kvstore.address, *self.worker_args,
+            "--namespace", self.namespace, "--kvstore", kvstore.address,
+            *(["--host-lease", str(self.log_dir / "host-lease")] if self.host_lease else []),
+            *self.worker_args,
         ]  # fmt: skip
         roles = (
             [("mixed", i) for i in range(self.num_decode)]
@@ -358,6 +363,9 @@ def up_parser() -> argparse.ArgumentParser:
                    help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary dir)")
+    p.add_argument("--no-host-lease", dest="host_lease", action="store_false",
+                   help="let the workers' engines run at once on this host's cores instead of "
+                   "taking turns (decode steps first)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
     p.add_argument(
@@ -393,6 +401,7 @@ def main_up(argv: Sequence[str]) -> int:
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
         worker_args=args.worker_arg, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
+        host_lease=args.host_lease,
     )  # fmt: skip
     print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
     with cluster:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -12,7 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.compute import HostLease
 from pdserve.engine.engine import EngineStats
+from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.worker import observability as obs
 from pdserve.worker.timing import RequestTiming
 
@@ -171,8 +174,9 @@ def test_a_request_that_never_ran_has_no_stages(provider: TracerProvider) -> Non
 
 
 class _Engine:
-    def __init__(self) -> None:
+    def __init__(self, gate: ComputeGate = UNGATED) -> None:
         self.waiting, self.free = 3, 40
+        self.gate = gate
 
     def stats(self) -> EngineStats:
         return EngineStats(64, self.free, 16, 1, self.waiting, 0, 0, 0, 0, 0)
@@ -208,6 +212,22 @@ def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
     assert second[("pdserve_queue_depth", (("role", "decode"),))] == 0
     assert second[("pdserve_kv_blocks_free", (("role", "decode"),))] == 64
     assert second[("pdserve_redis_errors_total", (("operation", "heartbeat"),))] == 3
+
+
+def test_host_lease_totals_advance_at_scrape_time(tmp_path: Path) -> None:
+    lease = HostLease(tmp_path, bulk_tokens=10)
+    telemetry = obs.WorkerTelemetry("mixed", _Engine(lease), process=False)  # type: ignore[arg-type]
+    for tokens in (0, 3, 11):
+        with lease.hold(tokens):
+            pass
+    first = _samples(telemetry)
+    assert first[("pdserve_core_steps_total", (("kind", "interactive"),))] == 2
+    assert first[("pdserve_core_steps_total", (("kind", "bulk"),))] == 1
+    with lease.hold(0):
+        pass
+    second = _samples(telemetry)
+    assert second[("pdserve_core_steps_total", (("kind", "interactive"),))] == 3
+    assert second[("pdserve_core_wait_seconds_total", (("kind", "bulk"),))] >= 0
 
 
 def test_transfers_count_bytes_and_seconds_of_their_own_window() -> None:

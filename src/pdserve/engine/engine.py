@@ -23,6 +23,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import GenerationResult, RequestOutput
@@ -109,6 +110,9 @@ class Engine:
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
         )
+        self.gate: ComputeGate = UNGATED
+        """Brackets each step's compute (sharing the device with other engines); set it
+        before the first step."""
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
         self._imports: deque[tuple[Sequence, KVPayload]] = deque()
@@ -315,7 +319,9 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        result = self.runner.execute(sched)
+        prefill_tokens = sched.num_tokens - len(sched.decodes)
+        with self.gate.hold(prefill_tokens):
+            result = self.runner.execute(sched, self.gate.checkpoint if prefill_tokens else None)
         for seq in self.scheduler.update(sched, result.sampled):
             req = self._requests[seq.request_id]
             token, logprob = seq.token_ids[-1], seq.output_logprobs[-1]

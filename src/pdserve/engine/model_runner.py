@@ -100,7 +100,11 @@ class ModelRunner:
 
     # -- step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(
+        self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
+    ) -> StepResult:
+        """Run one scheduled step; ``checkpoint()`` is called between layers (see
+        ``engine.gate``)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -163,6 +167,7 @@ class ModelRunner:
             meta,
             rows,
             after_layer=self._layer_hook_caller(hooked) if hooked else None,
+            checkpoint=checkpoint,
         )
         if not sample_seqs:  # only non-final prompt chunks this step
             return StepResult({})

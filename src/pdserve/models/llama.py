@@ -283,9 +283,12 @@ class DecoderLayer(nn.Module):
         sin_signed: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        checkpoint: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm.forward(x)
         x = x + self.self_attn.forward(h, cos, sin_signed, kv[0], kv[1], meta)
+        if checkpoint is not None:  # a long prompt's attention and MLP are each a stretch
+            checkpoint()
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
@@ -334,15 +337,20 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None,  # [S] rows to produce logits for; None = all
         after_layer: Callable[[int], None] | None = None,
+        checkpoint: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        """Logits of the rows ``logits_indices``. ``after_layer(i)`` runs once each layer's KV
+        is written; ``checkpoint()`` after each half of every layer (``engine.gate``)."""
         x = self.embed_tokens.forward(input_ids)  # [T, hidden]
         # Rotary rows of this step, shared by every layer: [T, 1, hd].
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin_signed = self.sin_signed.index_select(0, positions).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin_signed, kv_cache[i], meta)
+            x = layer.forward(x, cos, sin_signed, kv_cache[i], meta, checkpoint)
             if after_layer is not None:
                 after_layer(i)
+            if checkpoint is not None:
+                checkpoint()
         # The final norm is per token, so normalise only the rows we need logits for.
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)

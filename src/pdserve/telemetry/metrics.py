@@ -34,11 +34,16 @@ TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
 SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
+CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
+CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
+CORE_PACED_SECONDS = "pdserve_core_paced_seconds"  # Counter: ..._total
+CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
-    SCHEDULER_CONFLICTS, REDIS_ERRORS,
+    SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
+    CORE_LENT_SECONDS,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -139,6 +144,44 @@ class WorkerMetrics:
         self._redis_errors = Counter(
             REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
         )
+        # The host lease (pdserve.compute): running totals, advanced by what changed.
+        self._core_steps = Counter(
+            CORE_STEPS, "Engine steps run under the host lease.", ["kind"], registry=r
+        )
+        self._core_wait = Counter(
+            CORE_WAIT_SECONDS, "Time engine steps waited for the host's cores.", ["kind"],
+            registry=r,
+        )  # fmt: skip
+        self._core_paced = Counter(
+            CORE_PACED_SECONDS, "Time decode steps were held back for waiting prefills.",
+            registry=r,
+        )  # fmt: skip
+        self._core_lent = Counter(
+            CORE_LENT_SECONDS, "Time long prefill steps lent the cores to decode steps.",
+            registry=r,
+        )  # fmt: skip
+        self._lease_seen: tuple[float, ...] = (0,) * 6
+
+    def record_lease(
+        self,
+        *,
+        interactive_steps: int,
+        bulk_steps: int,
+        interactive_wait_s: float,
+        bulk_wait_s: float,
+        paced_s: float,
+        lent_s: float,
+    ) -> None:
+        """The host lease's running totals now (``pdserve.compute.LeaseStats``)."""
+        now = (interactive_steps, bulk_steps, interactive_wait_s, bulk_wait_s, paced_s, lent_s)
+        d = [max(0.0, a - b) for a, b in zip(now, self._lease_seen, strict=True)]
+        self._lease_seen = now
+        self._core_steps.labels(kind="interactive").inc(d[0])
+        self._core_steps.labels(kind="bulk").inc(d[1])
+        self._core_wait.labels(kind="interactive").inc(d[2])
+        self._core_wait.labels(kind="bulk").inc(d[3])
+        self._core_paced.inc(d[4])
+        self._core_lent.inc(d[5])
 
     def set_queue_depth(self, depth: int, *, role: str | None = None) -> None:
         """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine, EngineStats
+from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -113,6 +114,11 @@ class AsyncEngine:
         if self.running:
             raise RuntimeError("the engine belongs to its thread while the AsyncEngine runs")
         return self._engine
+
+    @property
+    def gate(self) -> ComputeGate:
+        """How the engine shares its device (set on the engine before ``start()``)."""
+        return self._engine.gate
 
     @property
     def running(self) -> bool:

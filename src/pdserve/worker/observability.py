@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from pdserve.compute import HostLease
 from pdserve.errors import InvalidArgumentError
 from pdserve.telemetry.metrics import WorkerMetrics
 from pdserve.telemetry.service import MetricsEndpoint, ServiceTelemetry
@@ -383,6 +384,17 @@ class WorkerTelemetry:
             stats = self.engine.stats()
             self.metrics.set_queue_depth(stats.num_waiting)
             self.metrics.set_kv_blocks(stats.num_blocks_free, stats.num_blocks_total)
+            gate = self.engine.gate
+            if isinstance(gate, HostLease):
+                lease = gate.stats
+                self.metrics.record_lease(
+                    interactive_steps=lease.interactive_steps,
+                    bulk_steps=lease.bulk_steps,
+                    interactive_wait_s=lease.interactive_wait_s,
+                    bulk_wait_s=lease.bulk_wait_s,
+                    paced_s=lease.paced_s,
+                    lent_s=lease.lent_s,
+                )
         if self._heartbeat is not None:
             errors = self._heartbeat.errors
             for _ in range(errors - self._redis_errors_seen):

@@ -59,6 +59,13 @@ class WorkerOptions:
     kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     threads: int | None = None
+    host_lease: Path | None = None
+    """Directory shared by the workers of one host whose engines take turns on its cores
+    (``pdserve.compute.HostLease``); None: this engine has its cores to itself."""
+    interactive_period_ms: float = 50.0
+    """With a host lease: while bulk work waits, interactive steps start at most this often."""
+    bulk_tokens: int = 256
+    """With a host lease: a step computing more prompt tokens than this is bulk."""
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     transport: str = "auto"
@@ -183,6 +190,26 @@ def worker_parser(
     kv.add_argument("--kv-blocks", type=int, default=_int(d("kv_blocks")))
     kv.add_argument("--kv-cache-bytes", type=int, default=_int(d("kv_cache_bytes")))
     p.add_argument("--threads", type=int, default=_int(d("threads")), help="torch CPU threads")
+    c = p.add_argument_group("sharing the host's cores (see docs/serving.md)")
+    c.add_argument(
+        "--host-lease",
+        type=Path,
+        default=d("host_lease"),
+        help="directory shared by this host's workers: their engines take turns on the cores, "
+        "decode steps first (default: none, the engine owns its cores)",
+    )
+    c.add_argument(
+        "--interactive-period-ms",
+        type=float,
+        default=float(d("interactive_period_ms", 50.0)),
+        help="while a long prefill waits, start decode steps at most this often",
+    )
+    c.add_argument(
+        "--bulk-tokens",
+        type=int,
+        default=int(d("bulk_tokens", 256)),
+        help="steps computing more prompt tokens than this lend the cores to decode steps",
+    )
     p.add_argument("--grace-s", type=float, default=float(d("grace_s", 10.0)), help="drain time")
     p.add_argument("--log-level", default=d("log_level", "INFO"))
     t = p.add_argument_group("KV hand-off (see docs/kv-transfer.md)")
@@ -304,6 +331,10 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         raise InvalidArgumentError("--kv-blocks", "give --kv-blocks or --kv-cache-bytes, not both")
     if not args.janitor_interval_s > 0:
         raise InvalidArgumentError("--janitor-interval-s", "must be > 0")
+    if not args.interactive_period_ms >= 0:
+        raise InvalidArgumentError("--interactive-period-ms", "must be >= 0")
+    if args.bulk_tokens < 0:
+        raise InvalidArgumentError("--bulk-tokens", "must be >= 0")
     parse_faults(args.fault)  # refuse a bad spec at start
     return WorkerOptions(
         model=args.model,
@@ -329,6 +360,9 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         kv_blocks=args.kv_blocks,
         kv_cache_bytes=args.kv_cache_bytes,
         threads=args.threads,
+        host_lease=args.host_lease,
+        interactive_period_ms=args.interactive_period_ms,
+        bulk_tokens=args.bulk_tokens,
         grace_s=args.grace_s,
         transport=args.transport,
         network_transport=args.network_transport,

@@ -1,6 +1,7 @@
 """The life of a worker process, shared by the prefill and decode services.
 
-``load_engine`` loads the model and starts the engine thread. ``run_worker`` then:
+``load_engine`` loads the model, gates its steps with the host lease when one is configured,
+and starts the engine thread. ``run_worker`` then:
 
 1. builds the gRPC server (the role's servicers + health + reflection + error mapping) and
    starts it; health says SERVING;
@@ -22,6 +23,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from pdserve.compute import HostLease
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
@@ -43,6 +45,12 @@ def load_engine(options: WorkerOptions) -> AsyncEngine:
     engine = AsyncEngine.from_pretrained(
         options.model, batch_window_ms=options.max_wait_ms, **options.engine_config()
     )
+    if options.host_lease is not None:  # take turns on the cores with the host's other engines
+        engine.engine.gate = HostLease(
+            options.host_lease,
+            interactive_period_s=options.interactive_period_ms / 1000.0,
+            bulk_tokens=options.bulk_tokens,
+        )
     engine.start()
     return engine
 

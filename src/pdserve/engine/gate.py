@@ -1,0 +1,36 @@
+"""ComputeGate: the seam through which an engine shares its device with other processes.
+
+The engine brackets the compute of each step with ``hold(prefill_tokens)`` and calls
+``checkpoint()`` between layers of a step that computes prompt tokens: a place where a long
+step can lend the device to a short one of another engine (``pdserve.compute.HostLease``
+on a CPU host). ``UNGATED`` does neither: an engine alone on its device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+
+class ComputeGate(Protocol):
+    def hold(self, prefill_tokens: int) -> AbstractContextManager[None]:
+        """Hold the device for one step that computes ``prefill_tokens`` prompt tokens."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Between layers: give the device away for a while if another engine needs it."""
+        ...
+
+
+class Ungated:
+    """No sharing: the engine has its device to itself."""
+
+    def hold(self, prefill_tokens: int) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def checkpoint(self) -> None:
+        return None
+
+
+UNGATED = Ungated()
