@@ -1,0 +1,411 @@
+"""``pdserve bench serve``: the command line; see ``pdserve.bench.serve`` for the method."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.mixes import MIXES, get_mix
+from pdserve.bench.serve.openai import OpenAITarget
+from pdserve.bench.serve.progress import ProgressBar
+from pdserve.bench.serve.report import format_report, to_json
+from pdserve.bench.serve.sweep import RunResult, SearchSpec, run_all
+from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
+from pdserve.bench.serve.workload import Load, load_trace
+from pdserve.errors import InvalidArgumentError, PdServeError
+
+DEFAULT_REQUESTS = 100
+DEFAULT_RATE = 4.0
+DEFAULT_SEARCH_RANGE = (1.0, 16.0)
+
+
+@dataclass(slots=True)
+class TargetArg:
+    """One target named on the command line, in the order given."""
+
+    kind: str
+    """``router``, ``config`` or ``openai_url``."""
+    value: str
+    label: str | None = None
+
+
+class _AddTarget(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        ns.targets = [*(ns.targets or []), TargetArg(self.dest, str(values))]
+
+
+class _Label(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        if not ns.targets:
+            parser.error("--label names the target given before it: put it after one")
+        if ns.targets[-1].label is not None:
+            parser.error(f"{ns.targets[-1].value} has two labels")
+        ns.targets[-1].label = str(values)
+
+
+def _duration(default_unit: str) -> Any:
+    """A time like ``150ms``, ``3s`` or a bare number in ``default_unit``, as seconds."""
+
+    def parse(text: str) -> float:
+        scale = {"ms": 1e-3, "s": 1.0}
+        unit = next((u for u in ("ms", "s") if text.endswith(u)), default_unit)
+        number = text[: -len(unit)] if text.endswith(unit) else text
+        try:
+            return float(number) * scale[unit]
+        except ValueError:
+            msg = f"expected a time like 3s or 150ms, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        msg = f"expected comma-separated numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _burst(text: str) -> int:
+    if text == "all":
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {text!r}")
+    return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    mixes = "\n".join(f"  {m.name:<18} {m.summary()}" for m in MIXES.values())
+    p = argparse.ArgumentParser(
+        prog="pdserve bench serve",
+        description="Open-loop serving benchmark: TTFT, ITL, TPOT, e2e, goodput and rejections "
+        "against offered rate, for pdserve and any OpenAI-compatible server side by side.",
+        epilog=f"mixes:\n{mixes}\n\nsee docs/benchmarks.md for the method and examples",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(targets=[])
+    t = p.add_argument_group("targets (one or more, measured in the order given)")
+    t.add_argument("--router", action=_AddTarget, metavar="HOST:PORT", help="a running router")
+    t.add_argument(
+        "--config",
+        action=_AddTarget,
+        choices=["disaggregated", "colocated"],
+        help="start a local pdserve cluster of this kind",
+    )
+    t.add_argument(
+        "--openai-url",
+        action=_AddTarget,
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000",
+    )
+    t.add_argument("--label", action=_Label, help="name of the target given just before")
+    t.add_argument("--openai-model", help="model name to send (default: ask GET /v1/models)")
+    c = p.add_argument_group("clusters started with --config")
+    c.add_argument("--model", type=Path, help="checkpoint dir (default: the --preset demo model)")
+    c.add_argument("--preset", default="small", choices=["tiny", "small", "base"])
+    c.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    c.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    c.add_argument(
+        "--colocated-workers",
+        type=int,
+        help="mixed workers when colocated (default: prefill + decode)",
+    )
+    c.add_argument("--threads", type=int, help="torch threads per worker (--threads)")
+    c.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
+    c.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra worker flag, repeatable: --worker-arg=--max-num-seqs=64",
+    )
+    c.add_argument("--log-dir", type=Path, help="keep the clusters' logs here")
+    w = p.add_argument_group("workload")
+    w.add_argument("--mix", default="long-prompt-heavy", choices=sorted(MIXES))
+    w.add_argument("--trace", type=Path, help="JSONL trace instead of a mix (see docs)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--vocab-size",
+        type=int,
+        help="token ids are drawn from [16, this) (default: the model's vocabulary)",
+    )
+    w.add_argument(
+        "--num-requests", type=int, help=f"measured per point (default {DEFAULT_REQUESTS})"
+    )
+    w.add_argument("--duration", type=_duration("s"), help="or: measure arrivals for this long")
+    w.add_argument("--warmup", type=int, default=4, help="unmeasured requests first (default 4)")
+    w.add_argument(
+        "--burst",
+        type=_burst,
+        metavar="N|all",
+        help="bursts of N every N/rate s, not Poisson; all: everything at t=0",
+    )
+    r = p.add_argument_group("rates and SLOs")
+    r.add_argument(
+        "--rates", type=_floats, help=f"offered req/s, e.g. 2,4,6,8 (default {DEFAULT_RATE:g})"
+    )
+    r.add_argument(
+        "--search", action="store_true", help="find the highest rate meeting --goodput-target"
+    )
+    r.add_argument(
+        "--search-range",
+        type=_floats,
+        metavar="LO,HI",
+        help="bounds of the search (default: --rates' extremes, else 1,16)",
+    )
+    r.add_argument("--search-resolution", type=float, default=0.5, help="req/s (default 0.5)")
+    r.add_argument("--goodput-target", type=float, default=0.9)
+    r.add_argument("--ttft-slo", type=_duration("s"), default=3.0, help="default 3s")
+    r.add_argument("--itl-slo", type=_duration("ms"), default=0.150, help="default 150ms")
+    r.add_argument("--request-timeout", type=_duration("s"), default=300.0, help="default 300s")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, help="every request record, summaries, config, machine")
+    o.add_argument("--plot", type=Path, help="PNG of latency and goodput vs rate")
+    o.add_argument("--html", type=Path, help="HTML page: the tables and the plot")
+    o.add_argument("--quiet", action="store_true", help="no progress bar or log on stderr")
+    o.add_argument(
+        "--max-load",
+        type=float,
+        default=1.0,
+        help="wait for a 1-minute load below this before starting (with --wait-minutes)",
+    )
+    o.add_argument("--wait-minutes", type=float, default=0.0)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the command line asks for, validated."""
+
+    load: Load
+    rates: list[float | None]
+    search: SearchSpec | None
+    slo: Slo
+    request_timeout_s: float
+
+    def arrivals(self) -> str:
+        burst = self.load.burst
+        if self.load.trace is not None:
+            return "trace arrival times" + (" scaled to each rate" if self.rates != [None] else "")
+        if burst == 0:
+            return "every request at t=0"
+        return "Poisson arrivals" if burst is None else f"bursts of {burst}"
+
+    def headline(self) -> str:
+        load = self.load
+        what = (
+            f"mix {load.mix.name} ({load.mix.summary()})" if load.mix is not None
+            else f"trace of {len(load.trace or ())} requests"
+        )  # fmt: skip
+        size = (
+            f"{load.num_requests} measured requests" if load.num_requests is not None
+            else f"arrivals over {load.duration_s:g} s" if load.duration_s is not None
+            else "the whole trace"
+        )  # fmt: skip
+        return (
+            f"pdserve bench serve: {what}; {self.arrivals()}; {size} per point "
+            f"(+{load.warmup} warm-up), seed {load.seed}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        load, s = self.load, self.search
+        return {
+            "mix": None if load.mix is None else {"name": load.mix.name,
+                                                  "summary": load.mix.summary()},
+            "trace_requests": None if load.trace is None else len(load.trace),
+            "arrivals": self.arrivals(),
+            "seed": load.seed,
+            "vocab_size": load.vocab_size,
+            "num_requests": load.num_requests,
+            "duration_s": load.duration_s,
+            "warmup": load.warmup,
+            "burst": load.burst,
+            "rates": self.rates,
+            "search": None if s is None else {"range": [s.low, s.high],
+                                              "resolution": s.resolution, "goal": s.goal},
+            "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
+            "request_timeout_s": self.request_timeout_s,
+        }  # fmt: skip
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """Validate the workload, rate and SLO options (InvalidArgumentError names the option)."""
+    trace = load_trace(args.trace) if args.trace is not None else None
+    num = args.num_requests
+    if num is None and args.duration is None and trace is None:
+        num = DEFAULT_REQUESTS
+    load = Load(
+        vocab_size(args), mix=None if trace is not None else get_mix(args.mix), trace=trace,
+        seed=args.seed, num_requests=num, duration_s=args.duration, warmup=args.warmup,
+        burst=args.burst,
+    )  # fmt: skip
+    rates: list[float | None]
+    if args.burst == 0 or (trace is not None and not args.rates and not args.search):
+        if args.rates or args.search:
+            raise InvalidArgumentError("--rates", "--burst all sends everything at once: no rate")
+        rates = [None]
+    else:
+        rates = list(args.rates or ([] if args.search else [DEFAULT_RATE]))
+    search = None
+    if args.search:
+        known = [r for r in rates if r is not None]
+        low, high = (
+            args.search_range if args.search_range is not None
+            else (min(known), max(known)) if len(known) > 1 else DEFAULT_SEARCH_RANGE
+        )  # fmt: skip
+        if args.search_range is not None and len(args.search_range) != 2:
+            raise InvalidArgumentError("--search-range", "expected two numbers: LO,HI")
+        search = SearchSpec(low, high, args.search_resolution, args.goodput_target)
+    if not args.request_timeout > 0:
+        raise InvalidArgumentError("--request-timeout", "must be > 0")
+    return Settings(load, rates, search, Slo(args.ttft_slo, args.itl_slo), args.request_timeout)
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size``, else the model's (``--model``, else the ``--preset`` demo model's)."""
+    if args.vocab_size is not None:
+        return int(args.vocab_size)
+    if args.model is not None:
+        from pdserve.models.config import ModelConfig
+
+        return ModelConfig.from_dir(args.model).vocab_size
+    from pdserve.models.demo import PRESETS
+
+    return PRESETS[args.preset].vocab_size
+
+
+def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Any) -> list[Target]:
+    """The targets in command-line order; clusters are started here and stopped by ``stack``."""
+    if not args.targets:
+        raise InvalidArgumentError("target", "give --router, --config or --openai-url")
+    targets: list[Target] = []
+    for arg in args.targets:
+        if arg.kind == "router":
+            targets.append(RouterTarget(arg.value, arg.label or f"router-{arg.value}"))
+        elif arg.kind == "openai_url":
+            host = arg.value.split("//", 1)[-1].split("/", 1)[0]
+            label = arg.label or f"openai-{host}"
+            targets.append(OpenAITarget(arg.value, label, model=args.openai_model))
+        else:
+            targets.append(_start_cluster(args, arg, stack, log))
+    labels = [t.label for t in targets]
+    if len(set(labels)) != len(labels):
+        raise InvalidArgumentError("--label", f"labels must differ, got {labels}")
+    return targets
+
+
+def _start_cluster(
+    args: argparse.Namespace, arg: TargetArg, stack: contextlib.ExitStack, log: Any
+) -> RouterTarget:
+    from pdserve.launcher import Cluster, default_model
+
+    colocated = arg.value == "colocated"
+    workers = args.colocated_workers or args.prefill + args.decode
+    extra = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
+    spec = ClusterSpec(
+        arg.value, args.model or default_model(args.preset), args.prefill,
+        workers if colocated else args.decode, (*extra, *args.worker_arg),
+    )  # fmt: skip
+    label = arg.label or spec.default_label
+    log(f"starting {label} ...")
+    cluster = Cluster(
+        spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
+        worker_args=spec.worker_args, startup_timeout_s=600.0,
+        log_dir=args.log_dir / label if args.log_dir is not None else None,
+    )  # fmt: skip
+    stack.enter_context(cluster)
+    log(f"{label}: router at {cluster.router_address}")
+    return RouterTarget(cluster.router_address, label, cluster=cluster, spec=spec)
+
+
+async def _run(targets: Sequence[Target], s: Settings, bar: ProgressBar, log: Any,
+               load_average: Any) -> RunResult:  # fmt: skip
+    opened: list[Target] = []
+    try:
+        for t in targets:
+            await t.open()
+            opened.append(t)
+        return await run_all(
+            targets, s.load, rates=s.rates, search=s.search, slo=s.slo,
+            request_timeout_s=s.request_timeout_s, load_average=load_average,
+            on_progress=bar.update, log=log,
+        )  # fmt: skip
+    finally:
+        bar.done()
+        for t in opened:
+            await t.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry of ``pdserve bench serve``."""
+    p = parser()
+    args = p.parse_args(list(argv))
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    try:
+        s = settings(args)
+    except (InvalidArgumentError, OSError) as e:
+        p.error(str(e))
+    # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
+    # servers under test are using (the launcher sets the same for its children).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.bench.engine_bench import load_average, machine_info, wait_for_quiet
+
+    wait_for_quiet(args.max_load, args.wait_minutes * 60.0, log)
+    machine = {**machine_info(), "load_1min_start": load_average(),
+               "usable_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+    log(s.headline())
+    try:
+        with contextlib.ExitStack() as stack:
+            targets = make_targets(args, stack, log)
+            bar = ProgressBar(enabled=not args.quiet)
+            result = asyncio.run(_run(targets, s, bar, log, load_average))
+    except PdServeError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 1
+    machine["load_1min_end"] = load_average()
+    print(format_report(result, targets, slo=s.slo, headline=s.headline()), end="")
+    write_outputs(args, result, targets, s, machine, log)
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, result: RunResult, targets: Sequence[Target],
+                  s: Settings, machine: dict[str, Any], log: Any) -> None:  # fmt: skip
+    labels = [t.label for t in targets]
+    if args.json is not None:
+        config = {"argv": sys.argv[1:], **s.to_json()}
+        doc = to_json(result, targets, config=config, machine=machine)
+        args.json.write_text(json.dumps(doc) + "\n")
+        log(f"wrote {args.json}")
+    if args.plot is None and args.html is None:
+        return
+    from pdserve.bench.serve.plots import render_html, render_png
+
+    png = render_png(result, labels, slo=s.slo, goal=args.goodput_target)
+    if args.plot is not None:
+        args.plot.write_bytes(png)
+        log(f"wrote {args.plot}")
+    if args.html is not None:
+        notes = [s.headline(), f"SLO: TTFT <= {s.slo.ttft_s:g} s, per-request p99 ITL <= "
+                 f"{s.slo.itl_s * 1e3:g} ms", f"machine: {machine}"]  # fmt: skip
+        args.html.write_text(render_html(result, labels, title="pdserve bench serve",
+                                         notes=notes, png=png))  # fmt: skip
+        log(f"wrote {args.html}")
