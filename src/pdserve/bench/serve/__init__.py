@@ -10,5 +10,6 @@ request is a greedy (temperature 0) completion of a token-id prompt with ``ignor
 Modules: ``mixes`` (named workloads), ``workload`` (the plan of a point), ``targets`` and
 ``openai`` (what is measured), ``runner`` (one point, open loop), ``records`` and ``metrics``
 (what was seen, and its statistics), ``sweep`` (rates, targets interleaved, the rate search),
-``report`` and ``plots`` (table, JSON, PNG, HTML), ``progress``, ``cli``.
+``report`` and ``plots`` (table, JSON, PNG, HTML), ``progress``, ``settings`` and ``cli``
+(the command line).
 """

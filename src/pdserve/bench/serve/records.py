@@ -6,6 +6,7 @@ Times are seconds from the start of the request's point, all read from one monot
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -76,7 +77,7 @@ class RequestRecord:
     @property
     def gaps_s(self) -> list[float]:
         """Inter-chunk gaps: between consecutive token-carrying chunks."""
-        return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.chunk_s)]
 
     @property
     def tpot_s(self) -> float | None:
