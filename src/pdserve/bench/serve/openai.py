@@ -2,10 +2,10 @@
 
 Each request is ``POST /v1/completions`` with ``{"model", "prompt": [token ids],
 "max_tokens", "temperature": 0, "stream": true, "ignore_eos": true}``, read as server-sent
-events (``data: {...}`` per event, ``data: [DONE]`` last). Two widely supported extensions
-say how many tokens each event carries: ``return_token_ids`` (the event's token ids) and
-``stream_options.continuous_usage_stats`` (a running ``usage.completion_tokens``); a server
-that sends neither is counted one token per event with text. HTTP 429 is a rejection.
+events (``data: {...}`` per event, ``data: [DONE]`` last). Two fields of vLLM's say how many
+tokens each event carries: ``return_token_ids`` (the event's token ids) and
+``stream_options.continuous_usage_stats`` (a running ``usage.completion_tokens``); from a
+server that sends neither, an event with text counts as one token. HTTP 429 is a rejection.
 """
 
 from __future__ import annotations
