@@ -93,6 +93,7 @@ def test_whole_run_writes_table_json_png_and_html(
         assert len(p["records"]) == 6 and p["summary"]["sent"] == 5
         assert p["summary"]["goodput"] == 1.0
     assert doc["config"]["slo"] == {"ttft_s": 3.0, "itl_s": 0.15}
+    assert doc["config"]["argv"][:4] == ["bench", "serve", "--openai-url", url_of(openai_server)]
     assert doc["machine"]["logical_cpus"] and "load_1min_end" in doc["machine"]
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = out["html"].read_text()

@@ -277,15 +277,17 @@ def main(argv: Sequence[str]) -> int:
         return 1
     machine["load_1min_end"] = load_average()
     print(format_report(result, targets, slo=s.slo, headline=s.headline()), end="")
-    write_outputs(args, result, targets, s, machine, log)
+    write_outputs(args, result, targets, s, machine, log, argv=["bench", "serve", *argv])
     return 0
 
 
 def write_outputs(args: argparse.Namespace, result: RunResult, targets: Sequence[Target],
-                  s: Settings, machine: dict[str, Any], log: Any) -> None:  # fmt: skip
+                  s: Settings, machine: dict[str, Any], log: Any, *,
+                  argv: Sequence[str]) -> None:  # fmt: skip
+    """The files asked for: ``--json``, ``--plot``, ``--html``."""
     labels = [t.label for t in targets]
     if args.json is not None:
-        config = {"argv": sys.argv[1:], **s.to_json()}
+        config = {"argv": list(argv), **s.to_json()}
         doc = to_json(result, targets, config=config, machine=machine)
         args.json.write_text(json.dumps(doc) + "\n")
         log(f"wrote {args.json}")

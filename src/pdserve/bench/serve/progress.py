@@ -51,7 +51,7 @@ def render(label: str, rate: float | None, c: Counters) -> str:
     """``label @ 4 req/s [#####.....] 40/100 done, 12 in flight, 3 rejected, 1 failed``."""
     filled = round(WIDTH * c.finished / c.total) if c.total else WIDTH
     bar = "#" * filled + "." * (WIDTH - filled)
-    where = f"{label} @ {rate:g} req/s" if rate is not None else f"{label} @ burst"
+    where = f"{label} @ {rate:g} req/s" if rate is not None else label
     return (
         f"{where} [{bar}] {c.finished}/{c.total} done, {c.in_flight} in flight, "
         f"{c.rejected} rejected, {c.errors} failed"
