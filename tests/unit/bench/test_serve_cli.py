@@ -46,6 +46,22 @@ def test_bad_command_lines_exit_with_a_message(
     assert info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rates", "2"], "give a target"),
+        (["--router", "r:1", "--router", "r:1"], "different labels"),
+        (["--router", "r:1", "--json", "/nonexistent-dir/x.json"], "folder does not exist"),
+    ],
+)
+def test_refused_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_settings_defaults_and_units() -> None:
     s = settings(
         parser().parse_args(["--router", "r:1", "--itl-slo", "0.2s", "--ttft-slo", "500ms"])

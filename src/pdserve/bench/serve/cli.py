@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from pdserve.bench.serve.settings import DEFAULT_RATE, DEFAULT_REQUESTS, Setting
 from pdserve.bench.serve.sweep import RunResult, run_all
 from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
 from pdserve.errors import InvalidArgumentError, PdServeError
+
+Log = Callable[[str], None]
 
 
 @dataclass(slots=True)
@@ -183,52 +185,71 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Any) -> list[Target]:
+def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log) -> list[Target]:
     """The targets in command-line order; clusters are started here and stopped by ``stack``."""
-    if not args.targets:
-        raise InvalidArgumentError("target", "give --router, --config or --openai-url")
+    from pdserve.launcher import Cluster
+
     targets: list[Target] = []
-    for arg in args.targets:
+    for arg, label in zip(args.targets, labels(args), strict=True):
         if arg.kind == "router":
-            targets.append(RouterTarget(arg.value, arg.label or f"router-{arg.value}"))
+            targets.append(RouterTarget(arg.value, label))
         elif arg.kind == "openai_url":
-            host = arg.value.split("//", 1)[-1].split("/", 1)[0]
-            label = arg.label or f"openai-{host}"
             targets.append(OpenAITarget(arg.value, label, model=args.openai_model))
         else:
-            targets.append(_start_cluster(args, arg, stack, log))
-    labels = [t.label for t in targets]
-    if len(set(labels)) != len(labels):
-        raise InvalidArgumentError("--label", f"labels must differ, got {labels}")
+            spec = cluster_spec(args, arg.value)
+            log(f"starting {label} ...")
+            cluster = Cluster(
+                spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
+                worker_args=spec.worker_args, startup_timeout_s=600.0,
+                log_dir=args.log_dir / label if args.log_dir is not None else None,
+            )  # fmt: skip
+            stack.enter_context(cluster)
+            log(f"{label}: router at {cluster.router_address}")
+            targets.append(RouterTarget(cluster.router_address, label, cluster=cluster, spec=spec))
     return targets
 
 
-def _start_cluster(
-    args: argparse.Namespace, arg: TargetArg, stack: contextlib.ExitStack, log: Any
-) -> RouterTarget:
-    from pdserve.launcher import Cluster, default_model
+def labels(args: argparse.Namespace) -> list[str]:
+    """Each target's label: given with ``--label``, else made from what it is."""
+    out = []
+    for arg in args.targets:
+        if arg.label is not None:
+            out.append(arg.label)
+        elif arg.kind == "router":
+            out.append(f"router-{arg.value}")
+        elif arg.kind == "openai_url":
+            out.append("openai-" + arg.value.split("//", 1)[-1].split("/", 1)[0])
+        else:
+            out.append(cluster_spec(args, arg.value).default_label)
+    return out
 
-    colocated = arg.value == "colocated"
+
+def cluster_spec(args: argparse.Namespace, mode: str) -> ClusterSpec:
+    """The cluster ``--config mode`` asks for (the demo model is made on first use)."""
+    from pdserve.launcher import default_model
+
     workers = args.colocated_workers or args.prefill + args.decode
     extra = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
-    spec = ClusterSpec(
-        arg.value, args.model or default_model(args.preset), args.prefill,
-        workers if colocated else args.decode, (*extra, *args.worker_arg),
-    )  # fmt: skip
-    label = arg.label or spec.default_label
-    log(f"starting {label} ...")
-    cluster = Cluster(
-        spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
-        worker_args=spec.worker_args, startup_timeout_s=600.0,
-        log_dir=args.log_dir / label if args.log_dir is not None else None,
-    )  # fmt: skip
-    stack.enter_context(cluster)
-    log(f"{label}: router at {cluster.router_address}")
-    return RouterTarget(cluster.router_address, label, cluster=cluster, spec=spec)
+    model = args.model or default_model(args.preset)
+    decode = workers if mode == "colocated" else args.decode
+    return ClusterSpec(mode, model, args.prefill, decode, (*extra, *args.worker_arg))
 
 
-async def _run(targets: Sequence[Target], s: Settings, bar: ProgressBar, log: Any,
-               load_average: Any) -> RunResult:  # fmt: skip
+def check_command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What can be refused before anything starts: no target, two alike labels, an output
+    file whose folder does not exist."""
+    if not args.targets:
+        p.error("give a target: --router, --config or --openai-url")
+    names = labels(args)
+    if len(set(names)) != len(names):
+        p.error(f"targets need different labels (--label), got {names}")
+    for path in (args.json, args.plot, args.html):
+        if path is not None and not path.resolve().parent.is_dir():
+            p.error(f"{path}: its folder does not exist")
+
+
+async def _run(targets: Sequence[Target], s: Settings, bar: ProgressBar, log: Log,
+               load_average: Callable[[], float | None]) -> RunResult:  # fmt: skip
     opened: list[Target] = []
     try:
         for t in targets:
@@ -254,13 +275,14 @@ def main(argv: Sequence[str]) -> int:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
+    # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
+    # servers under test are using (the launcher sets the same for its children).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    check_command_line(p, args)
     try:
         s = settings(args)
     except (InvalidArgumentError, OSError) as e:
         p.error(str(e))
-    # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
-    # servers under test are using (the launcher sets the same for its children).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from pdserve.bench.engine_bench import load_average, machine_info, wait_for_quiet
 
     wait_for_quiet(args.max_load, args.wait_minutes * 60.0, log)
@@ -282,7 +304,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def write_outputs(args: argparse.Namespace, result: RunResult, targets: Sequence[Target],
-                  s: Settings, machine: dict[str, Any], log: Any, *,
+                  s: Settings, machine: dict[str, Any], log: Log, *,
                   argv: Sequence[str]) -> None:  # fmt: skip
     """The files asked for: ``--json``, ``--plot``, ``--html``."""
     labels = [t.label for t in targets]
