@@ -20,6 +20,9 @@ SUBCOMMANDS: dict[str, Command] = {
     "overhead": Command(
         "pdserve.bench.overhead", "main", "latency the service path adds over the engine alone"
     ),
+    "serve": Command(
+        "pdserve.bench.serve.cli", "main", "open-loop load: TTFT, ITL, goodput against rate"
+    ),
     "transfer": Command(
         "pdserve.bench.transfer", "main", "KV hand-off bandwidth and share of TTFT per transport"
     ),

@@ -8,6 +8,7 @@ from typing import Any
 
 from pdserve.bench.measure import CaseResult
 from pdserve.bench.membw import Bandwidth, Roofline
+from pdserve.bench.tables import format_table
 
 PEERS = ("pdserve", "hf", "vllm")
 PEER_TITLES = {"pdserve": "pdserve", "hf": "HF", "vllm": "vLLM"}
@@ -90,16 +91,7 @@ class BenchReport:
                     _fmt_ratio(m.ratio("vllm")),
                 ]
             )
-        widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-        out = []
-        for i, row in enumerate(lines):
-            cells = [
-                c.ljust(w) if j < 2 else c.rjust(w)
-                for j, (c, w) in enumerate(zip(row, widths, strict=True))
-            ]
-            out.append("| " + " | ".join(cells) + " |")
-            if i == 0:
-                out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        out = format_table(lines, left_columns=2)
         roof = self.roofline
         out.append("")
         bw = self.bandwidth

@@ -1,0 +1,157 @@
+"""The run's report: a table per target, a side-by-side view, the search's answers, and the
+JSON document (every request record, every summary, the configuration and the machine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.bench.serve.metrics import Percentiles, PointSummary, Slo
+from pdserve.bench.serve.sweep import PointResult, RunResult
+from pdserve.bench.serve.targets import Target
+from pdserve.bench.tables import format_table
+
+JSON_VERSION = 1
+
+SUMMARY_HEAD = [
+    "req/s", "sent", "ok", "rejected", "failed", "admitted+failed", "goodput",
+    "TTFT p50 s", "p90", "p99", "ITL p50 ms", "p90", "p99", "TPOT p50 ms", "p99",
+    "e2e p50 s", "p99", "tok/s",
+]  # fmt: skip
+
+
+def rate_text(rate: float | None) -> str:
+    """A point's rate as shown: ``4``, or ``-`` (one burst, or a trace at its own pace)."""
+    return "-" if rate is None else f"{rate:g}"
+
+
+def _num(v: float | None, scale: float = 1.0) -> str:
+    if v is None:
+        return "-"
+    v *= scale
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def _pcts(p: Percentiles | None, scale: float, which: Sequence[str]) -> list[str]:
+    return ["-" if p is None else _num(getattr(p, q), scale) for q in which]
+
+
+def _share(count: int, of: int) -> str:
+    return f"{count} ({count / of:.0%})" if of else str(count)
+
+
+def summary_row(rate: float | None, s: PointSummary) -> list[str]:
+    return [
+        rate_text(rate), str(s.sent), str(s.ok), _share(s.rejected, s.sent),
+        _share(s.errors, s.sent), str(s.admitted_failed), f"{s.goodput:.2f}",
+        *_pcts(s.ttft, 1.0, ("p50", "p90", "p99")),
+        *_pcts(s.itl, 1e3, ("p50", "p90", "p99")),
+        *_pcts(s.tpot, 1e3, ("p50", "p99")),
+        *_pcts(s.e2e, 1.0, ("p50", "p99")),
+        _num(s.throughput_tok_s),
+    ]  # fmt: skip
+
+
+def by_target(result: RunResult) -> dict[str, list[PointResult]]:
+    """Each target's points, by rate (points without a rate last)."""
+    out: dict[str, list[PointResult]] = {}
+    for p in result.points:
+        out.setdefault(p.target, []).append(p)
+    for points in out.values():
+        points.sort(key=lambda p: (p.rate is None, p.rate or 0.0))
+    return out
+
+
+def search_line(label: str, result: RunResult) -> str | None:
+    s = result.searches.get(label)
+    if s is None:
+        return None
+    doc = s.to_json()
+    best = doc["best_rate"]
+    goal = f"goodput >= {s.goal:g}"
+    if best is None:
+        return f"highest rate with {goal}: none (below {s.low:g} req/s)"
+    if doc["capped"]:
+        return f"highest rate with {goal}: at least {best:g} req/s (the top of the range)"
+    return f"highest rate with {goal}: {best:g} req/s (missed at {doc['lowest_failing_rate']:g})"
+
+
+def format_report(result: RunResult, targets: Sequence[Target], *, slo: Slo, headline: str) -> str:
+    """Everything printed at the end of a run."""
+    out = [headline, f"SLO: TTFT <= {slo.ttft_s:g} s, per-request p99 ITL <= "
+           f"{slo.itl_s * 1e3:g} ms; warm-up requests excluded", ""]  # fmt: skip
+    points = by_target(result)
+    for t in targets:
+        out.append(f"{t.label}: {_describe(t)}")
+        rows = [summary_row(p.rate, p.summary) for p in points.get(t.label, [])]
+        out += format_table([SUMMARY_HEAD, *rows]) if rows else ["  (no points)"]
+        line = search_line(t.label, result)
+        if line is not None:
+            out.append(line)
+        if t.label in result.down:
+            out.append(f"dropped: {result.down[t.label].splitlines()[0]}")
+        out.append("")
+    if len(points) > 1:
+        out += ["side by side:", *format_table(side_by_side(result, [t.label for t in targets]))]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def side_by_side(result: RunResult, labels: Sequence[str]) -> list[list[str]]:
+    """One row per rate (after the header): goodput, TTFT p99 and ITL p99 of every target."""
+    cell: dict[tuple[str, float | None], PointSummary] = {
+        (p.target, p.rate): p.summary for p in result.points
+    }
+    rates = sorted({p.rate for p in result.points}, key=lambda r: (r is None, r or 0.0))
+    head = ["req/s"]
+    for label in labels:
+        head += [f"{label} goodput", "TTFT p99 s", "ITL p99 ms"]
+    rows = [head]
+    for rate in rates:
+        row = [rate_text(rate)]
+        for label in labels:
+            s = cell.get((label, rate))
+            if s is None:
+                row += ["-", "-", "-"]
+            else:
+                row += [f"{s.goodput:.2f}", *_pcts(s.ttft, 1.0, ("p99",)),
+                        *_pcts(s.itl, 1e3, ("p99",))]  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _describe(t: Target) -> str:
+    d = t.describe()
+    if d.get("kind") == "pdserve-cluster":
+        c = d["cluster"]
+        workers = (
+            f"{c['decode']} mixed workers" if c["mode"] == "colocated"
+            else f"{c['prefill']} prefill + {c['decode']} decode"
+        )  # fmt: skip
+        extra = " ".join(c["worker_args"])
+        return f"pdserve {c['mode']} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
+    if d.get("kind") == "openai":
+        return f"OpenAI-compatible {d['url']} (model {d['model']})"
+    return f"pdserve router {d.get('address')}"
+
+
+def to_json(
+    result: RunResult,
+    targets: Sequence[Target],
+    *,
+    config: dict[str, Any],
+    machine: dict[str, Any],
+) -> dict[str, Any]:
+    """The whole run as one JSON document."""
+    return {
+        "version": JSON_VERSION,
+        "config": config,
+        "machine": machine,
+        "targets": [{"label": t.label, **t.describe()} for t in targets],
+        "points": [p.to_json() for p in result.points],
+        "search": {label: s.to_json() for label, s in result.searches.items()},
+        "dropped": result.down,
+    }
