@@ -34,11 +34,13 @@ TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
 SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
+HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
+HTTP_SECONDS = "pdserve_http_request_seconds"
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
-    SCHEDULER_CONFLICTS, REDIS_ERRORS,
+    SCHEDULER_CONFLICTS, REDIS_ERRORS, HTTP_REQUESTS, HTTP_SECONDS,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -194,6 +196,29 @@ class SchedulerMetrics:
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+
+class GatewayMetrics:
+    """The HTTP gateway: answered requests by route and status, and how long each took
+    (a stream: until its last event)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._requests = Counter(
+            HTTP_REQUESTS, "HTTP requests answered, by route and status.", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self._seconds = Histogram(
+            HTTP_SECONDS, "HTTP request to the last byte of its answer.", ["route"],
+            buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        """One answered request; ``route`` is a fixed path (never one with ids in it)."""
+        route = _label("route", route)
+        self._requests.labels(route=route, status=str(status)).inc()
+        self._seconds.labels(route=route).observe(_non_negative("seconds", seconds))
 
 
 @dataclass(slots=True)
