@@ -29,7 +29,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "model": Command("pdserve.models.demo", "main_model", "make demo checkpoints (model init)"),
     "bench": Command("pdserve.bench", "main_bench", "benchmarks (bench engine)"),
-    "up": Command("pdserve.launcher", "main_up", "start a local cluster (Redis + all services)"),
+    "up": Command("pdserve.up", "main_up", "start a local cluster (Redis + all services)"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
     "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
     "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),

@@ -1,4 +1,4 @@
-"""A whole pdserve cluster on one machine: ``pdserve up`` and the ``Cluster`` tests reuse.
+"""A whole pdserve cluster on one machine: what ``pdserve up`` (``pdserve.up``) and the tests run.
 
 ``Cluster.start()`` brings the services up in dependency order, each a child process on a free
 port (``--port 0 --port-file F``)::
@@ -6,10 +6,12 @@ port (``--port 0 --port-file F``)::
     Redis (embedded, unless a URL is given)
       -> KVStore, Scheduler
       -> N prefill + M decode workers (colocated: M mixed workers), Router
+      -> the HTTP gateway (when ``http_port`` is set)
 
-and returns once every service's gRPC health check says SERVING and every worker's heartbeat
-is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a grace period, then SIGKILL.
-Children also get ``PR_SET_PDEATHSIG``, so none outlives a launcher that is killed outright.
+and returns once every service's health check says SERVING (the gateway's ``/health``: 200)
+and every worker's heartbeat is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a
+grace period, then SIGKILL. Children also get ``PR_SET_PDEATHSIG``, so none outlives a
+launcher that is killed outright.
 
 Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
 free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
@@ -19,12 +21,8 @@ free ports unless ``metrics_base_port`` is given) and traces into the OTLP colle
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +34,7 @@ from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
-from pdserve.service_process import HOST, ServiceProcess, healthy, terminate
-from pdserve.telemetry.service import describe_telemetry
+from pdserve.service_process import HOST, ServiceProcess, terminate
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
@@ -94,6 +91,10 @@ class Cluster:
     host_lease: bool = True
     """The workers share this host's cores through a ``HostLease`` (one engine step at a
     time, decode steps first) instead of oversubscribing them."""
+    http_port: int | None = None
+    """The OpenAI-compatible HTTP gateway's port (0: a free one); None: no gateway."""
+    gateway_args: Sequence[str] = ()
+    """Extra flags for the gateway (``["--served-model-name", "demo"]``)."""
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
@@ -114,6 +115,10 @@ class Cluster:
             raise InvalidArgumentError(
                 "metrics_base_port", f"must be in [0, 65535], got {self.metrics_base_port}"
             )
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise InvalidArgumentError(
+                "http_port", f"must be in [0, 65535] or None, got {self.http_port}"
+            )
         if self.trace_file is not None:
             self.trace_file = Path(self.trace_file)
 
@@ -128,6 +133,11 @@ class Cluster:
     @property
     def router_address(self) -> str:
         return self._service("router").address
+
+    @property
+    def http_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of the gateway (OpenAI base URL: add ``/v1``)."""
+        return f"http://{self._service('gateway').address}"
 
     @property
     def scheduler_address(self) -> str:
@@ -230,11 +240,20 @@ class Cluster:
         for s in [*late, router]:
             s.spawn(env)
         self._wait("port files", [*late, router], self._read_ports, deadline)
-        self._wait("health checks", self.services, lambda s: healthy(s.address), deadline)
+        if self.http_port is not None:
+            gateway = self._add(
+                "gateway", "services.gateway",
+                [*common, "--router", router.address, "--model", str(self.model_dir),
+                 *self.gateway_args, "--port", str(self.http_port)],
+                http=True,
+            )  # fmt: skip
+            gateway.spawn(env)
+            self._wait("port files", [gateway], self._read_ports, deadline)
+        self._wait("health checks", self.services, lambda s: s.is_healthy(), deadline)
         self._wait_heartbeats(deadline)
 
     def _add(
-        self, name: str, module: str, args: list[str], role: str | None = None
+        self, name: str, module: str, args: list[str], role: str | None = None, http: bool = False
     ) -> ServiceProcess:
         assert self.log_dir is not None  # set by _start before any service is added
         base = self.metrics_base_port
@@ -245,6 +264,7 @@ class Cluster:
             port_file=self.log_dir / f"{name}.port",
             log_file=self.log_dir / f"{name}.log",
             role=role,
+            http=http,
         )  # fmt: skip
         self.services.append(service)
         return service
@@ -298,10 +318,11 @@ class Cluster:
         self._wait("heartbeats", self.workers(), beating, deadline)
 
     def stop(self, *, keep_logs: bool = False) -> None:
-        """Stop every service, router first and Redis last. Idempotent.
+        """Stop every service, gateway and router first, Redis last. Idempotent.
 
         A temporary log dir is deleted unless ``keep_logs``."""
         tiers = [
+            [s for s in self.services if s.name == "gateway"],
             [s for s in self.services if s.name == "router"],
             self.workers(),
             [s for s in self.services if s.name in ("scheduler", "kvstore")],
@@ -335,7 +356,7 @@ class Cluster:
         self.stop()
 
 
-# -- pdserve up ----------------------------------------------------------------------------------
+# -- the demo checkpoint (pdserve up, benchmarks) --------------------------------------------------
 
 
 def default_model(preset: str) -> Path:
@@ -349,81 +370,3 @@ def default_model(preset: str) -> Path:
         init_checkpoint(tmp, preset)
         os.replace(tmp, path)
     return path
-
-
-def up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve up", description="start a local pdserve cluster")
-    p.add_argument("--model", type=Path, help="checkpoint dir (default: the demo model)")
-    p.add_argument("--preset", default="small", choices=["tiny", "small", "base"],
-                   help="demo model size when --model is not given")  # fmt: skip
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (mixed when colocated)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
-    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
-    p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary dir)")
-    p.add_argument("--no-host-lease", dest="host_lease", action="store_false",
-                   help="let the workers' engines run at once on this host's cores instead of "
-                   "taking turns (decode steps first)")  # fmt: skip
-    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
-                   help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
-    p.add_argument(
-        "--otlp-endpoint",
-        metavar="URL",
-        help="send traces to this OTLP gRPC collector (Jaeger: http://localhost:4317)",
-    )
-    p.add_argument(
-        "--trace-file",
-        type=Path,
-        metavar="PATH",
-        help="append every span to this JSON-lines file (pdserve trace report)",
-    )
-    p.add_argument(
-        "--metrics-base-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
-    )
-    return p
-
-
-def main_up(argv: Sequence[str]) -> int:
-    """``pdserve up``: start a cluster, print how to use it, stop it on Ctrl-C or SIGTERM."""
-    args = up_parser().parse_args(list(argv))
-    model = args.model if args.model is not None else default_model(args.preset)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster = Cluster(
-        model, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode,
-        redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
-        worker_args=args.worker_arg, trace_file=args.trace_file,
-        otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
-        host_lease=args.host_lease,
-    )  # fmt: skip
-    print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
-    with cluster:
-        address = cluster.router_address
-        telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
-        print(
-            f"\npdserve is up: router at {address} (redis {cluster.redis_url}, logs in "
-            f"{cluster.log_dir})\n\ntry it:\n"
-            f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32\n'
-            f"  pdserve status --redis-url {cluster.redis_url}\n\n"
-            f"{telemetry}\n\n"
-            "Ctrl-C stops everything.",
-            flush=True,
-        )
-        while not stop.wait(1.0):  # also a liveness check of the children once a second
-            dead = cluster.failed()
-            if dead:
-                for s in dead:
-                    print(
-                        f"pdserve up: {s.name} exited unexpectedly:\n{s.log_tail()}",
-                        file=sys.stderr,
-                    )
-                return 1
-        print("stopping ...", flush=True)
-    return 0

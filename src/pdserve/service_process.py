@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ class ServiceProcess:
     log_file: Path
     role: str | None = None
     """Worker role ("prefill", "decode", "mixed"), None for the other services."""
+    http: bool = False
+    """Serves HTTP (the gateway: health is ``GET /health``), not gRPC."""
     proc: subprocess.Popen[bytes] | None = None
     port: int | None = None
 
@@ -82,6 +86,10 @@ class ServiceProcess:
                 f"{self.log_tail()}"
             )
 
+    def is_healthy(self) -> bool:
+        """The service's health check says it serves (gRPC health, or HTTP ``/health``)."""
+        return http_healthy(self.address) if self.http else healthy(self.address)
+
     def read_port(self) -> bool:
         """True once the port file exists (the service is serving)."""
         if self.port is None and self.port_file.exists():
@@ -99,6 +107,15 @@ def healthy(address: str) -> bool:
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_healthy(address: str) -> bool:
+    """True when ``GET http://address/health`` answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=2.0) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):  # HTTPError (503) is a URLError
+        return False
 
 
 def terminate(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:

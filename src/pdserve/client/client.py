@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any, Unpack
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client.errors import error_from_rpc
 from pdserve.client.request import RequestOptions, RetryPolicy, build_request, metadata
@@ -207,6 +208,18 @@ class AsyncClient(_Base):
             self.retry,
             deadline,
         )
+
+    async def health(self, timeout: float = 2.0) -> bool:
+        """True when the router's gRPC health check says SERVING (False when it says anything
+        else or cannot be reached within ``timeout`` seconds)."""
+        self._get_stub()
+        assert self._channel is not None  # made by _get_stub
+        check = health_pb2_grpc.HealthStub(self._channel).Check
+        try:
+            reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
         """Close the channel; calls still running are cancelled."""

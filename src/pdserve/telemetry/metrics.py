@@ -31,6 +31,7 @@ KV_BLOCKS_FREE = "pdserve_kv_blocks_free"
 KV_BLOCKS_TOTAL = "pdserve_kv_blocks_total"
 TRANSFER_BYTES = "pdserve_kv_transfer_bytes"  # Counter: ..._total
 TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
+HANDOFFS = "pdserve_kv_handoffs"  # Counter: ..._total
 SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
 SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
@@ -38,12 +39,14 @@ CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
 CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
 CORE_PACED_SECONDS = "pdserve_core_paced_seconds"  # Counter: ..._total
 CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
+HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
+HTTP_SECONDS = "pdserve_http_request_seconds"
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
-    KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
+    KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, HANDOFFS, SCHEDULER_DECISIONS,
     SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
-    CORE_LENT_SECONDS,
+    CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -141,6 +144,13 @@ class WorkerMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=r,
         )
+        self._handoffs = Counter(
+            HANDOFFS,
+            "KV hand-offs by the transport that carried them (recompute: none; the decode "
+            "worker prefilled) and outcome (fallback: the chosen transport failed or timed out).",
+            ["transport", "direction", "outcome"],
+            registry=r,
+        )
         self._redis_errors = Counter(
             REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
         )
@@ -203,6 +213,17 @@ class WorkerMetrics:
         self._bytes.labels(**labels).inc(_non_negative("nbytes", nbytes))
         self._seconds.labels(**labels).observe(_non_negative("seconds", seconds))
 
+    def count_handoff(self, transport: str, direction: str, *, fallback: bool) -> None:
+        """One side of a KV hand-off finished over ``transport``; ``fallback`` when it is not
+        the transport first chosen (that one failed or timed out)."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise InvalidArgumentError("direction", f"must be one of {TRANSFER_DIRECTIONS}")
+        self._handoffs.labels(
+            transport=_label("transport", transport),
+            direction=direction,
+            outcome="fallback" if fallback else "ok",
+        ).inc()
+
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
 
@@ -237,6 +258,29 @@ class SchedulerMetrics:
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+
+class GatewayMetrics:
+    """The HTTP gateway: answered requests by route and status, and how long each took
+    (a stream: until its last event)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._requests = Counter(
+            HTTP_REQUESTS, "HTTP requests answered, by route and status.", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self._seconds = Histogram(
+            HTTP_SECONDS, "HTTP request to the last byte of its answer.", ["route"],
+            buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        """One answered request; ``route`` is a fixed path (never one with ids in it)."""
+        route = _label("route", route)
+        self._requests.labels(route=route, status=str(status)).inc()
+        self._seconds.labels(route=route).observe(_non_negative("seconds", seconds))
 
 
 @dataclass(slots=True)

@@ -402,7 +402,12 @@ class WorkerTelemetry:
             self._redis_errors_seen = errors
 
     def observe_transfer(self, stats: TransferTimes, direction: str) -> None:
-        """Bytes and seconds of one finished side of a hand-off (nothing if it never ran)."""
+        """One finished side of a hand-off: counted by transport and outcome, and its bytes and
+        seconds (those only if something moved)."""
+        if stats.transport:
+            self.metrics.count_handoff(
+                str(stats.transport), direction, fallback=bool(stats.fallback_reason)
+            )
         start, end = transfer_window(stats, direction)
         if start and end >= start:
             self.metrics.observe_transfer(

@@ -10,6 +10,7 @@ from prometheus_client.samples import Sample
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.telemetry.metrics import (
+    GatewayMetrics,
     RouterMetrics,
     SchedulerMetrics,
     WorkerMetrics,
@@ -124,3 +125,29 @@ def test_invalid_observations_are_rejected() -> None:
         WorkerMetrics("")
     with pytest.raises(InvalidArgumentError):
         start_metrics_server(r.registry, 70000)
+
+
+def test_handoffs_and_gateway_metrics() -> None:
+    w = WorkerMetrics("decode", process=False)
+    w.count_handoff("shm", "recv", fallback=False)
+    w.count_handoff("recompute", "recv", fallback=True)
+    w.count_handoff("recompute", "recv", fallback=True)
+    g = GatewayMetrics(process=False)
+    g.observe_request("/v1/completions", 200, 0.2)
+    g.observe_request("/v1/completions", 429, 0.01)
+    g.observe_request("/v1/completions", 200, 3.0)
+    with start_metrics_server(w.registry, 0) as ws, start_metrics_server(g.registry, 0) as gs:
+        worker, gateway = _scrape(ws.url), _scrape(gs.url)
+    ok = (("direction", "recv"), ("outcome", "ok"), ("transport", "shm"))
+    fell_back = (("direction", "recv"), ("outcome", "fallback"), ("transport", "recompute"))
+    assert worker[("pdserve_kv_handoffs_total", ok)] == 1
+    assert worker[("pdserve_kv_handoffs_total", fell_back)] == 2
+    route = ("route", "/v1/completions")
+    assert gateway[("pdserve_http_requests_total", (route, ("status", "200")))] == 2
+    assert gateway[("pdserve_http_requests_total", (route, ("status", "429")))] == 1
+    assert gateway[("pdserve_http_request_seconds_count", (route,))] == 3
+    assert gateway[("pdserve_http_request_seconds_bucket", (("le", "0.25"), route))] == 2
+    with pytest.raises(InvalidArgumentError):
+        w.count_handoff("shm", "sideways", fallback=False)
+    with pytest.raises(InvalidArgumentError):
+        g.observe_request("", 200, 0.1)

@@ -1,0 +1,151 @@
+"""A checkpoint's chat template, rendered the way Hugging Face ``apply_chat_template`` does.
+
+The template comes from, in order: ``--chat-template FILE``; the checkpoint's
+``chat_template.jinja``; ``chat_template`` in its ``tokenizer_config.json`` (a string, or a
+list of named templates, of which "default" is taken); else ``FALLBACK_TEMPLATE``, ChatML::
+
+    <|im_start|>system
+    You are terse.<|im_end|>
+    <|im_start|>user
+    Hi<|im_end|>
+    <|im_start|>assistant
+
+Rendering uses a sandboxed Jinja2 environment with ``trim_blocks``/``lstrip_blocks``, the
+``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps
+non-ASCII text, as ``transformers`` does, and the special tokens of ``tokenizer_config.json``
+(``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``) as variables. The rendered text
+already holds any BOS the template writes, so it is tokenized without adding another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve.errors import InvalidArgumentError, ModelLoadError
+from pdserve.gateway.protocol import ChatMessage
+
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, for checkpoints that ship no chat template."""
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TemplateRaisedError(Exception):
+    """``raise_exception(...)`` was called by the template (it refuses the conversation)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateRaisedError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _from_config(config: Mapping[str, Any], file: Path) -> str | None:
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+    raise ModelLoadError(f"{file}: chat_template is neither a string nor has a 'default' entry")
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may use."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str], origin: str) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens)
+        self.origin = origin
+        """Where the template came from: a file path, or "fallback (ChatML)"."""
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as e:
+            raise ModelLoadError(f"cannot compile the chat template from {origin}: {e}") from e
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, override: Path | None = None) -> ChatTemplate:
+        """The template of a checkpoint directory (see the module docstring for the order)."""
+        root = Path(model_dir)
+        config_file = root / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"cannot parse {config_file}: {e}") from e
+        special = {k: t for k in _SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
+        jinja_file = root / "chat_template.jinja"
+        if override is not None:
+            return cls(override.read_text(encoding="utf-8"), special, str(override))
+        if jinja_file.is_file():
+            return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))
+        source = _from_config(config, config_file)
+        if source is not None:
+            return cls(source, special, str(config_file))
+        return cls(FALLBACK_TEMPLATE, special, "fallback (ChatML)")
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a conversation; ``InvalidArgumentError`` on ``messages`` when the
+        template refuses it or fails on it."""
+        rendered = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in messages
+        ]
+        variables = {
+            **self.special_tokens,
+            **(extra or {}),
+            "messages": rendered,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**variables)
+        except TemplateRaisedError as e:
+            raise InvalidArgumentError("messages", str(e)) from e
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise InvalidArgumentError(
+                "messages", f"the chat template ({self.origin}) failed: {e}"
+            ) from e

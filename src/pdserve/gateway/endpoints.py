@@ -1,0 +1,379 @@
+"""What each OpenAI endpoint does, on top of the SDK's ``AsyncClient`` (no HTTP here).
+
+``Gateway.completions`` and ``Gateway.chat`` check the request, turn it into router requests
+(``generation``), and return either a whole response object or, for ``stream: true``, an
+async iterator of Server-Sent Events lines ending in ``data: [DONE]``. Errors raise
+``GatewayError`` with the HTTP status and the OpenAI parameter at fault. A stream's first delta
+is awaited before the iterator is returned, so that a request the router refuses (400, 429,
+503) gets its HTTP status instead of a 200 stream holding an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from pdserve.client import AsyncClient, Delta, PdServeClientError, RequestOptions
+from pdserve.errors import InvalidArgumentError
+from pdserve.gateway import render
+from pdserve.gateway.chat import ChatTemplate
+from pdserve.gateway.errors import (
+    NOT_FOUND,
+    SERVER_ERROR,
+    GatewayError,
+    bad_request,
+    from_client_error,
+)
+from pdserve.gateway.generation import Job, generate_all, plan_jobs, stream_all
+from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.gateway.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from pdserve.router.request import ModelLimits
+from pdserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
+Watch = Callable[[], Awaitable[None]]
+"""Resolves when the HTTP client has gone away."""
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):  # noqa: N818 - reads as what happened
+    """The HTTP client closed the connection before the answer was ready."""
+
+
+async def until_disconnect(watch: Watch, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then it is cancelled (which cancels
+    the router calls) and ``ClientDisconnected`` is raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)  # outcome taken above
+
+
+def sse(obj: BaseModel) -> str:
+    """One Server-Sent Events message holding ``obj`` as JSON."""
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """How a gateway is set up (the service's flags)."""
+
+    router: str
+    """host:port of the Router service."""
+    model_dir: Path
+    """The checkpoint the cluster serves (its tokenizer, config and chat template)."""
+    served_model_name: str | None = None
+    """The ``model`` clients name; default: the checkpoint directory's name."""
+    timeout_s: float | None = 600.0
+    """Each request's deadline in the cluster; None: none."""
+    chat_template: Path | None = None
+    """A Jinja2 file used instead of the checkpoint's chat template."""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+class Gateway:
+    """The OpenAI endpoints of one model served by one router."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: AsyncClient,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        template: ChatTemplate,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.template = template
+        self.created = int(time.time())
+
+    @classmethod
+    def load(cls, config: GatewayConfig) -> Gateway:
+        """Read the checkpoint's tokenizer, limits and chat template (no weights)."""
+        return cls(
+            config,
+            AsyncClient(config.router, timeout=config.timeout_s),
+            Tokenizer.from_dir(config.model_dir),
+            ModelLimits.from_dir(config.model_dir),
+            ChatTemplate.from_dir(config.model_dir, config.chat_template),
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    # -- /v1/models, /health -------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.config.model_name,
+            created=self.created,
+            root=str(self.config.model_dir),
+            max_model_len=self.limits.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    async def healthy(self) -> bool:
+        """The router's gRPC health check says SERVING."""
+        return await self.client.health()
+
+    # -- shared checks -------------------------------------------------------------------------
+
+    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model and body.model not in (self.config.model_name, str(self.config.model_dir)):
+            raise GatewayError(
+                NOT_FOUND,
+                f"The model `{body.model}` does not exist; this server has "
+                f"`{self.config.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+        for param, why in body.unsupported():
+            raise bad_request(param, why, code="unsupported")
+
+    @staticmethod
+    def _options(body: SamplingFields, max_tokens: int | None) -> RequestOptions:
+        return RequestOptions(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop_strings(),
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    async def _first(
+        self, watch: Watch, jobs: list[Job], prompt_param: str, max_tokens_param: str
+    ) -> tuple[tuple[int, Delta], AsyncGenerator[tuple[int, Delta], None]]:
+        """Start the streams and wait for the first delta (see the module docstring)."""
+        deltas = stream_all(self.client, jobs, self.config.timeout_s)
+        try:
+            return await until_disconnect(watch, anext(deltas)), deltas
+        except PdServeClientError as err:
+            raise from_client_error(
+                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param
+            ) from err
+        except StopAsyncIteration:
+            raise GatewayError(SERVER_ERROR, "the router sent no answer") from None
+
+    async def _all(
+        self, watch: Watch, jobs: list[Job], prompt_param: str, max_tokens_param: str
+    ) -> list[render.ClientCompletion]:
+        try:
+            return await until_disconnect(
+                watch, generate_all(self.client, jobs, self.config.timeout_s)
+            )
+        except PdServeClientError as err:
+            raise from_client_error(
+                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param
+            ) from err
+
+    # -- /v1/completions -----------------------------------------------------------------------
+
+    async def completions(
+        self, body: CompletionRequest, watch: Watch
+    ) -> Completion | AsyncIterator[str]:
+        self._check(body)
+        prompts = body.prompts()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise bad_request("prompt", "the prompt must not be empty")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = plan_jobs(prompts, body.n, self._options(body, body.max_tokens), rid)
+        if body.stream:
+            first, deltas = await self._first(watch, jobs, "prompt", "max_tokens")
+            return self._completion_events(body, rid, first, deltas)
+        done = await self._all(watch, jobs, "prompt", "max_tokens")
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                logprobs=None
+                if body.logprobs is None
+                else render.completion_logprobs(
+                    self.tokenizer, c.token_ids, c.logprobs, top=body.logprobs
+                ),
+                token_ids=c.token_ids if body.return_token_ids else None,
+            )
+            for i, c in enumerate(done)
+        ]
+        return Completion(
+            id=rid,
+            created=int(time.time()),
+            model=self.config.model_name,
+            choices=choices,
+            usage=render.batch_usage(done, body.n),
+        )
+
+    async def _completion_events(
+        self,
+        body: CompletionRequest,
+        rid: str,
+        first: tuple[int, Delta],
+        deltas: AsyncGenerator[tuple[int, Delta], None],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        tally = render.StreamTally(body.n)
+
+        def chunk(index: int, delta: Delta) -> str:
+            offset = tally.advance(index, delta.text)
+            tally.add_final(index, delta)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = render.completion_logprobs(
+                    self.tokenizer, delta.token_ids, delta.logprobs, top=body.logprobs,
+                    offset=offset,
+                )  # fmt: skip
+            choice = CompletionChoice(
+                index=index,
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                token_ids=delta.token_ids if body.return_token_ids else None,
+            )
+            return sse(Completion(id=rid, created=created, model=self.config.model_name,
+                                  choices=[choice]))  # fmt: skip
+
+        async with contextlib.aclosing(deltas):
+            try:
+                yield chunk(*first)
+                async for index, delta in deltas:
+                    yield chunk(index, delta)
+            except PdServeClientError as err:
+                yield sse(from_client_error(err, prompt_param="prompt").body())
+            else:
+                if body.include_usage():
+                    yield sse(Completion(id=rid, created=created, model=self.config.model_name,
+                                         choices=[], usage=tally.usage()))  # fmt: skip
+        yield DONE
+
+    # -- /v1/chat/completions ------------------------------------------------------------------
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.template.render(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                extra=body.chat_template_kwargs,
+            )
+        except InvalidArgumentError as err:
+            raise bad_request("messages", str(err).removeprefix("messages: ")) from err
+        ids = self.tokenizer.encode(text, add_bos=False)  # the template wrote any BOS
+        if not ids:
+            raise bad_request("messages", "the conversation renders to an empty prompt")
+        return ids
+
+    async def chat(
+        self, body: ChatCompletionRequest, watch: Watch
+    ) -> ChatCompletion | AsyncIterator[str]:
+        self._check(body)
+        ids = self._chat_prompt(body)
+        max_param, max_tokens = body.max_tokens_param()
+        if max_tokens is None and len(ids) < self.limits.max_model_len:
+            max_tokens = self.limits.max_model_len - len(ids)  # up to the context, as OpenAI
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = plan_jobs([ids], body.n, self._options(body, max_tokens), rid)
+        top = body.top_logprobs or 0
+        if body.stream:
+            first, deltas = await self._first(watch, jobs, "messages", max_param)
+            return self._chat_events(body, rid, first, deltas)
+        done = await self._all(watch, jobs, "messages", max_param)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=render.chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top=top)
+                if body.logprobs
+                else None,
+                finish_reason=c.finish_reason,
+                token_ids=c.token_ids if body.return_token_ids else None,
+            )
+            for i, c in enumerate(done)
+        ]
+        return ChatCompletion(
+            id=rid,
+            created=int(time.time()),
+            model=self.config.model_name,
+            choices=choices,
+            usage=render.batch_usage(done, body.n),
+        )
+
+    async def _chat_events(
+        self,
+        body: ChatCompletionRequest,
+        rid: str,
+        first: tuple[int, Delta],
+        deltas: AsyncGenerator[tuple[int, Delta], None],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        tally = render.StreamTally(body.n)
+        top = body.top_logprobs or 0
+
+        def message(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=self.config.model_name,
+                                           choices=choices, usage=usage))  # fmt: skip
+
+        def chunk(index: int, delta: Delta) -> str:
+            tally.add_final(index, delta)
+            logprobs = None
+            if body.logprobs:
+                logprobs = render.chat_logprobs(
+                    self.tokenizer, delta.token_ids, delta.logprobs, top=top
+                )
+            choice = ChatChunkChoice(
+                index=index,
+                delta=ChatDelta(content=delta.text),
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                token_ids=delta.token_ids if body.return_token_ids else None,
+            )
+            return message([choice])
+
+        async with contextlib.aclosing(deltas):
+            try:
+                opening = ChatDelta(role="assistant", content="")
+                for index in range(body.n):  # OpenAI opens each choice with the role
+                    yield message([ChatChunkChoice(index=index, delta=opening)])
+                yield chunk(*first)
+                async for index, delta in deltas:
+                    yield chunk(index, delta)
+            except PdServeClientError as err:
+                yield sse(from_client_error(err, prompt_param="messages").body())
+            else:
+                if body.include_usage():
+                    yield message([], tally.usage())
+        yield DONE

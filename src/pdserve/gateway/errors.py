@@ -1,0 +1,101 @@
+"""OpenAI's error shape and the HTTP status of each way a request fails.
+
+Every error the gateway answers is ``{"error": {"message", "type", "param", "code"}}``.
+The router's gRPC status decides the HTTP status; an INVALID_ARGUMENT names the router's field
+(``sampling.max_tokens``, ``text``), which ``openai_param`` turns back into the parameter the
+caller sent (``max_tokens``, ``prompt`` or ``messages``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.client import InvalidRequest, PdServeClientError
+from pdserve.gateway.responses import ErrorDetail, ErrorResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """HTTP status code and OpenAI error type."""
+
+    http: int
+    type: str
+
+
+BAD_REQUEST = Status(400, "invalid_request_error")
+NOT_FOUND = Status(404, "not_found_error")
+OVERLOADED = Status(429, "rate_limit_error")
+SERVER_ERROR = Status(500, "server_error")
+UNAVAILABLE = Status(503, "service_unavailable_error")
+TIMEOUT = Status(504, "timeout_error")
+
+_BY_GRPC_CODE: dict[grpc.StatusCode, Status] = {
+    grpc.StatusCode.INVALID_ARGUMENT: BAD_REQUEST,
+    grpc.StatusCode.OUT_OF_RANGE: BAD_REQUEST,
+    grpc.StatusCode.NOT_FOUND: NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OVERLOADED,
+    grpc.StatusCode.UNAVAILABLE: UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,
+}
+
+_PROMPT_FIELDS = ("text", "token_ids", "prompt")
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an OpenAI error body."""
+
+    def __init__(
+        self, status: Status, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        detail = ErrorDetail(
+            message=self.message, type=self.status.type, param=self.param, code=self.code
+        )
+        return ErrorResponse(error=detail)
+
+
+def bad_request(param: str | None, message: str, code: str = "invalid_value") -> GatewayError:
+    """A 400 naming ``param``; the message starts with it, as the router's messages do."""
+    text = f"{param}: {message}" if param else message
+    return GatewayError(BAD_REQUEST, text, param=param, code=code)
+
+
+def openai_param(field: str | None, *, prompt_param: str, max_tokens_param: str) -> str | None:
+    """The request parameter a router field name stands for.
+
+    ``sampling.max_tokens`` -> ``max_tokens_param``, ``sampling.top_p`` -> ``top_p``;
+    ``text``/``token_ids``/``prompt`` (and ``token_ids[3]``) -> ``prompt_param``.
+    """
+    if field is None:
+        return None
+    name = field.removeprefix("sampling.")
+    if name == "max_tokens":
+        return max_tokens_param
+    if any(name == f or name.startswith(f"{f}[") for f in _PROMPT_FIELDS):
+        return prompt_param
+    return name
+
+
+def from_client_error(
+    err: PdServeClientError, *, prompt_param: str, max_tokens_param: str = "max_tokens"
+) -> GatewayError:
+    """The HTTP error for a failed router call."""
+    status = _BY_GRPC_CODE.get(err.code, SERVER_ERROR)
+    code = err.code.name.lower()
+    if isinstance(err, InvalidRequest):
+        param = openai_param(
+            err.field, prompt_param=prompt_param, max_tokens_param=max_tokens_param
+        )
+        message = err.message
+        if err.field is not None and param is not None and param != err.field:
+            message = f"{param}: {message.removeprefix(f'{err.field}: ')}"
+        return GatewayError(status, message, param=param, code=code)
+    return GatewayError(status, err.message or code, code=code)

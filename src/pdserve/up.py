@@ -1,0 +1,110 @@
+"""``pdserve up``: start a local cluster (``pdserve.launcher.Cluster``), print how to use it,
+and stop it on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from pdserve.launcher import Cluster, default_model
+from pdserve.telemetry.service import describe_telemetry
+
+DEFAULT_HTTP_PORT = 8000
+
+
+def up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve up", description="start a local pdserve cluster")
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "base"],
+                   help="demo model size when --model is not given")  # fmt: skip
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (mixed when colocated)")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
+    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    p.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP gateway port (0: any free port)",
+    )  # fmt: skip
+    p.add_argument("--no-http", action="store_true", help="start no HTTP gateway")
+    p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary dir)")
+    p.add_argument("--no-host-lease", dest="host_lease", action="store_false",
+                   help="let the workers' engines run at once on this host's cores instead of "
+                   "taking turns (decode steps first)")  # fmt: skip
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="send traces to this OTLP gRPC collector (Jaeger: http://localhost:4317)",
+    )
+    p.add_argument(
+        "--trace-file",
+        type=Path,
+        metavar="PATH",
+        help="append every span to this JSON-lines file (pdserve trace report)",
+    )
+    p.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
+    )
+    return p
+
+
+def main_up(argv: Sequence[str]) -> int:
+    """``pdserve up``: start a cluster, print how to use it, stop it on Ctrl-C or SIGTERM."""
+    args = up_parser().parse_args(list(argv))
+    model = args.model if args.model is not None else default_model(args.preset)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(
+        model, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode,
+        redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
+        worker_args=args.worker_arg, trace_file=args.trace_file,
+        otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
+        host_lease=args.host_lease,
+        http_port=None if args.no_http else args.http_port,
+    )  # fmt: skip
+    print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
+    with cluster:
+        address = cluster.router_address
+        telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
+        http = "" if args.no_http else _http_lines(cluster.http_url, model.name)
+        print(
+            f"\npdserve is up: router at {address} (redis {cluster.redis_url}, logs in "
+            f"{cluster.log_dir})\n{http}\ntry it:\n"
+            f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32\n'
+            f"  pdserve status --redis-url {cluster.redis_url}\n\n"
+            f"{telemetry}\n\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while not stop.wait(1.0):  # also a liveness check of the children once a second
+            dead = cluster.failed()
+            if dead:
+                for s in dead:
+                    print(
+                        f"pdserve up: {s.name} exited unexpectedly:\n{s.log_tail()}",
+                        file=sys.stderr,
+                    )
+                return 1
+        print("stopping ...", flush=True)
+    return 0
+
+
+def _http_lines(url: str, model: str) -> str:
+    body = f'{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 32}}'
+    return (
+        f"OpenAI-compatible HTTP API at {url}/v1 (model {model!r}):\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+    )

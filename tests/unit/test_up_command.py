@@ -1,0 +1,19 @@
+"""``pdserve up``'s flags for the HTTP gateway and the lines it prints about it."""
+
+from __future__ import annotations
+
+from pdserve.up import DEFAULT_HTTP_PORT, _http_lines, up_parser
+
+
+def test_http_flags() -> None:
+    default = up_parser().parse_args([])
+    assert default.http_port == DEFAULT_HTTP_PORT == 8000 and not default.no_http
+    chosen = up_parser().parse_args(["--http-port", "0", "--no-http"])
+    assert chosen.http_port == 0 and chosen.no_http
+
+
+def test_http_lines_name_the_url_and_a_request() -> None:
+    text = _http_lines("http://127.0.0.1:8123", "demo-small")
+    assert "OpenAI-compatible HTTP API at http://127.0.0.1:8123/v1 " in text
+    assert "curl http://127.0.0.1:8123/v1/completions" in text
+    assert '"model": "demo-small"' in text
