@@ -67,3 +67,15 @@ class KVTransferError(PdServeError):
     """A KV hand-off timed out, broke or failed its checksum."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class UnauthenticatedError(PdServeError):
+    """The caller presented no valid credential (API key, internal token, certificate)."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(PdServeError):
+    """The caller is known but may not do this (a capability that does not verify, ...)."""
+
+    grpc_code = "PERMISSION_DENIED"
