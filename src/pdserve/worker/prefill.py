@@ -159,7 +159,7 @@ class PrefillWorker:
         client = self._endpoints.get(address)
         if client is None:
             client = self._endpoints[address] = KVStoreClient(
-                address, timeout_s=self.store.timeout_s
+                address, timeout_s=self.store.timeout_s, security=self.store.security
             )
         return client
 

@@ -2,8 +2,8 @@
 
 ``load_engine`` loads the model and starts the engine thread. ``run_worker`` then:
 
-1. builds the gRPC server (the role's servicers + health + reflection + error mapping) and
-   starts it; health says SERVING;
+1. builds the gRPC server (the role's servicers + health + error mapping, behind the internal
+   credential check and TLS of ``options.security``) and starts it; health says SERVING;
 2. starts heartbeats into Redis (when a Redis URL is configured), the shm janitor (once at
    once, then every ``janitor_interval_s``: segments of dead writers, or older than
    ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
@@ -72,7 +72,7 @@ def prefill_worker(
         host=options.host_name,
         options=options.transfer_options(),
         prefix=prefix,
-        announcers=DecodeStubs() if options.kv_prefetch else None,
+        announcers=DecodeStubs(options.security) if options.kv_prefetch else None,
         telemetry=telemetry,
     )
 
@@ -118,7 +118,10 @@ async def run_worker(
         port=options.port,
         host=options.host,
         interceptors=telemetry.server_interceptors() if telemetry is not None else (),
+        security=options.security,
+        auth=options.security.internal_auth(),
     )
+    options.security.warn_if_open(f"{options.role.value} worker", options.host)
     if on_bound is not None:
         on_bound(options.address(port))
     identity = WorkerIdentity(
