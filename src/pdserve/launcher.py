@@ -11,6 +11,13 @@ and returns once every service's gRPC health check says SERVING and every worker
 is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a grace period, then SIGKILL.
 Children also get ``PR_SET_PDEATHSIG``, so none outlives a launcher that is killed outright.
 
+Security (``docs/security.md``): by default everything is plaintext and open on 127.0.0.1, the
+insecure local mode. ``tls_dir`` runs the cluster secured with the certificates and internal
+token of ``pdserve certs`` in that directory (made if missing): TLS on every port, mutual TLS
+and the internal token between services, an embedded Redis with a password (its URL reaches
+the services through ``PDSERVE_REDIS_URL``, never a command line); ``api_keys`` makes the
+router demand API keys and the scheduler apply the tenants' quotas.
+
 Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
 free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
 ``otlp_endpoint`` and/or the shared span file ``trace_file`` (``pdserve trace report
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -34,8 +42,11 @@ from typing import cast
 
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
-from pdserve.scheduling import KeySpace, WorkerInfo
+from pdserve.scheduling import KeySpace, WorkerInfo, redacted
 from pdserve.scheduling.keys import text
+from pdserve.security.certs import ClusterCerts, make_certs
+from pdserve.security.options import INSECURE, SecurityOptions
+from pdserve.security.tls import TlsConfig
 from pdserve.service_process import HOST, ServiceProcess, healthy, terminate
 from pdserve.telemetry.service import describe_telemetry
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
@@ -91,10 +102,17 @@ class Cluster:
     """OTLP gRPC collector for the traces, e.g. ``http://localhost:4317``."""
     metrics_base_port: int = 0
     """First ``/metrics`` port (one per service, in start order); 0: free ports."""
+    tls_dir: Path | None = None
+    """Run secured with the certificates and token of ``pdserve certs`` here (module doc)."""
+    router_client_auth: bool = False
+    """With ``tls_dir``: the router demands client certificates too (mutual TLS)."""
+    api_keys: Path | None = None
+    """The keys file of the router (API keys -> tenants) and scheduler (quotas)."""
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
     _redis: EmbeddedRedis | None = field(default=None, init=False, repr=False)
+    _certs: ClusterCerts | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +131,8 @@ class Cluster:
             )
         if self.trace_file is not None:
             self.trace_file = Path(self.trace_file)
+        if self.router_client_auth and self.tls_dir is None:
+            raise InvalidArgumentError("router_client_auth", "needs tls_dir (certificates)")
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -143,6 +163,33 @@ class Cluster:
             if s.name in ports
         }
 
+    @property
+    def certs(self) -> ClusterCerts | None:
+        """The certificates and token of a secured cluster (after ``start``)."""
+        return self._certs
+
+    @property
+    def security(self) -> SecurityOptions:
+        """How this process reaches the services (TLS with the cluster's certificate and CA,
+        and the internal token): for health checks, and for tests that call services."""
+        certs = self._certs
+        if certs is None:
+            return INSECURE
+        tls = TlsConfig(cert=certs.node_cert, key=certs.node_key, ca=certs.ca)
+        return SecurityOptions(tls=tls, internal_token=certs.token.read_text().strip())
+
+    def _security_args(self, *, router: bool) -> list[str]:
+        """Security flags of a service: the cluster's certificate, CA, mutual TLS (internal
+        services; the router with ``router_client_auth``) and the token file."""
+        certs = self._certs
+        if certs is None:
+            return []
+        args = ["--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
+                "--tls-ca", str(certs.ca), "--internal-token-file", str(certs.token)]  # fmt: skip
+        if not router or self.router_client_auth:
+            args.append("--tls-client-auth")
+        return args
+
     def child_env(self) -> dict[str, str]:
         """The environment every service starts with."""
         # Several engines share this host's cores. OpenMP threads that spin while idle would
@@ -156,6 +203,8 @@ class Cluster:
             env[ENV_SPAN_FILE] = str(self.trace_file.resolve())
         if self.otlp_endpoint is not None:
             env[ENV_OTLP_ENDPOINT] = self.otlp_endpoint
+        if self.redis_url is not None:  # a password stays off the command lines
+            env["PDSERVE_REDIS_URL"] = self.redis_url
         return env
 
     def workers(self, role: str | None = None) -> list[ServiceProcess]:
@@ -179,25 +228,29 @@ class Cluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-cluster-")
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.tls_dir is not None:
+            self._certs = make_certs(Path(self.tls_dir))
         if self.redis_url is None:
-            self._redis = EmbeddedRedis().start()
+            password = secrets.token_hex(16) if self._certs is not None else None
+            self._redis = EmbeddedRedis(password=password).start()
             self.redis_url = self._redis.url
-        redis_url = self.redis_url
-        env = self.child_env()
+        env = self.child_env()  # the Redis URL goes in PDSERVE_REDIS_URL
         common = ["--log-level", self.log_level]
+        internal = [*common, *self._security_args(router=False)]
+        keys = ["--api-keys", str(self.api_keys)] if self.api_keys is not None else []
 
-        kvstore = self._add("kvstore", "services.kvstore", common)
+        kvstore = self._add("kvstore", "services.kvstore", internal)
         scheduler = self._add(
             "scheduler", "services.scheduler",
-            [*common, "--redis-url", redis_url, "--namespace", self.namespace,
-             "--default-mode", self.mode, *self.scheduler_args],
+            [*internal, "--namespace", self.namespace, "--default-mode", self.mode, *keys,
+             *self.scheduler_args],
         )  # fmt: skip
         for s in (kvstore, scheduler):
             s.spawn(env)
         self._wait("port files", [kvstore, scheduler], self._read_ports, deadline)
 
         worker_common = [
-            *common, "--model", str(self.model_dir), "--redis-url", redis_url,
+            *internal, "--model", str(self.model_dir),
             "--namespace", self.namespace, "--kvstore", kvstore.address, *self.worker_args,
         ]  # fmt: skip
         roles = (
@@ -217,15 +270,18 @@ class Cluster:
         ]
         router = self._add(
             "router", "services.router",
-            [*common, "--scheduler", scheduler.address, "--model", str(self.model_dir),
-             "--mode", self.mode],
+            [*common, *self._security_args(router=True), "--scheduler", scheduler.address,
+             "--model", str(self.model_dir), "--mode", self.mode, *keys],
         )  # fmt: skip
         if self.router_port:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
         for s in [*late, router]:
             s.spawn(env)
         self._wait("port files", [*late, router], self._read_ports, deadline)
-        self._wait("health checks", self.services, lambda s: healthy(s.address), deadline)
+        security = self.security
+        self._wait(
+            "health checks", self.services, lambda s: healthy(s.address, security), deadline
+        )
         self._wait_heartbeats(deadline)
 
     def _add(
@@ -378,12 +434,58 @@ def up_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
     )
+    s = p.add_argument_group("security (docs/security.md; default: the insecure local mode)")
+    s.add_argument("--tls", type=Path, metavar="DIR",
+                   help="run secured with the certificates and token of 'pdserve certs DIR' "
+                   "(made if missing): TLS, mutual TLS and a token between services, a "
+                   "password on the embedded Redis")  # fmt: skip
+    s.add_argument("--router-client-auth", action="store_true",
+                   help="with --tls: the router demands client certificates too")  # fmt: skip
+    s.add_argument("--api-keys", type=Path, metavar="FILE",
+                   help="API keys -> tenants (and quotas): the router demands a key")  # fmt: skip
     return p
+
+
+INSECURE_WARNING = (
+    "warning: insecure local mode: plaintext gRPC, internal services open to any local "
+    "process (listening on 127.0.0.1 only; pdserve up --tls DIR --api-keys FILE secures it, "
+    "see docs/security.md)"
+)
+"""The one line ``pdserve up`` prints when started without ``--tls``."""
+
+
+def _how_to_call(cluster: Cluster, address: str) -> str:
+    """The lines of ``pdserve up``'s greeting that show how to reach the cluster."""
+    flags = ""
+    certs = cluster.certs
+    if certs is not None:
+        flags += f" --tls-ca {certs.ca}"
+        if cluster.router_client_auth:
+            flags += f" --tls-cert {certs.client_cert} --tls-key {certs.client_key}"
+    if cluster.api_keys is not None:
+        flags += " --api-key $PDSERVE_API_KEY"
+    redis_url = cluster.redis_url or ""
+    status = f"pdserve status --redis-url {redis_url}"
+    if redacted(redis_url) != redis_url and cluster.log_dir is not None:
+        secret = cluster.log_dir / "redis-url"  # the password stays out of the terminal
+        if not secret.exists():
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(redis_url + "\n")
+        status = f'pdserve status --redis-url "$(cat {secret})"'
+    return (
+        f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32{flags}\n'
+        f"  {status}"
+    )
 
 
 def main_up(argv: Sequence[str]) -> int:
     """``pdserve up``: start a cluster, print how to use it, stop it on Ctrl-C or SIGTERM."""
     args = up_parser().parse_args(list(argv))
+    if args.router_client_auth and args.tls is None:
+        raise InvalidArgumentError("--router-client-auth", "needs --tls DIR")
+    if args.tls is None:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
     model = args.model if args.model is not None else default_model(args.preset)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -393,16 +495,15 @@ def main_up(argv: Sequence[str]) -> int:
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
         worker_args=args.worker_arg, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
+        tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
     )  # fmt: skip
     print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
     with cluster:
         address = cluster.router_address
         telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
         print(
-            f"\npdserve is up: router at {address} (redis {cluster.redis_url}, logs in "
-            f"{cluster.log_dir})\n\ntry it:\n"
-            f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32\n'
-            f"  pdserve status --redis-url {cluster.redis_url}\n\n"
+            f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
+            f"logs in {cluster.log_dir})\n\ntry it:\n{_how_to_call(cluster, address)}\n\n"
             f"{telemetry}\n\n"
             "Ctrl-C stops everything.",
             flush=True,
