@@ -354,7 +354,11 @@ class PrefillWorker:
                 compression=compression,
                 layerwise=self.options.layerwise,
             ).replace(fallback_reason=str(err))
-            location = KVLocation.recompute(request_id, n, self.fingerprint, str(err))
+            # The capability of the hand-off that fell back: a decode worker that began to
+            # read it early (a prefetch) may drop that read at once (``prefetch.take``).
+            location = KVLocation.recompute(
+                request_id, n, self.fingerprint, str(err), out.planned().capability
+            )
             return _Sent(location, record)
         record = TransferRecord.sent(
             out.stats,
