@@ -26,6 +26,8 @@ from pdserve.scheduling import (
     kept_fresh,
     redacted,
 )
+from pdserve.scheduling.quotas import TenantQuota, TenantQuotas
+from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.service import (
@@ -58,6 +60,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--refresh-interval-s", type=float, default=0.25)
     p.add_argument("--reservation-ttl-s", type=float, default=120.0)
+    p.add_argument(
+        "--reservation-max-lifetime-s", type=float, default=3600.0,
+        help="no Renew extends a reservation past this long after its creation",
+    )  # fmt: skip
+    q = p.add_argument_group("tenant quotas (docs/security.md)")
+    q.add_argument(
+        "--api-keys", type=Path, default=os.environ.get("PDSERVE_API_KEYS") or None,
+        help="the router's keys file: its 'tenants' and 'default_quota' set the quotas",
+    )  # fmt: skip
+    q.add_argument(
+        "--tenant-max-reservations", type=int, default=0,
+        help="live reservations per tenant at most (default quota; 0: no cap)",
+    )  # fmt: skip
+    q.add_argument(
+        "--tenant-max-kv-blocks", type=int, default=0,
+        help="decode KV blocks reserved per tenant at most (default quota; 0: no cap)",
+    )  # fmt: skip
     p.add_argument("--max-retries", type=int, default=8)
     p.add_argument("--prefill-queue-batches", type=float, default=4.0)
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
@@ -65,6 +84,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_telemetry_args(p, os.environ)
     add_security_args(p, os.environ)
     return p.parse_args(argv)
+
+
+def quotas_from_args(args: argparse.Namespace) -> TenantQuotas:
+    """The keys file's quotas; a tenant it does not list (and every tenant without a file)
+    gets the ``--tenant-*`` flags' quota, unless the file has a ``default_quota``."""
+    flags = TenantQuota(args.tenant_max_reservations, args.tenant_max_kv_blocks)
+    if args.api_keys is None:
+        return TenantQuotas(flags)
+    from_file = ApiKeys.from_file(args.api_keys).quotas
+    default = from_file.default if from_file.default.limited else flags
+    return TenantQuotas(default, from_file.per_tenant)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -88,6 +118,8 @@ async def serve(args: argparse.Namespace) -> None:
             max_retries=args.max_retries,
             limits=CapacityLimits(prefill_queue_batches=args.prefill_queue_batches),
             default_mode=Mode(args.default_mode),
+            quotas=quotas_from_args(args),
+            reservation_max_lifetime_s=args.reservation_max_lifetime_s,
         )
         server, port, health = build_server(
             [

@@ -26,6 +26,7 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
+from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
@@ -53,8 +54,9 @@ def prefill_worker(
     store: KVStoreClient,
     telemetry: WorkerTelemetry | None = None,
 ) -> PrefillWorker:
-    """The prefill worker these options describe (hand-off settings, prefix reuse); it traces
-    its stages and counts its transfers into ``telemetry``."""
+    """The prefill worker these options describe (hand-off settings, prefix reuse; with Redis,
+    decode addresses checked against reservations); it traces its stages and counts its
+    transfers into ``telemetry``."""
     prefix = (
         PrefixReuse(
             store,
@@ -73,6 +75,11 @@ def prefill_worker(
         options=options.transfer_options(),
         prefix=prefix,
         announcers=DecodeStubs(options.security) if options.kv_prefetch else None,
+        assignments=(
+            AssignedDecode(connect(options.redis_url), KeySpace(options.namespace))
+            if options.redis_url
+            else None
+        ),
         telemetry=telemetry,
     )
 
