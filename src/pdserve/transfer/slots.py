@@ -347,6 +347,8 @@ class SlotMappings:
         ``capability`` is not the hand-off's."""
         m = self._verified(path, generation, capability)
         name = path.name
+        if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
+            check_capability(mapped_capability(m.mm), capability, name)
         with self._lock:
             if m.claimed:
                 raise KVTransferError(f"shm slot {name!r} is already claimed by this reader")
