@@ -21,7 +21,7 @@ from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
 from pdserve.security.apikeys import ApiKeys
-from pdserve.security.options import add_security_args, security_from_args
+from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     security = security_from_args(args, os.environ)
     api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys is not None else None
+    if api_keys is None and args.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "router listens on %s without --api-keys: any caller is served, as any tenant "
+            "it names (see docs/security.md)",
+            args.host,
+        )
     tokenizer = Tokenizer.from_dir(args.model)
     limits = ModelLimits.from_dir(args.model)
     metrics = RouterMetrics()

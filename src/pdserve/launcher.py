@@ -47,6 +47,7 @@ from pdserve.scheduling.keys import text
 from pdserve.security.certs import ClusterCerts, make_certs
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.security.tls import TlsConfig
+from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
 from pdserve.service_process import HOST, ServiceProcess, healthy, terminate
 from pdserve.telemetry.service import describe_telemetry
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
@@ -434,49 +435,8 @@ def up_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
     )
-    s = p.add_argument_group("security (docs/security.md; default: the insecure local mode)")
-    s.add_argument("--tls", type=Path, metavar="DIR",
-                   help="run secured with the certificates and token of 'pdserve certs DIR' "
-                   "(made if missing): TLS, mutual TLS and a token between services, a "
-                   "password on the embedded Redis")  # fmt: skip
-    s.add_argument("--router-client-auth", action="store_true",
-                   help="with --tls: the router demands client certificates too")  # fmt: skip
-    s.add_argument("--api-keys", type=Path, metavar="FILE",
-                   help="API keys -> tenants (and quotas): the router demands a key")  # fmt: skip
+    add_up_security_args(p)
     return p
-
-
-INSECURE_WARNING = (
-    "warning: insecure local mode: plaintext gRPC, internal services open to any local "
-    "process (listening on 127.0.0.1 only; pdserve up --tls DIR --api-keys FILE secures it, "
-    "see docs/security.md)"
-)
-"""The one line ``pdserve up`` prints when started without ``--tls``."""
-
-
-def _how_to_call(cluster: Cluster, address: str) -> str:
-    """The lines of ``pdserve up``'s greeting that show how to reach the cluster."""
-    flags = ""
-    certs = cluster.certs
-    if certs is not None:
-        flags += f" --tls-ca {certs.ca}"
-        if cluster.router_client_auth:
-            flags += f" --tls-cert {certs.client_cert} --tls-key {certs.client_key}"
-    if cluster.api_keys is not None:
-        flags += " --api-key $PDSERVE_API_KEY"
-    redis_url = cluster.redis_url or ""
-    status = f"pdserve status --redis-url {redis_url}"
-    if redacted(redis_url) != redis_url and cluster.log_dir is not None:
-        secret = cluster.log_dir / "redis-url"  # the password stays out of the terminal
-        if not secret.exists():
-            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(redis_url + "\n")
-        status = f'pdserve status --redis-url "$(cat {secret})"'
-    return (
-        f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32{flags}\n'
-        f"  {status}"
-    )
 
 
 def main_up(argv: Sequence[str]) -> int:
@@ -503,7 +463,7 @@ def main_up(argv: Sequence[str]) -> int:
         telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
         print(
             f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
-            f"logs in {cluster.log_dir})\n\ntry it:\n{_how_to_call(cluster, address)}\n\n"
+            f"logs in {cluster.log_dir})\n\ntry it:\n{how_to_call(cluster, address)}\n\n"
             f"{telemetry}\n\n"
             "Ctrl-C stops everything.",
             flush=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pdserve.scheduling.quotas import TenantQuota
 from pdserve.security.apikeys import ApiKeys, key_digest
 from pdserve.security.auth import bearer, bearer_metadata, load_token
 from pdserve.security.certs import ClusterCerts
+from pdserve.security.up import how_to_call
 
 KEY_A = "ka-0123456789abcdef"
 KEY_B = "kb-fedcba9876543210"
@@ -118,3 +120,27 @@ def test_pdserve_certs_writes_a_private_ca_and_identities(
     assert certs.ca.read_bytes() == before
     assert cli_main(["certs", str(out), "--force"]) == 0
     assert certs.ca.read_bytes() != before
+
+
+@dataclass
+class _Greeted:
+    """The fields of a cluster that ``pdserve up``'s greeting reads."""
+
+    certs: ClusterCerts | None
+    log_dir: Path
+    redis_url: str
+    router_client_auth: bool = False
+    api_keys: Path | None = None
+
+
+def test_the_greeting_keeps_the_redis_password_off_the_terminal(
+    tmp_path: Path, certs: ClusterCerts
+) -> None:
+    url = "redis://:s3cret-pass@127.0.0.1:6390/0"
+    text = how_to_call(_Greeted(certs, tmp_path, url, api_keys=tmp_path / "k"), "127.0.0.1:1")
+    assert "s3cret-pass" not in text and f"--tls-ca {certs.ca}" in text
+    assert "--api-key" in text
+    secret = tmp_path / "redis-url"
+    assert secret.read_text().strip() == url and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    plain = how_to_call(_Greeted(None, tmp_path, "redis://127.0.0.1:6390/0"), "127.0.0.1:1")
+    assert "--redis-url redis://127.0.0.1:6390/0" in plain and "--tls" not in plain
