@@ -123,6 +123,62 @@ def test_a_client_needs_tls_and_a_valid_key(
             c.generate(ids, max_tokens=2)
 
 
+def test_every_transport_works_over_mutual_tls(
+    cluster: Cluster, certs: ClusterCerts, engine: Engine
+) -> None:
+    """KV streams into the KV store and into the decode worker's endpoint (our own chunk
+    codec, the token as call credentials), and shm, between services over mutual TLS."""
+    member = cluster.security
+    ids = prompt(11, 40)
+    expected = engine.generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )[0].token_ids
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def one(transport: str) -> tuple[str, list[int]]:
+        rid = f"tls-{transport}"
+        async with (
+            member.aio_channel(cluster.scheduler_address) as sch,
+            member.aio_channel(cluster.workers("prefill")[0].address) as pch,
+            member.aio_channel(cluster.workers("decode")[0].address) as dch,
+        ):
+            scheduler = scheduler_pb2_grpc.SchedulerStub(sch)
+            assigned = await scheduler.Assign(
+                scheduler_pb2.AssignRequest(request_id=rid, prompt_tokens=len(ids), max_tokens=6),
+                timeout=30,
+            )
+            resp = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=greedy, transport=transport,
+                    reservation_id=assigned.reservation_id, decode_host=assigned.decode.host,
+                    decode_address=assigned.decode.address,
+                ),
+                timeout=30,
+            )  # fmt: skip
+            tokens, moved = [resp.first_token_id], ""
+            async for chunk in decode_pb2_grpc.DecodeStub(dch).Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=ids, first_token_id=resp.first_token_id,
+                    first_logprob=resp.first_logprob, sampling=greedy, kv=resp.kv,
+                    reservation_id=assigned.reservation_id,
+                ),
+                timeout=30,
+            ):  # fmt: skip
+                tokens += chunk.token_ids
+                if chunk.HasField("timing"):
+                    moved = chunk.timing.transport
+            await scheduler.Release(
+                scheduler_pb2.ReleaseRequest(reservation_id=assigned.reservation_id), timeout=30
+            )
+        return moved, tokens
+
+    async def body() -> None:
+        for transport in ("store", "direct", "shm"):
+            assert await one(transport) == (transport, expected)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
 def router_call(
     cluster: Cluster, certs: ClusterCerts, key: str, ids: list[int], *, claimed: str
 ) -> router_pb2.GenerateResponse:
