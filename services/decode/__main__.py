@@ -46,6 +46,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         inbox=inbox,
         host=options.host_name,
         transfer_timeout_s=options.kv_transfer_timeout_s,
+        security=options.security,
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)
@@ -62,7 +63,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         if options.role is WorkerRole.MIXED:
             servicers.append((decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker)))
             if options.kvstore:
-                store = KVStoreClient(options.kvstore, timeout_s=options.kv_timeout_s)
+                store = KVStoreClient(
+                    options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
+                )
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store, telemetry)
                 stack.push_async_callback(prefill.close)
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
-    asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
+    asyncio.run(serve(options_from_args(args, os.environ), MetricsEndpoint.from_args(args)))
 
 
 if __name__ == "__main__":

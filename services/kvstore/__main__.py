@@ -1,7 +1,8 @@
 """``python -m services.kvstore``: the KVStore gRPC service.
 
-Wiring only: flags (each defaults to a ``PDSERVE_KVSTORE_*`` environment variable) -> KVStore
--> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT. A task sweeps expired
+Wiring only: flags (each defaults to a ``PDSERVE_KVSTORE_*`` environment variable; the security
+flags to ``PDSERVE_TLS_*`` and ``PDSERVE_INTERNAL_TOKEN*``) -> KVStore -> gRPC server (+ health,
+behind the internal credential check) -> serve until SIGTERM/SIGINT. A task sweeps expired
 leases every ``--sweep-interval-s``. ``--port 0`` binds a free port; ``--port-file`` receives
 the bound port once the server is serving.
 
@@ -23,6 +24,7 @@ from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc import allocator
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_KVSTORE
 from pdserve.worker.observability import WorkerTelemetry
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", "5")))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     add_telemetry_args(p, os.environ)
+    add_security_args(p, os.environ)
     return p.parse_args(argv)
 
 
@@ -77,6 +80,8 @@ async def _sweep_forever(store: KVStore, interval_s: float, collector: StoreColl
 
 
 async def serve(args: argparse.Namespace) -> None:
+    security = security_from_args(args, os.environ)
+    security.warn_if_open("kvstore", args.host)
     telemetry = WorkerTelemetry.start(
         SERVICE_KVSTORE, "kvstore", host=args.host, endpoint=MetricsEndpoint.from_args(args)
     )
@@ -99,6 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
         port=args.port,
         host=args.host,
         interceptors=telemetry.server_interceptors(),
+        security=security,
+        auth=security.internal_auth(),
     )
     sweeper = asyncio.create_task(
         _sweep_forever(store, args.sweep_interval_s, collector), name="kv-sweeper"

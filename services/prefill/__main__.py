@@ -33,7 +33,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         SERVICE_PREFILL, options.role.value, engine, host=options.host, endpoint=endpoint
     )
     try:
-        async with KVStoreClient(options.kvstore, timeout_s=options.kv_timeout_s) as store:
+        async with KVStoreClient(
+            options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
+        ) as store:
             worker = prefill_worker(options, engine, store, telemetry)
             try:
                 servicer = PrefillServicer(worker)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
-    asyncio.run(serve(options_from_args(args), MetricsEndpoint.from_args(args)))
+    asyncio.run(serve(options_from_args(args, os.environ), MetricsEndpoint.from_args(args)))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """``python -m services.router``: the Router gRPC service, the cluster's public entry point.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> tokenizer and model
-limits (no weights) -> RequestFlow -> gRPC server (+ health, reflection) -> serve until
-SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once
-the server is serving (``--metrics-port-file`` the metrics port, before it).
+limits (no weights) -> RequestFlow (channels with the cluster's TLS and internal token) -> gRPC
+server (+ health; with ``--api-keys`` every call needs a client's key, which names its tenant)
+-> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the
+bound port once the server is serving (``--metrics-port-file`` the metrics port, before it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.security.apikeys import ApiKeys
+from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -44,11 +47,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--api-keys", type=Path, default=os.environ.get("PDSERVE_API_KEYS") or None,
+        help="YAML/JSON file of API keys -> tenant (docs/security.md); every call then needs "
+        "'authorization: Bearer KEY' and its tenant is the key's",
+    )  # fmt: skip
     add_telemetry_args(p, os.environ)
+    add_security_args(p, os.environ)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    security = security_from_args(args, os.environ)
+    api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys is not None else None
+    if api_keys is None and args.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "router listens on %s without --api-keys: any caller is served, as any tenant "
+            "it names (see docs/security.md)",
+            args.host,
+        )
     tokenizer = Tokenizer.from_dir(args.model)
     limits = ModelLimits.from_dir(args.model)
     metrics = RouterMetrics()
@@ -61,7 +78,9 @@ async def serve(args: argparse.Namespace) -> None:
             scheduler_address=args.scheduler,
             tokenizer=tokenizer,
             channels=ChannelPool(
-                max_size=args.max_channels, interceptors=telemetry.client_interceptors()
+                max_size=args.max_channels,
+                interceptors=telemetry.client_interceptors(),
+                security=security,
             ),
             config=FlowConfig(mode=mode_from_name(args.mode)),
         )
@@ -71,18 +90,23 @@ async def serve(args: argparse.Namespace) -> None:
             tokenizer,
             limits,
             RouterTelemetry(metrics, tracer_provider=telemetry.tracer_provider),
+            api_keys=api_keys,
         )
         server, port, health = build_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
             port=args.port,
             host=args.host,
             interceptors=telemetry.server_interceptors(),
+            security=security,
+            auth=api_keys,
         )
         await server.start()
         await health.set_serving()
         logger.info(
-            "router serving on %s:%d (scheduler %s, mode %s, model %s, metrics %s)",
+            "router serving on %s:%d (scheduler %s, mode %s, model %s, metrics %s, %s, %s)",
             args.host, port, args.scheduler, args.mode, args.model, telemetry.metrics_url or "off",
+            "TLS" if security.tls.serving else "plaintext",
+            "API keys required" if api_keys is not None else "no API keys",
         )  # fmt: skip
         if args.port_file is not None:
             write_port_file(args.port_file, port)

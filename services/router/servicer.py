@@ -5,6 +5,10 @@ Each call is one ``router.request`` span with the router's latency metrics
 validated and tokenized, and ends as the last chunk is handed to gRPC; the flow's clean-up
 (releasing the reservation) runs after it, as the client already has its answer. A unary
 call's answer leaves only when the handler returns, so its span includes the clean-up.
+
+The tenant of a call (placement, quotas, prefix-cache isolation, metrics): with API keys
+configured, the tenant of the caller's key, whatever the request says; without, the
+``x-pdserve-tenant`` metadata, else ``GenerateRequest.tenant`` (the insecure local mode).
 """
 
 from __future__ import annotations
@@ -16,20 +20,30 @@ from typing import Any, TypeAlias
 from grpc.aio import ServicerContext
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import UnauthenticatedError
 from pdserve.router import ModelLimits, RequestFlow, RouteChunk, RouteRequest, prepare_request
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
+from pdserve.security.apikeys import ApiKeys
+from pdserve.security.auth import bearer
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 TENANT_METADATA_KEY = "x-pdserve-tenant"
-"""gRPC metadata key naming the tenant; takes precedence over GenerateRequest.tenant."""
+"""gRPC metadata key naming the tenant; takes precedence over GenerateRequest.tenant. Ignored
+when the router has API keys (the key names the tenant)."""
 
 Context: TypeAlias = ServicerContext[Any, Any]
 
 
-def _tenant(request: router_pb2.GenerateRequest, context: Context) -> str:
-    for key, value in context.invocation_metadata() or ():
+def _tenant(request: router_pb2.GenerateRequest, context: Context, api_keys: ApiKeys | None) -> str:
+    metadata = context.invocation_metadata() or ()
+    if api_keys is not None:
+        tenant = api_keys.tenant_of(bearer(metadata))
+        if tenant is None:  # the server's AuthInterceptor refuses such calls first
+            raise UnauthenticatedError(api_keys.refusal())
+        return tenant
+    for key, value in metadata:
         if key == TENANT_METADATA_KEY:
             return value if isinstance(value, str) else value.decode()
     return request.tenant
@@ -71,13 +85,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokenizer: Tokenizer,
         limits: ModelLimits,
         telemetry: RouterTelemetry | None = None,
+        *,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
         self.limits = limits
         self.telemetry = telemetry or RouterTelemetry()
+        self.api_keys = api_keys
 
-    def _route(self, request: router_pb2.GenerateRequest, context: Context) -> RouteRequest:
+    def _route(
+        self, request: router_pb2.GenerateRequest, context: Context, tenant: str
+    ) -> RouteRequest:
         which = request.WhichOneof("prompt")
         params = (
             sampling_from_proto(request.sampling)
@@ -91,16 +110,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tokenizer=self.tokenizer,
             limits=self.limits,
             request_id=request.request_id if request.HasField("request_id") else None,
-            tenant=_tenant(request, context),
+            tenant=tenant,
             skip_special_tokens=request.skip_special_tokens,
         )
 
     async def Generate(  # noqa: N802 - gRPC method names
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        tenant = _tenant(request, context, self.api_keys)
         async with contextlib.AsyncExitStack() as cleanup:
-            with self.telemetry.request(_tenant(request, context)) as observed:
-                route = self._route(request, context)
+            with self.telemetry.request(tenant) as observed:
+                route = self._route(request, context, tenant)
                 observed.prepared(route)
                 stream = self.flow.generate(
                     route, timeout_s=context.time_remaining(), observed=observed
@@ -129,8 +149,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GenerateUnary(  # noqa: N802
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> router_pb2.GenerateResponse:
-        with self.telemetry.request(_tenant(request, context)) as observed:
-            route = self._route(request, context)
+        tenant = _tenant(request, context, self.api_keys)
+        with self.telemetry.request(tenant) as observed:
+            route = self._route(request, context, tenant)
             observed.prepared(route)
             # The answer leaves only when the handler returns, clean-up included.
             total = await self.flow.collect(

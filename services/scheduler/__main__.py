@@ -1,7 +1,8 @@
 """``python -m services.scheduler``: the Scheduler gRPC service.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> Redis client ->
-ClusterScheduler -> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT.
+ClusterScheduler (tenant quotas from ``--api-keys`` and the ``--tenant-*`` flags) -> gRPC server
+(+ health, behind the internal credential check) -> serve until SIGTERM/SIGINT.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once the server is
 serving, so a launcher can wait for that file (``--metrics-port-file`` is written before it).
 """
@@ -23,7 +24,11 @@ from pdserve.scheduling import (
     Mode,
     connect,
     kept_fresh,
+    redacted,
 )
+from pdserve.scheduling.quotas import TenantQuota, TenantQuotas
+from pdserve.security.apikeys import ApiKeys
+from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -42,7 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="redis://[user:password@]host:port/db or rediss:// (TLS); default "
+        "$PDSERVE_REDIS_URL (keeps a password off the command line)",
+    )
     p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
     p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
     p.add_argument(
@@ -50,15 +60,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--refresh-interval-s", type=float, default=0.25)
     p.add_argument("--reservation-ttl-s", type=float, default=120.0)
+    p.add_argument(
+        "--reservation-max-lifetime-s", type=float, default=3600.0,
+        help="no Renew extends a reservation past this long after its creation",
+    )  # fmt: skip
+    q = p.add_argument_group("tenant quotas (docs/security.md)")
+    q.add_argument(
+        "--api-keys", type=Path, default=os.environ.get("PDSERVE_API_KEYS") or None,
+        help="the router's keys file: its 'tenants' and 'default_quota' set the quotas",
+    )  # fmt: skip
+    q.add_argument(
+        "--tenant-max-reservations", type=int, default=0,
+        help="live reservations per tenant at most (default quota; 0: no cap)",
+    )  # fmt: skip
+    q.add_argument(
+        "--tenant-max-kv-blocks", type=int, default=0,
+        help="decode KV blocks reserved per tenant at most (default quota; 0: no cap)",
+    )  # fmt: skip
     p.add_argument("--max-retries", type=int, default=8)
     p.add_argument("--prefill-queue-batches", type=float, default=4.0)
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
+    add_security_args(p, os.environ)
     return p.parse_args(argv)
 
 
+def quotas_from_args(args: argparse.Namespace) -> TenantQuotas:
+    """The keys file's quotas; a tenant it does not list (and every tenant without a file)
+    gets the ``--tenant-*`` flags' quota, unless the file has a ``default_quota``."""
+    flags = TenantQuota(args.tenant_max_reservations, args.tenant_max_kv_blocks)
+    if args.api_keys is None:
+        return TenantQuotas(flags)
+    from_file = ApiKeys.from_file(args.api_keys).quotas
+    default = from_file.default if from_file.default.limited else flags
+    return TenantQuotas(default, from_file.per_tenant)
+
+
 async def serve(args: argparse.Namespace) -> None:
+    security = security_from_args(args, os.environ)
+    security.warn_if_open("scheduler", args.host)
     metrics = SchedulerMetrics()
     telemetry = ServiceTelemetry.start(
         SERVICE_SCHEDULER,
@@ -77,6 +118,8 @@ async def serve(args: argparse.Namespace) -> None:
             max_retries=args.max_retries,
             limits=CapacityLimits(prefill_queue_batches=args.prefill_queue_batches),
             default_mode=Mode(args.default_mode),
+            quotas=quotas_from_args(args),
+            reservation_max_lifetime_s=args.reservation_max_lifetime_s,
         )
         server, port, health = build_server(
             [
@@ -88,12 +131,14 @@ async def serve(args: argparse.Namespace) -> None:
             port=args.port,
             host=args.host,
             interceptors=telemetry.server_interceptors(),
+            security=security,
+            auth=security.internal_auth(),
         )
         await server.start()
         await health.set_serving()
         logger.info(
             "scheduler serving on %s:%d (redis %s, namespace %s, policy %s, metrics %s)",
-            args.host, port, args.redis_url, args.namespace, args.policy,
+            args.host, port, redacted(args.redis_url), args.namespace, args.policy,
             telemetry.metrics_url or "off",
         )  # fmt: skip
         if args.port_file is not None:

@@ -27,6 +27,7 @@ from pdserve.scheduling import (
     WorkerView,
 )
 from pdserve.scheduling.capacity import Phase, ineligibility
+from pdserve.scheduling.quotas import QuotaExceededError
 from pdserve.telemetry import handover, tracing
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.spans import (
@@ -108,6 +109,8 @@ def _redis_failure(err: BaseException) -> bool:
 
 
 def _outcome(err: BaseException) -> str:
+    if isinstance(err, QuotaExceededError):
+        return "quota"
     if isinstance(err, CapacityError):
         return "no_capacity"
     if isinstance(err, WorkerUnavailableError):

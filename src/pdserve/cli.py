@@ -30,6 +30,7 @@ COMMANDS: dict[str, Command] = {
     "model": Command("pdserve.models.demo", "main_model", "make demo checkpoints (model init)"),
     "bench": Command("pdserve.bench", "main_bench", "benchmarks (bench engine)"),
     "up": Command("pdserve.up", "main_up", "start a local cluster (Redis + all services)"),
+    "certs": Command("pdserve.security.certs", "main_certs", "make a local CA and certificates"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
     "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
     "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),

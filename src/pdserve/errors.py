@@ -67,3 +67,20 @@ class KVTransferError(PdServeError):
     """A KV hand-off timed out, broke or failed its checksum."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class UnauthenticatedError(PdServeError):
+    """The caller presented no valid credential (API key, internal token, certificate)."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(PdServeError):
+    """The caller is known but may not do this (a capability that does not verify, ...)."""
+
+    grpc_code = "PERMISSION_DENIED"
+
+
+class CapabilityError(PermissionDeniedError):
+    """A KV handle's capability does not match the hand-off it names: the caller did not get
+    the handle from the hand-off's writer (a guessed name or generation)."""

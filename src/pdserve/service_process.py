@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
+from pdserve.security.options import INSECURE, SecurityOptions
 
 HOST = "127.0.0.1"
 
@@ -86,9 +87,9 @@ class ServiceProcess:
                 f"{self.log_tail()}"
             )
 
-    def is_healthy(self) -> bool:
+    def is_healthy(self, security: SecurityOptions = INSECURE) -> bool:
         """The service's health check says it serves (gRPC health, or HTTP ``/health``)."""
-        return http_healthy(self.address) if self.http else healthy(self.address)
+        return http_healthy(self.address) if self.http else healthy(self.address, security)
 
     def read_port(self) -> bool:
         """True once the port file exists (the service is serving)."""
@@ -97,9 +98,10 @@ class ServiceProcess:
         return self.port is not None
 
 
-def healthy(address: str) -> bool:
-    """True when the gRPC health check of the server at ``address`` says SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def healthy(address: str, security: SecurityOptions = INSECURE) -> bool:
+    """True when the gRPC health check of the server at ``address`` says SERVING (over TLS
+    when ``security`` says so; health needs no credential)."""
+    with security.probe_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from pdserve.errors import WorkerUnavailableError
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect
+from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect, redacted
 
 _ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}"
 
@@ -47,9 +47,9 @@ def main_status(argv: Sequence[str]) -> int:
     try:
         workers = asyncio.run(fetch_workers(args.redis_url, args.namespace))
     except (OSError, RedisError) as e:
-        raise WorkerUnavailableError(f"cannot read {args.redis_url}: {e}") from e
+        raise WorkerUnavailableError(f"cannot read {redacted(args.redis_url)}: {e}") from e
     if not workers:
-        print(f"no live workers in {args.redis_url} (namespace {args.namespace})")
+        print(f"no live workers in {redacted(args.redis_url)} (namespace {args.namespace})")
         return 1
     print("\n".join(format_workers(workers, time.time())))
     return 0

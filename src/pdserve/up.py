@@ -11,7 +11,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.errors import InvalidArgumentError
 from pdserve.launcher import Cluster, default_model
+from pdserve.scheduling import redacted
+from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
 from pdserve.telemetry.service import describe_telemetry
 
 DEFAULT_HTTP_PORT = 8000
@@ -57,12 +60,21 @@ def up_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="/metrics ports PORT, PORT+1, ... in start order (default: free ports)",
     )
+    add_up_security_args(p)
     return p
 
 
 def main_up(argv: Sequence[str]) -> int:
     """``pdserve up``: start a cluster, print how to use it, stop it on Ctrl-C or SIGTERM."""
     args = up_parser().parse_args(list(argv))
+    if args.router_client_auth and args.tls is None:
+        raise InvalidArgumentError("--router-client-auth", "needs --tls DIR")
+    if args.tls is not None and not args.no_http:
+        # The gateway does not call a TLS router yet (docs/security.md).
+        print("pdserve up: --tls: no HTTP gateway (it does not call a TLS router yet)", flush=True)
+        args.no_http = True
+    if args.tls is None:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
     model = args.model if args.model is not None else default_model(args.preset)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,6 +86,7 @@ def main_up(argv: Sequence[str]) -> int:
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
         host_lease=args.host_lease,
         http_port=None if args.no_http else args.http_port,
+        tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
     )  # fmt: skip
     print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
     with cluster:
@@ -81,10 +94,8 @@ def main_up(argv: Sequence[str]) -> int:
         telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
         http = "" if args.no_http else _http_lines(cluster.http_url, model.name)
         print(
-            f"\npdserve is up: router at {address} (redis {cluster.redis_url}, logs in "
-            f"{cluster.log_dir})\n{http}\ntry it:\n"
-            f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32\n'
-            f"  pdserve status --redis-url {cluster.redis_url}\n\n"
+            f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
+            f"logs in {cluster.log_dir})\n{http}\ntry it:\n{how_to_call(cluster, address)}\n\n"
             f"{telemetry}\n\n"
             "Ctrl-C stops everything.",
             flush=True,

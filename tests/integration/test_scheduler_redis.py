@@ -556,7 +556,7 @@ def scheduler_service(redis_url: str, keys: KeySpace, tmp_path: Path) -> Iterato
             sys.executable, "-m", "services.scheduler",
             "--port", "0", "--port-file", str(port_file),
             "--redis-url", redis_url, "--namespace", keys.namespace,
-            "--log-level", "WARNING",
+            "--log-level", "WARNING", "--reflection",
         ],
         cwd=REPO_ROOT,
     )  # fmt: skip

@@ -34,6 +34,8 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
 )
 
 pytestmark = pytest.mark.integration
@@ -91,33 +93,67 @@ async def hand_off(
     tenant: str = "",
     before_decode: Callable[[prefill_pb2.PrefillResponse], None] | None = None,
 ) -> tuple[list[int], prefill_pb2.PrefillResponse, common_pb2.Timing]:
-    """Prefill on prefill-``prefill``, decode on decode-0: the tokens and both timings."""
+    """Prefill on prefill-``prefill``, decode on decode-0: the tokens and both timings.
+
+    The scheduler reserves the decode worker first, as for a routed request: a prefill worker
+    sends KV only to the decode worker its request's reservation holds."""
     decode = c.workers("decode")[0]
     async with (
         grpc.aio.insecure_channel(c.workers("prefill")[prefill].address) as pch,
         grpc.aio.insecure_channel(decode.address) as dch,
+        grpc.aio.insecure_channel(c.scheduler_address) as sch,
     ):
-        resp: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=greedy(), tenant=tenant,
-                decode_address=decode.address, decode_host=HOST, transport=transport,
+        scheduler = scheduler_pb2_grpc.SchedulerStub(sch)
+        assigned = await scheduler.Assign(
+            scheduler_pb2.AssignRequest(
+                request_id=rid, prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, tenant=tenant
             ),
             timeout=30,
-        )  # fmt: skip
-        if before_decode is not None:
-            before_decode(resp)
-        tokens = [resp.first_token_id]
-        timing = common_pb2.Timing()
-        async for chunk in decode_pb2_grpc.DecodeStub(dch).Decode(
-            decode_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
-                first_logprob=resp.first_logprob, sampling=greedy(), kv=resp.kv, tenant=tenant,
-            ),
-            timeout=30,
-        ):  # fmt: skip
-            tokens += chunk.token_ids
-            if chunk.HasField("timing"):
-                timing = chunk.timing
+        )
+        assert assigned.decode.address == decode.address
+        try:
+            return await _prefill_decode(
+                pch, dch, rid, prompt, transport, tenant, assigned, before_decode
+            )
+        finally:
+            await scheduler.Release(
+                scheduler_pb2.ReleaseRequest(reservation_id=assigned.reservation_id), timeout=30
+            )
+
+
+async def _prefill_decode(
+    pch: grpc.aio.Channel,
+    dch: grpc.aio.Channel,
+    rid: str,
+    prompt: list[int],
+    transport: str,
+    tenant: str,
+    assigned: scheduler_pb2.Assignment,
+    before_decode: Callable[[prefill_pb2.PrefillResponse], None] | None,
+) -> tuple[list[int], prefill_pb2.PrefillResponse, common_pb2.Timing]:
+    resp: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=greedy(), tenant=tenant,
+            decode_address=assigned.decode.address, decode_host=HOST, transport=transport,
+            reservation_id=assigned.reservation_id,
+        ),
+        timeout=30,
+    )  # fmt: skip
+    if before_decode is not None:
+        before_decode(resp)
+    tokens = [resp.first_token_id]
+    timing = common_pb2.Timing()
+    async for chunk in decode_pb2_grpc.DecodeStub(dch).Decode(
+        decode_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+            first_logprob=resp.first_logprob, sampling=greedy(), kv=resp.kv, tenant=tenant,
+            reservation_id=assigned.reservation_id,
+        ),
+        timeout=30,
+    ):  # fmt: skip
+        tokens += chunk.token_ids
+        if chunk.HasField("timing"):
+            timing = chunk.timing
     return tokens, resp, timing
 
 

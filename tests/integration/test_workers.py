@@ -236,7 +236,10 @@ def test_prefill_then_decode_matches_engine_alone(cluster: Cluster, reference: E
                     timeout=60,
                 )
                 assert resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-                assert resp.kv.store.key == f"kv/{rid}" and resp.kv.num_tokens == len(prompt)
+                # The key ends with the hand-off's capability: naming it takes the handle.
+                assert len(resp.kv.capability) == 16
+                assert resp.kv.store.key == f"kv/{rid}/{resp.kv.capability.hex()}"
+                assert resp.kv.num_tokens == len(prompt)
                 assert resp.transfer_bytes == resp.kv.num_bytes > 0
                 chunks = [
                     c

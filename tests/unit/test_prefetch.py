@@ -36,8 +36,13 @@ class FakeInbound:
         self.discarded += 1
 
 
+CAPABILITY = bytes(range(16))
+
+
 def location(rid: str = "r", key: str = "kv/r") -> KVLocation:
-    return KVLocation(TransportKind.STORE, rid, 8, 100, "fp", address="s:1", key=key)
+    return KVLocation(
+        TransportKind.STORE, rid, 8, 100, "fp", address="s:1", key=key, capability=CAPABILITY
+    )
 
 
 def test_the_matching_decode_call_takes_the_read() -> None:
@@ -63,6 +68,21 @@ def test_a_decode_call_naming_another_location_drops_the_read() -> None:
         inbound.release.set()  # too late: the read was cancelled
         await asyncio.sleep(0)
         assert not inbound.finished and inbound.discarded == 1 and len(prefetches) == 0
+
+    asyncio.run(body())
+
+
+def test_a_stranger_naming_the_request_neither_takes_nor_drops_the_read() -> None:
+    async def body() -> None:
+        prefetches, inbound = Prefetches(), FakeInbound()
+        prefetches.start(location(), inbound, 10.0)
+        forged = dataclasses.replace(location(), capability=bytes(16))  # all else right
+        fallback = dataclasses.replace(forged, kind=TransportKind.RECOMPUTE, key="")
+        for attempt in (forged, fallback):
+            assert await prefetches.take(attempt) is None
+        assert len(prefetches) == 1 and inbound.discarded == 0  # still the owner's
+        taken = await prefetches.take(location())
+        assert taken is not None and taken.inbound is inbound
 
     asyncio.run(body())
 

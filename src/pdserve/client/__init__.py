@@ -13,12 +13,15 @@ from pdserve.client.errors import (
     NotFound,
     Overloaded,
     PdServeClientError,
+    PermissionDenied,
     ServerError,
+    Unauthenticated,
     Unavailable,
 )
 from pdserve.client.request import RequestOptions, RetryPolicy
 from pdserve.client.results import Completion, Delta, Timing, Usage
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream
+from pdserve.security.tls import TlsConfig
 
 __all__ = [
     "AsyncClient",
@@ -33,10 +36,13 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PdServeClientError",
+    "PermissionDenied",
     "RequestOptions",
     "RetryPolicy",
     "ServerError",
     "Timing",
+    "TlsConfig",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
 ]

@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.client.client import Client
 from pdserve.client.errors import PdServeClientError
+from pdserve.security.tls import TlsConfig
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -26,13 +28,30 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds")
     p.add_argument("--tenant", default=None)
     p.add_argument("--stats", action="store_true", help="print usage and timing at the end")
+    s = p.add_argument_group("a secured router (docs/security.md)")
+    s.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                   help="API key (default: $PDSERVE_API_KEY)")  # fmt: skip
+    s.add_argument("--tls", action="store_true", help="TLS, checked against the system's CAs")
+    s.add_argument("--tls-ca", type=Path, help="TLS, checked against this CA bundle (PEM)")
+    s.add_argument("--tls-cert", type=Path, help="client certificate (PEM), for mutual TLS")
+    s.add_argument("--tls-key", type=Path, help="its private key (PEM)")
     return p
+
+
+def _tls_of(args: argparse.Namespace) -> TlsConfig | bool:
+    if args.tls_ca is None and args.tls_cert is None:
+        return bool(args.tls)
+    return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
 def main_generate(argv: Sequence[str]) -> int:
     """Entry of ``pdserve generate``; returns the exit status."""
     args = generate_parser().parse_args(list(argv))
-    with Client(args.router, timeout=args.timeout, tenant=args.tenant) as client:
+    client = Client(
+        args.router, timeout=args.timeout, tenant=args.tenant, api_key=args.api_key,
+        tls=_tls_of(args),
+    )  # fmt: skip
+    with client:
         try:
             with client.stream(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -10,8 +10,12 @@
             print(delta.text, end="", flush=True)
 
 Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
-all ``PdServeClientError``), each with the gRPC ``code`` and ``message``. UNAVAILABLE is retried
-(bounded, with backoff) as long as no token has arrived.
+``Unauthenticated``, all ``PdServeClientError``), each with the gRPC ``code`` and ``message``.
+UNAVAILABLE is retried (bounded, with backoff) as long as no token has arrived.
+
+A secured router (``docs/security.md``): ``api_key="..."`` sends the key on every call, and
+``tls=TlsConfig(ca=Path("ca.pem"))`` (or ``tls=True`` for a certificate of a public CA) speaks
+TLS; ``TlsConfig(ca=..., cert=..., key=...)`` also presents a client certificate (mutual TLS).
 """
 
 from __future__ import annotations
@@ -29,11 +33,18 @@ from pdserve.client.errors import error_from_rpc
 from pdserve.client.request import RequestOptions, RetryPolicy, build_request, metadata
 from pdserve.client.results import Completion
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
+from pdserve.security.tls import TlsConfig
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
+
+
+def _tls(tls: TlsConfig | bool) -> TlsConfig | None:
+    if tls is True:
+        return TlsConfig()  # the system's CA roots
+    return tls or None
 
 
 class _Base:
@@ -44,13 +55,25 @@ class _Base:
         timeout: float | None = None,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        tls: TlsConfig | bool = False,
     ) -> None:
         self.address = address
         self.timeout = timeout
         """Default per-request timeout in seconds (None: no limit)."""
         self.tenant = tenant
-        """Default tenant, sent as the ``x-pdserve-tenant`` metadata."""
+        """Default tenant, sent as the ``x-pdserve-tenant`` metadata (a router with API keys
+        ignores it: the key names the tenant)."""
         self.retry = retry or RetryPolicy()
+        self._api_key = api_key
+        self.tls = _tls(tls)
+        """TLS settings of the channel; None: plaintext."""
+
+    def _channel_args(self) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+        options = list(CHANNEL_OPTIONS)
+        if self.tls is None:
+            return None, options
+        return self.tls.channel_credentials(), [*options, *self.tls.channel_options()]
 
     def _prepare(
         self,
@@ -61,7 +84,8 @@ class _Base:
     ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
         request = build_request(prompt, **options)
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        return request, deadline, metadata(tenant if tenant is not None else self.tenant)
+        md = metadata(tenant if tenant is not None else self.tenant, self._api_key)
+        return request, deadline, md
 
 
 class Client(_Base):
@@ -74,9 +98,19 @@ class Client(_Base):
         timeout: float | None = None,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        tls: TlsConfig | bool = False,
     ) -> None:
-        super().__init__(address, timeout=timeout, tenant=tenant, retry=retry)
-        self._channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        """``api_key``: sent as ``authorization: Bearer KEY``; ``tls``: see the module doc."""
+        super().__init__(
+            address, timeout=timeout, tenant=tenant, retry=retry, api_key=api_key, tls=tls
+        )
+        creds, options = self._channel_args()
+        self._channel = (
+            grpc.secure_channel(address, creds, options=options)
+            if creds is not None
+            else grpc.insecure_channel(address, options=options)
+        )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def generate(
@@ -153,15 +187,25 @@ class AsyncClient(_Base):
         timeout: float | None = None,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        tls: TlsConfig | bool = False,
     ) -> None:
-        super().__init__(address, timeout=timeout, tenant=tenant, retry=retry)
+        """See ``Client``."""
+        super().__init__(
+            address, timeout=timeout, tenant=tenant, retry=retry, api_key=api_key, tls=tls
+        )
         # Created on first use, inside the event loop that will drive it.
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterStub | None = None
 
     def _get_stub(self) -> router_pb2_grpc.RouterStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=list(CHANNEL_OPTIONS))
+            creds, options = self._channel_args()
+            self._channel = (
+                grpc.aio.secure_channel(self.address, creds, options=options)
+                if creds is not None
+                else grpc.aio.insecure_channel(self.address, options=options)
+            )
             self._stub = router_pb2_grpc.RouterStub(self._channel)
         return self._stub
 

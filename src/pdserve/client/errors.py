@@ -51,6 +51,14 @@ class NotFound(PdServeClientError):  # noqa: N818 - the SDK's public names
     """Something the request refers to does not exist (NOT_FOUND)."""
 
 
+class Unauthenticated(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """No valid API key (or certificate) was presented (UNAUTHENTICATED)."""
+
+
+class PermissionDenied(PdServeClientError):  # noqa: N818 - the SDK's public names
+    """The credential is valid but not for this (PERMISSION_DENIED)."""
+
+
 class ServerError(PdServeClientError):
     """The server failed (INTERNAL, UNKNOWN, FAILED_PRECONDITION, ...)."""
 
@@ -63,6 +71,8 @@ _BY_CODE: dict[grpc.StatusCode, type[PdServeClientError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

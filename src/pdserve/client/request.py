@@ -98,9 +98,11 @@ def build_request(
     return request
 
 
-def metadata(tenant: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata: the tenant, when given."""
-    return ((TENANT_METADATA_KEY, tenant),) if tenant else ()
+def metadata(tenant: str | None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Call metadata: the tenant and the API key (``authorization: Bearer KEY``), when given.
+    A router with API keys takes the tenant from the key and ignores the tenant sent."""
+    out = ((TENANT_METADATA_KEY, tenant),) if tenant else ()
+    return (*out, ("authorization", f"Bearer {api_key}")) if api_key else out
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from pdserve.kvstore.chunks import (
 )
 from pdserve.kvstore.stats import StoreStats
 from pdserve.kvstore.wire import Chunk, KVStoreCalls
+from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -99,8 +100,10 @@ class KVStoreClient:
         timeout_s: float = 10.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        security: SecurityOptions = INSECURE,
     ) -> None:
-        """``interceptors`` None: the process-wide tracing's (CLIENT spans, ``traceparent``)."""
+        """``interceptors`` None: the process-wide tracing's (CLIENT spans, ``traceparent``).
+        ``security``: TLS and the internal token of the calls (``pdserve.security``)."""
         if not address:
             raise InvalidArgumentError("address", "must be host:port")
         if not timeout_s > 0:
@@ -112,8 +115,9 @@ class KVStoreClient:
         self.chunk_bytes = chunk_bytes
         if interceptors is None:
             interceptors = tracing.client_interceptors()
-        self._channel = grpc.aio.insecure_channel(
-            address, options=list(CHANNEL_OPTIONS), interceptors=list(interceptors) or None
+        self.security = security
+        self._channel = security.aio_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._chunks = KVStoreCalls(self._channel)  # Put and Get without protobuf's copies

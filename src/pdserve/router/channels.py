@@ -7,7 +7,8 @@ closed after a grace period that lets its in-flight calls finish.
 
 Every channel gets the pool's client interceptors: by default those of the process-wide
 tracing (``pdserve.telemetry.tracing.client_interceptors``), so that each call carries the
-request's trace context as ``traceparent`` metadata; none when tracing is off.
+request's trace context as ``traceparent`` metadata; none when tracing is off. Channels are
+built by the pool's ``SecurityOptions`` (TLS, and the cluster's internal token on every call).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.server import DEFAULT_OPTIONS
+from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 
 
@@ -34,6 +36,7 @@ class ChannelPool:
         evict_grace_s: float = 30.0,
         options: tuple[tuple[str, Any], ...] = DEFAULT_OPTIONS,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        security: SecurityOptions = INSECURE,
     ) -> None:
         """``interceptors`` None: the process-wide tracing's (read once, here)."""
         if max_size < 1:
@@ -41,6 +44,7 @@ class ChannelPool:
         self.max_size = max_size
         self.evict_grace_s = evict_grace_s
         self._options = list(options)
+        self.security = security
         self._interceptors = list(
             tracing.client_interceptors() if interceptors is None else interceptors
         )
@@ -55,8 +59,8 @@ class ChannelPool:
         if channel is not None:
             self._channels.move_to_end(address)
             return channel
-        channel = grpc.aio.insecure_channel(
-            address, options=self._options, interceptors=self._interceptors or None
+        channel = self.security.aio_channel(
+            address, options=self._options, interceptors=self._interceptors
         )
         self._channels[address] = channel
         self.created += 1

@@ -92,7 +92,8 @@ class RequestFlow:
     ) -> None:
         self.scheduler_address = scheduler_address
         self.tokenizer = tokenizer
-        self.channels = channels or ChannelPool()
+        # Not ``channels or ...``: a pool with no channel yet is falsy (it has a length).
+        self.channels = channels if channels is not None else ChannelPool()
         self.config = config or FlowConfig()
         self.housekeeper = Housekeeper(
             self.channels,

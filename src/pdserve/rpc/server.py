@@ -1,9 +1,13 @@
 """Server plumbing shared by the five services: build a grpc.aio server, serve until a signal.
 
-``build_server`` adds the health service, reflection and the error interceptor, so a service's
-``__main__`` only lists its servicers::
+``build_server`` adds the health service, the error interceptor and, when asked, reflection
+and a caller check (``pdserve.security``), and binds the port with the process's TLS settings,
+so a service's ``__main__`` only lists its servicers::
 
-    server, port, health = build_server([(add_SchedulerServicer_to_server, servicer)], port=0)
+    server, port, health = build_server(
+        [(add_SchedulerServicer_to_server, servicer)], port=0,
+        security=security, auth=security.internal_auth(),
+    )
     await server.start()
     await health.set_serving()
     await serve_until_signal(server, health, grace_s=5.0)
@@ -28,6 +32,8 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.errors import WorkerUnavailableError
 from pdserve.rpc.errors import ErrorInterceptor
+from pdserve.security.auth import Authenticator, AuthInterceptor
+from pdserve.security.options import INSECURE, SecurityOptions
 
 logger = logging.getLogger(__name__)
 
@@ -96,34 +102,41 @@ def build_server(
     host: str = "127.0.0.1",
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+    security: SecurityOptions = INSECURE,
+    auth: Authenticator | None = None,
 ) -> tuple[grpc.aio.Server, int, ServiceHealth]:
-    """A grpc.aio server hosting ``servicers`` plus health and reflection, bound but not started.
+    """A grpc.aio server hosting ``servicers`` plus health (and reflection when
+    ``security.reflection``), bound but not started.
 
-    ``port=0`` binds a free port; the bound port is returned. The error interceptor runs
-    innermost, after any ``interceptors`` given (tracing, for instance).
+    ``port=0`` binds a free port; the bound port is returned, over TLS when ``security`` has a
+    certificate. ``auth`` checks every caller first (the health service excepted: probes
+    carry no credential). The error interceptor runs innermost, after any ``interceptors``
+    given (tracing, for instance).
     """
     names: list[str] = []
     for add, servicer in servicers:
         recorder = _ServiceNameRecorder()
         add(servicer, recorder)
         names.extend(recorder.names)
+    first = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.aio.server(
-        interceptors=[*interceptors, ErrorInterceptor()], options=list(options)
+        interceptors=[*first, *interceptors, ErrorInterceptor()], options=list(options)
     )
     for add, servicer in servicers:
         add(servicer, server)
     health = ServiceHealth(names)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    if security.reflection:
+        reflection.enable_server_reflection(
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = security.bind(server, address)
     if bound == 0:
         raise WorkerUnavailableError(f"cannot bind gRPC server to {address}")
     return server, bound, health

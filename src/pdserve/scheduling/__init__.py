@@ -15,7 +15,7 @@ from pdserve.scheduling.policies import (
     make_policy,
 )
 from pdserve.scheduling.refresher import kept_fresh
-from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect
+from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect, redacted
 from pdserve.scheduling.scheduler import Assignment, ClusterScheduler, Mode
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
@@ -40,4 +40,5 @@ __all__ = [
     "connect",
     "kept_fresh",
     "make_policy",
+    "redacted",
 ]

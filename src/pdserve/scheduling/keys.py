@@ -10,8 +10,11 @@ key                                type    content
                                            index to enumerate workers without SCAN
 ``pdserve:resv:{worker_id}``       zset    ``{reservation_id}|{tokens}|{blocks}`` -> expiry
                                            (Redis time, ms); what is reserved on the worker
-``pdserve:reservation:{id}``       string  JSON record of one reservation (its zset members),
+``pdserve:reservation:{id}``       string  JSON record of one reservation (its zset members,
+                                           the workers' addresses, tenant, creation time),
                                            PX TTL equal to the reservation's
+``pdserve:tenant:{tenant}``        zset    ``{reservation_id}|{blocks}`` -> expiry: a tenant's
+                                           live reservations (kept while it has a quota)
 =================================  ======  ====================================================
 
 A namespace lets several clusters (or tests) share one Redis.
@@ -52,6 +55,10 @@ class KeySpace:
     def reservation(self, reservation_id: str) -> str:
         """Record of one reservation."""
         return f"{self.namespace}:reservation:{reservation_id}"
+
+    def tenant_reservations(self, tenant: str) -> str:
+        """Sorted set of one tenant's live reservations (``quotas``)."""
+        return f"{self.namespace}:tenant:{tenant}"
 
 
 def text(value: str | bytes) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -30,8 +31,22 @@ INDEX_RETENTION_S = 600.0
 """Index entries of workers silent this long are pruned; heartbeat TTLs must be shorter."""
 
 
+def redacted(url: str) -> str:
+    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def connect(url: str, *, timeout_s: float = 2.0, retries: int = 2) -> Redis:
     """An asyncio Redis client with bounded connect and command times.
+
+    ``url`` may carry credentials and TLS: ``redis://user:password@host:port/db`` (AUTH),
+    ``rediss://...`` (TLS; ``?ssl_ca_certs=PATH`` names a private CA, ``ssl_certfile`` and
+    ``ssl_keyfile`` a client certificate).
 
     Without socket timeouts a Redis that stops answering (instead of refusing) would stall
     heartbeats and scheduling decisions indefinitely. A command that meets a dropped connection

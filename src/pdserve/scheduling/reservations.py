@@ -16,6 +16,14 @@ time in milliseconds of *Redis* time (``TIME``), so every scheduler replica agre
   admitted) are already part of its free-block and queue figures and are not counted again.
 * The sorted set's own key expiry is kept at or after its latest member's expiry, so the key
   never disappears while it holds a live reservation, and a dead worker's set goes away.
+* The record also keeps the reserved workers' addresses (a prefill worker pushes KV only to
+  the decode address of its request's reservation: ``assigned_decode_addresses``), the tenant
+  and the creation time: ``renew`` never extends a reservation past ``max_lifetime_s`` from
+  its creation, so nobody can hold capacity forever by renewing.
+* A tenant with a quota (``quotas.TenantQuota``) has a sorted set ``{ns}:tenant:{tenant}`` of
+  ``{reservation_id}|{blocks}`` (the decode or colocated share's KV blocks) scored like the
+  workers' members; ``reserve`` reads it under the same WATCH and refuses a reservation past
+  the quota (``QuotaExceededError``) before anything is written.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from redis.exceptions import WatchError
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
 from pdserve.scheduling.capacity import Claim, Phase, WorkerView
 from pdserve.scheduling.keys import KeySpace, text
+from pdserve.scheduling.quotas import QuotaExceededError, TenantQuota
 from pdserve.scheduling.worker_info import WorkerInfo
 
 _KEY_EXPIRY_SLACK_MS = 1000
@@ -134,15 +143,68 @@ async def _watch_and_read(
         raise
 
 
+_HOLDING_PHASES = (Phase.DECODE, Phase.COLOCATED)
+"""The shares whose KV blocks a tenant's quota counts, and whose worker may receive KV."""
+
+
+async def assigned_decode_addresses(
+    redis: Redis, keys: KeySpace, reservation_id: str
+) -> frozenset[str] | None:
+    """The addresses of the decode (or mixed) workers ``reservation_id`` reserved; None if
+    the reservation is unknown, released or expired (one GET)."""
+    if not reservation_id:
+        return None
+    raw = await redis.get(keys.reservation(reservation_id))
+    if raw is None:
+        return None
+    record = json.loads(raw)
+    addresses: dict[str, str] = record.get("addresses", {})
+    return frozenset(
+        addresses[wid] for wid, phase, _ in record["parts"] if phase in _HOLDING_PHASES
+    )
+
+
+def _tenant_member(reservation_id: str, parts: Sequence[ReservationPart]) -> tuple[str, int]:
+    blocks = sum(p.claim.blocks for p in parts if p.phase in _HOLDING_PHASES)
+    return f"{reservation_id}|{blocks}", blocks
+
+
+def _tenant_load(entries: Sequence[tuple[str | bytes, float]], now_ms: float) -> tuple[int, int]:
+    """Live reservations and their blocks in a tenant's sorted set."""
+    live = [text(m) for m, expiry_ms in entries if expiry_ms > now_ms]
+    return len(live), sum(int(m.rsplit("|", 1)[1]) for m in live)
+
+
 class ReservationLedger:
     """Reads, commits, releases and renews reservations in one namespace."""
 
-    def __init__(self, redis: Redis, keys: KeySpace, *, ttl_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: KeySpace,
+        *,
+        ttl_s: float = 120.0,
+        max_lifetime_s: float = 3600.0,
+    ) -> None:
         if not ttl_s > 0:
             raise InvalidArgumentError("reservation_ttl_s", f"must be > 0, got {ttl_s}")
+        if not max_lifetime_s >= ttl_s:
+            raise InvalidArgumentError(
+                "reservation_max_lifetime_s",
+                f"must be >= the TTL ({ttl_s}), got {max_lifetime_s}",
+            )
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
+        self.max_lifetime_s = max_lifetime_s
+        """No renewal extends a reservation past this long after its creation."""
+
+    @staticmethod
+    def _latest(expiry_ms: float, entries: Sequence[Sequence[tuple[str | bytes, float]]]) -> float:
+        """When a sorted set holding ``entries`` and a member expiring at ``expiry_ms`` may
+        go (its latest member's expiry, plus slack)."""
+        scores = [score for entry in entries for _, score in entry]
+        return max([expiry_ms, *scores]) + _KEY_EXPIRY_SLACK_MS
 
     async def reserved_on(self, workers: Sequence[WorkerInfo]) -> tuple[dict[str, Claim], float]:
         """Live, not-admitted reservations per worker, and Redis time in s (one round trip)."""
@@ -164,31 +226,44 @@ class ReservationLedger:
         check: Callable[[Mapping[str, WorkerView | None]], None],
         *,
         request_id: str = "",
+        tenant: str = "",
+        quota: TenantQuota | None = None,
     ) -> Committed:
         """Re-read the workers under WATCH, let ``check`` veto, then commit atomically.
 
         ``check`` gets a fresh view per worker (None when its heartbeat has expired) and raises
         RecheckFailedError to refuse. Raises WatchError when another client changed a watched
-        key in between: nothing was written, and the caller may retry with fresh state.
+        key in between: nothing was written, and the caller may retry with fresh state. A
+        ``quota`` that limits anything is checked on the tenant's live reservations read under
+        the same WATCH (``QuotaExceededError``, nothing written).
         """
         worker_ids = list(dict.fromkeys(p.worker_id for p in parts))
         heartbeat_keys = [self.keys.worker(w) for w in worker_ids]
         resv_keys = [self.keys.reservations_on(w) for w in worker_ids]
+        tenant_key = self.keys.tenant_reservations(tenant) if quota and quota.limited else None
+        counted = [tenant_key] if tenant_key is not None else []
         rid = uuid.uuid4().hex
         async with self.redis.pipeline(transaction=True) as pipe:
             # WATCH and the re-reads in one round trip, the commit in a second one.
             scores = {"withscores": True, "score_cast_func": float}
             raws, *entry_replies, (seconds, micros) = await _watch_and_read(
                 pipe,
-                [*heartbeat_keys, *resv_keys],
+                [*heartbeat_keys, *resv_keys, *counted],
                 [
                     (("MGET", *heartbeat_keys), {}),
                     *((("ZRANGE", k, 0, -1, "WITHSCORES"), scores) for k in resv_keys),
+                    *((("ZRANGE", k, 0, -1, "WITHSCORES"), scores) for k in counted),
                     (("TIME",), {}),
                 ],
             )
-            entries = [_scored(e) for e in entry_replies]
+            entries = [_scored(e) for e in entry_replies[: len(resv_keys)]]
+            tenant_entries = [_scored(e) for e in entry_replies[len(resv_keys) :]]
             now_ms = _time_ms(seconds, micros)
+            member, blocks = _tenant_member(rid, parts)
+            if quota is not None and tenant_entries:
+                refusal = quota.refusal(tenant, *_tenant_load(tenant_entries[0], now_ms), blocks)
+                if refusal is not None:
+                    raise QuotaExceededError(f"request {request_id!r}: {refusal}")
             views: dict[str, WorkerView | None] = {}
             for wid, raw, ent in zip(worker_ids, raws, entries, strict=True):
                 if raw is None:
@@ -207,6 +282,10 @@ class ReservationLedger:
             record = {
                 "request_id": request_id,
                 "parts": [[p.worker_id, p.phase.value, members[p.worker_id]] for p in parts],
+                "addresses": {w: v.info.address for w, v in views.items() if v is not None},
+                "tenant_key": tenant_key,
+                "tenant_member": member,
+                "created_ms": now_ms,
             }
             pipe.multi()
             for key, ent, wid in zip(resv_keys, entries, worker_ids, strict=True):
@@ -214,6 +293,10 @@ class ReservationLedger:
                 pipe.zadd(key, {members[wid]: expiry_ms})
                 latest = max([expiry_ms, *(score for _, score in ent)])
                 pipe.pexpireat(key, int(latest) + _KEY_EXPIRY_SLACK_MS)
+            if tenant_key is not None:
+                pipe.zremrangebyscore(tenant_key, "-inf", now_ms)
+                pipe.zadd(tenant_key, {member: expiry_ms})
+                pipe.pexpireat(tenant_key, int(self._latest(expiry_ms, tenant_entries)))
             pipe.set(self.keys.reservation(rid), json.dumps(record), px=round(self.ttl_s * 1000))
             await pipe.execute()
         infos = {wid: v.info for wid, v in views.items() if v is not None}
@@ -251,6 +334,9 @@ class ReservationLedger:
                         keep.append([wid, phase, member])
                 if prefill_only and not drops and not rewrites:
                     return False
+                tenant_key = record.get("tenant_key")
+                if not keep and tenant_key:  # all of it goes: the tenant's count too
+                    drops.append((tenant_key, record["tenant_member"]))
                 pipe.multi()
                 for key, member in drops:
                     pipe.zrem(key, member)
@@ -270,9 +356,11 @@ class ReservationLedger:
         raise WatchError(f"reservation {reservation_id}: too many concurrent updates")
 
     async def renew(self, reservation_id: str) -> float:
-        """Push the reservation's expiry to now + TTL; return the TTL in seconds.
+        """Push the reservation's expiry to now + TTL, but never past ``max_lifetime_s`` after
+        its creation; return the seconds it now lives.
 
-        Raises UnknownRequestError if it was released or has already expired.
+        Raises UnknownRequestError if it was released, has already expired, or has reached
+        its maximum lifetime (it then expires when its current TTL runs out).
         """
         record_key = self.keys.reservation(reservation_id)
         for _ in range(_MAX_BOOKKEEPING_RETRIES):
@@ -281,11 +369,21 @@ class ReservationLedger:
                 raw = await pipe.get(record_key)
                 if raw is None:
                     raise UnknownRequestError(f"reservation {reservation_id} is unknown or expired")
-                parts = json.loads(raw)["parts"]
+                record = json.loads(raw)
+                parts = record["parts"]
+                tenant_key = record.get("tenant_key")
                 resv_keys = [self.keys.reservations_on(wid) for wid, _, _ in parts]
                 await pipe.watch(*resv_keys)
                 now_ms = await _redis_now_ms(pipe)
-                expiry_ms = now_ms + self.ttl_s * 1000.0
+                created_ms = float(record.get("created_ms", now_ms))
+                expiry_ms = min(
+                    now_ms + self.ttl_s * 1000.0, created_ms + self.max_lifetime_s * 1000.0
+                )
+                if expiry_ms <= now_ms + 1.0:
+                    raise UnknownRequestError(
+                        f"reservation {reservation_id} reached its maximum lifetime of "
+                        f"{self.max_lifetime_s:g} s; it is not renewed"
+                    )
                 latest: list[float] = []
                 for key, (_, _, member) in zip(resv_keys, parts, strict=True):
                     score = await pipe.zscore(key, member)
@@ -294,13 +392,17 @@ class ReservationLedger:
                     top = _scored(await pipe.zrange(key, -1, -1, withscores=True))
                     latest.append(max([expiry_ms, *(s for _, s in top)]))
                 pipe.multi()
-                pipe.pexpire(record_key, round(self.ttl_s * 1000))
+                pipe.pexpireat(record_key, int(expiry_ms))
                 for key, (_, _, member), last in zip(resv_keys, parts, latest, strict=True):
                     pipe.zadd(key, {member: expiry_ms}, xx=True)
                     pipe.pexpireat(key, int(last) + _KEY_EXPIRY_SLACK_MS)
+                if tenant_key:
+                    pipe.zadd(tenant_key, {record["tenant_member"]: expiry_ms}, xx=True)
+                    # Every member expires within max_lifetime_s of now: so may the set.
+                    pipe.expire(tenant_key, int(self.max_lifetime_s) + 60)
                 try:
                     await pipe.execute()
                 except WatchError:
                     continue
-                return self.ttl_s
+                return (expiry_ms - now_ms) / 1000.0
         raise WatchError(f"reservation {reservation_id}: too many concurrent updates")

@@ -31,7 +31,12 @@ Lifecycle of one ``assign()``:
 6. The caller hands ``reservation_id`` to the workers (which list it in their heartbeats once
    admitted, so it is not counted twice), calls ``renew()`` during long decodes, and
    ``release()`` when done (``prefill_only`` right after prefill). Reservations that are never
-   released expire after ``reservation_ttl_s`` and stop counting.
+   released expire after ``reservation_ttl_s`` and stop counting; none is renewed past
+   ``reservation_max_lifetime_s`` after its creation.
+
+Tenants: with ``quotas`` (``quotas.TenantQuotas``), step 4 also counts the tenant's live
+reservations under the same WATCH and refuses one past its quota (``QuotaExceededError``,
+RESOURCE_EXHAUSTED naming the quota).
 
 Because step 4 commits only if nothing it read in step 3 changed, any number of scheduler
 replicas can share one Redis without over-committing a worker.
@@ -66,6 +71,7 @@ from pdserve.scheduling.capacity import (
 )
 from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
+from pdserve.scheduling.quotas import TenantQuotas
 from pdserve.scheduling.registry import RedisWorkerRegistry
 from pdserve.scheduling.reservations import (
     RecheckFailedError,
@@ -122,6 +128,8 @@ class ClusterScheduler:
         max_retries: int = 8,
         limits: CapacityLimits | None = None,
         default_mode: Mode = Mode.DISAGGREGATED,
+        quotas: TenantQuotas | None = None,
+        reservation_max_lifetime_s: float = 3600.0,
     ) -> None:
         if not refresh_interval_s >= 0:
             raise InvalidArgumentError(
@@ -133,7 +141,13 @@ class ClusterScheduler:
             )
         self.keys = keys or KeySpace()
         self.registry = RedisWorkerRegistry(redis, keys=self.keys)
-        self.ledger = ReservationLedger(redis, self.keys, ttl_s=reservation_ttl_s)
+        self.ledger = ReservationLedger(
+            redis,
+            self.keys,
+            ttl_s=reservation_ttl_s,
+            max_lifetime_s=max(reservation_max_lifetime_s, reservation_ttl_s),
+        )
+        self.quotas = quotas or TenantQuotas()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.refresh_interval_s = refresh_interval_s
         self.max_retries = max_retries
@@ -208,14 +222,19 @@ class ClusterScheduler:
     ) -> Assignment:
         """Choose workers for a request and reserve capacity on them (see module docstring).
 
-        ``mode`` None takes ``default_mode``. ``tenant`` is accepted for per-tenant placement
-        and quotas; no policy uses it yet.
+        ``mode`` None takes ``default_mode``. ``tenant``'s quota caps its live reservations
+        (``QuotaExceededError``); no placement policy uses the tenant yet.
         """
         with _redis_reachable():
-            return await self._assign(request_id, prompt_tokens, max_tokens, mode)
+            return await self._assign(request_id, prompt_tokens, max_tokens, mode, tenant)
 
     async def _assign(
-        self, request_id: str, prompt_tokens: int, max_tokens: int, mode: Mode | None
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        mode: Mode | None,
+        tenant: str,
     ) -> Assignment:
         chosen_mode = self.default_mode if mode is None else Mode(mode)
         phases = (
@@ -247,7 +266,11 @@ class ClusterScheduler:
                     for worker_id in sorted({p.worker_id for p in parts}):  # fixed order
                         await held.enter_async_context(self._commit_locks[worker_id])
                     committed = await self.ledger.reserve(
-                        parts, functools.partial(self._recheck, parts), request_id=request_id
+                        parts,
+                        functools.partial(self._recheck, parts),
+                        request_id=request_id,
+                        tenant=tenant,
+                        quota=self.quotas.of(tenant),
                     )
             except WatchError:
                 self.conflicts += 1

@@ -123,6 +123,9 @@ class TransferDescriptor:
     compression: str = "none"
     generation: int = 0
     """shm: the hand-off's generation in a reused slot (``slots.py``); 0: a one-off segment."""
+    capability: bytes = b""
+    """16 random bytes the writer chose for this hand-off (``stamp.py``): what a reader must
+    present to read, claim, free or unlink it. store/direct: part of the key as well."""
 
 
 @dataclass(slots=True)

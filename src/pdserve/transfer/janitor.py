@@ -37,7 +37,7 @@ SEGMENT_PREFIX = "pdserve-kv-"
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared memory (``shm_open`` names are files here)."""
 
-MAGIC = b"PDSHMKV4"  # 4: a flags word and a generation (reused slots, ``slots.py``)
+MAGIC = b"PDSHMKV5"  # 4: flags and a generation (reused slots); 5: the hand-off's capability
 """A segment's first bytes (``segment.py`` has the whole format); its state word follows."""
 STATE_OFFSET = 8
 

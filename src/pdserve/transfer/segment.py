@@ -2,14 +2,15 @@
 
 Segment layout (little-endian, offsets relative to the segment's start)::
 
-    0   b"PDSHMKV4"  magic
+    0   b"PDSHMKV5"  magic
     8   u32 state    0 = being written, 1 = sealed (the writer's commit point), 2 = aborted;
                      a reused slot also 3 = claimed by its reader, 4 = free (``slots.py``)
     12  u32 header_len
     16  u32 num_layers
     20  u32 flags    1 = a reused slot: its reader releases it instead of unlinking it
     24  u64 generation  of a reused slot's hand-off (the descriptor names it); 0 otherwise
-    32  header       ``KVPayload.header_bytes()`` (layout + num_tokens, JSON)
+    32  16 bytes     the hand-off's capability (random; the handle carries it)
+    48  header       ``KVPayload.header_bytes()`` (layout + num_tokens, JSON)
     T   u64[num_layers]  checksum of each layer (T = header end, 64-aligned): XXH3-64 over
                          the 16 bytes of XXH3-64(K) and XXH3-64(V) (``checksum.kv_checksum``)
     R   u32[num_layers]  1 once the layer and its checksum are written (R = table end)
@@ -17,6 +18,12 @@ Segment layout (little-endian, offsets relative to the segment's start)::
 
 Each K or V is ``[num_tokens, kv_heads, head_dim]`` in the layout's dtype. The segment is
 self-describing, so a reader that got only a ``KVHandle`` (name, offset, length) can use it.
+
+The capability is what makes a handle unforgeable: names and generations are predictable (a
+pid, a hash of the request id, a counter), 128 random bits are not. A reader compares it with
+the handle's before it unlinks, claims, frees or (a slot it has not mapped yet) maps anything,
+and refuses a mismatch with ``CapabilityError``; the writer writes it before the magic (a new
+segment) or the generation (a reused slot), so a reader that sees either sees it too.
 
 Segments are plain ``os.open`` files in ``/dev/shm`` mapped with ``mmap`` (what ``shm_open``
 does), not ``multiprocessing.shared_memory``: its resource tracker would unlink segments that
@@ -47,9 +54,15 @@ from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
 from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.janitor import MAGIC, STATE_OFFSET, SegmentState, parse_state
 from pdserve.transfer.populate import Populator
+from pdserve.transfer.stamp import (
+    CAPABILITY_OFFSET,
+    GENERATION_OFFSET,
+    HEADER_OFFSET,
+    capability_bytes,
+    check_capability,
+)
 
 _PREAMBLE = struct.Struct("<8sIIIIQ")  # magic, state, header_len, num_layers, flags, generation
-_GENERATION_OFFSET = 24
 FLAG_POOLED = 1
 """The flags bit of a reused slot (``slots.py``)."""
 _ALIGN = 64
@@ -74,7 +87,7 @@ class SegmentGeometry:
 
     @property
     def table_offset(self) -> int:
-        return _align(_PREAMBLE.size + self.header_len)
+        return _align(HEADER_OFFSET + self.header_len)
 
     @property
     def ready_offset(self) -> int:
@@ -113,13 +126,15 @@ def map_for_writing(
     capacity: int = 0,
     keep_fd: bool = False,
     generation: int = 0,
+    capability: bytes = b"",
 ) -> mmap.mmap:
     """Reserve the segment's bytes (``capacity``, at least ``geom.total``) in the file
     ``create`` made (so that a full ``/dev/shm`` fails here, ``CapacityError``, not as a
     SIGBUS on a write), map it with its page tables filled in (``MAP_POPULATE``), write the
     preamble and header; closes ``fd`` unless ``keep_fd`` (the mapping keeps the memory, the
     name the segment). On failure the caller unlinks the segment (and closes a kept fd).
-    A ``generation`` (> 0) marks it a reused slot's (``slots.py``).
+    A ``generation`` (> 0) marks it a reused slot's (``slots.py``); ``capability`` is the
+    hand-off's (see the module docstring).
 
     Without the pre-faulting, the layer copies would take one page fault per 4 KiB page
     (about 1 us each: 0.1 s for a 400 MB payload, twice the copy itself)."""
@@ -130,25 +145,35 @@ def map_for_writing(
     finally:
         if not keep_fd:
             os.close(fd)
-    start(mm, header, geom, flags=FLAG_POOLED if generation else 0, generation=generation)
+    start(
+        mm, header, geom, flags=FLAG_POOLED if generation else 0, generation=generation,
+        capability=capability,
+    )  # fmt: skip
     return mm
 
 
 def start(
-    mm: mmap.mmap, header: bytes, geom: SegmentGeometry, *, flags: int = 0, generation: int = 0
+    mm: mmap.mmap,
+    header: bytes,
+    geom: SegmentGeometry,
+    *,
+    flags: int = 0,
+    generation: int = 0,
+    capability: bytes = b"",
 ) -> None:
-    """Begin a hand-off in ``mm``: state WRITING, no layer marked, the preamble and header,
-    and the generation last. A reused slot (``slots.py``) held an earlier hand-off: a reader
-    following generation ``g`` trusts the marks only once it reads ``g``, so they are cleared
-    before it is written (x86 keeps stores in order)."""
+    """Begin a hand-off in ``mm``: state WRITING, no layer marked, the capability, the
+    preamble and header, and the generation last. A reused slot (``slots.py``) held an earlier
+    hand-off: a reader following generation ``g`` trusts the marks and the capability only
+    once it reads ``g``, so they are written before it (x86 keeps stores in order)."""
     struct.pack_into("<I", mm, STATE_OFFSET, SegmentState.WRITING)
     mm[geom.table_offset : geom.data_offset] = bytes(geom.data_offset - geom.table_offset)
+    mm[CAPABILITY_OFFSET:HEADER_OFFSET] = capability_bytes(capability)
     old = mapped_generation(mm)  # 0 in a new file
     _PREAMBLE.pack_into(
         mm, 0, MAGIC, SegmentState.WRITING, len(header), geom.num_layers, flags, old
     )
-    mm[_PREAMBLE.size : _PREAMBLE.size + len(header)] = header
-    struct.pack_into("<Q", mm, _GENERATION_OFFSET, generation)
+    mm[HEADER_OFFSET : HEADER_OFFSET + len(header)] = header
+    struct.pack_into("<Q", mm, GENERATION_OFFSET, generation)
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -211,7 +236,7 @@ def mapped_state(mm: mmap.mmap) -> SegmentState | None:
 
 def mapped_generation(mm: mmap.mmap) -> int:
     """The generation word (a reused slot's current hand-off; 0 for a one-off segment)."""
-    return int(struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0])
+    return int(struct.unpack_from("<Q", mm, GENERATION_OFFSET)[0])
 
 
 def set_state(mm: mmap.mmap, state: SegmentState) -> None:
@@ -223,7 +248,7 @@ def mapped_header(mm: mmap.mmap, name: str) -> tuple[KVLayout, int, SegmentGeome
     magic, _, header_len, num_layers, _, _ = _PREAMBLE.unpack_from(mm, 0)
     if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
-    layout, num_tokens = parse_header(bytes(mm[_PREAMBLE.size : _PREAMBLE.size + header_len]))
+    layout, num_tokens = parse_header(bytes(mm[HEADER_OFFSET : HEADER_OFFSET + header_len]))
     if num_layers != layout.num_layers:
         raise KVTransferError(
             f"shm segment {name!r}: {num_layers} layers, its header says {layout.num_layers}"
@@ -254,24 +279,25 @@ class SegmentHeader:
     checksums: tuple[int, ...]
 
 
-def read_header(fd: int, offset: int, name: str) -> SegmentHeader:
-    """Preamble, header and checksum table of the sealed segment at ``offset`` of ``fd``."""
-    if os.fstat(fd).st_size < offset + _PREAMBLE.size:  # created, not reserved yet
+def read_header(fd: int, offset: int, name: str, capability: bytes = b"") -> SegmentHeader:
+    """Preamble, header and checksum table of the sealed segment at ``offset`` of ``fd``;
+    ``CapabilityError`` (before anything else is read) if ``capability`` is not its own."""
+    if os.fstat(fd).st_size < offset + HEADER_OFFSET:  # created, not reserved yet
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
-    magic, state, header_len, num_layers, flags, _ = _PREAMBLE.unpack(
-        _pread_exact(fd, _PREAMBLE.size, offset)
-    )
+    raw = _pread_exact(fd, HEADER_OFFSET, offset)
+    magic, state, header_len, num_layers, flags, _ = _PREAMBLE.unpack_from(raw)
     if magic == bytes(len(MAGIC)):  # created and reserved, its preamble not written yet
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer has not begun)")
     if magic != MAGIC:
         raise KVTransferError(f"shm segment {name!r} is not a pdserve KV segment")
+    check_capability(raw[CAPABILITY_OFFSET:HEADER_OFFSET], capability, name)
     if flags & FLAG_POOLED:  # only a claim (``slots.py``) may read a reused slot
         raise KVTransferError(
             f"shm segment {name!r} is a reused slot; its handle lacks the generation"
         )
     if state != SegmentState.SEALED:
         raise KVTransferError(f"shm segment {name!r} is not sealed (its writer never finished)")
-    layout, num_tokens = parse_header(_pread_exact(fd, header_len, offset + _PREAMBLE.size))
+    layout, num_tokens = parse_header(_pread_exact(fd, header_len, offset + HEADER_OFFSET))
     if num_layers != layout.num_layers:
         raise KVTransferError(
             f"shm segment {name!r}: {num_layers} layers, its header says {layout.num_layers}"

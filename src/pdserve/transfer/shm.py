@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import mmap
+import secrets
 import socket
 import threading
 import time
@@ -62,6 +63,7 @@ from pdserve.transfer.checksum import combine, copy_and_hash
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
 from pdserve.transfer.shm_receiver import ShmReceiver
 from pdserve.transfer.slots import Slot, SlotPool
+from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream import check_layer, missing_layers
 
 logger = logging.getLogger(__name__)
@@ -79,22 +81,28 @@ class _Mapper(threading.Thread):
     (``segment.map_for_writing``)."""
 
     def __init__(
-        self, fd: int, header: bytes, geom: segment.SegmentGeometry, slot: Slot | None
+        self,
+        fd: int,
+        header: bytes,
+        geom: segment.SegmentGeometry,
+        slot: Slot | None,
+        capability: bytes,
     ) -> None:
         super().__init__(name="shm-map", daemon=True)
         self._args = (fd, header, geom)
         self._slot = slot
+        self._capability = capability
         self._mm: mmap.mmap | None = None
         self._error: BaseException | None = None
 
     def run(self) -> None:
         try:
             if self._slot is None:
-                self._mm = segment.map_for_writing(*self._args)
+                self._mm = segment.map_for_writing(*self._args, capability=self._capability)
             else:
                 self._mm = segment.map_for_writing(
                     *self._args, capacity=self._slot.capacity, keep_fd=True,
-                    generation=self._slot.generation,
+                    generation=self._slot.generation, capability=self._capability,
                 )  # fmt: skip
         except BaseException as err:  # handed to whoever joins: result() raises it
             self._error = err
@@ -150,6 +158,8 @@ class ShmSender:
         """Fault tests only: the last layer does not seal the segment (a stalled writer)."""
         self.name = ""
         """The segment's name, once ``begin`` created it."""
+        self.capability = b""
+        """The hand-off's capability (``stamp.py``), chosen by ``begin``."""
         self._mm: mmap.mmap | None = None
         self._mapper: _Mapper | None = None
         self._geom = segment.SegmentGeometry(0, 0, 0)
@@ -175,6 +185,7 @@ class ShmSender:
         self.stats.send_start_ns = time.monotonic_ns()
         header = KVPayload(layout, num_tokens, (), ()).header_bytes()
         geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
+        self.capability = secrets.token_bytes(CAPABILITY_BYTES)
         try:
             name = self._reserve(request_id, header, geom)
         except BaseException:
@@ -191,8 +202,9 @@ class ShmSender:
         slot = self.slots.acquire(geom.total) if self.slots is not None else None
         if slot is not None and slot.mm is not None:
             segment.start(
-                slot.mm, header, geom, flags=segment.FLAG_POOLED, generation=slot.generation
-            )
+                slot.mm, header, geom, flags=segment.FLAG_POOLED, generation=slot.generation,
+                capability=self.capability,
+            )  # fmt: skip
             self._slot, self._mm = slot, slot.mm
             return slot.name
         slot = self.slots.create(geom.total) if self.slots is not None else None
@@ -205,7 +217,7 @@ class ShmSender:
         # the first layer waits for them (``_mapping``); a full /dev/shm fails that layer,
         # hence the commit. ``abort`` and ``finish`` join the mapper on every path.
         self._slot = slot
-        self._mapper = _Mapper(fd, header, geom, slot)
+        self._mapper = _Mapper(fd, header, geom, slot, self.capability)
         self._mapper.start()
         return name
 
@@ -312,6 +324,7 @@ class ShmSender:
             length=self._geom.total,
             layout=self._layout,
             generation=self._slot.generation if self._slot is not None else 0,
+            capability=self.capability,
         )
 
     def finish(self) -> TransferDescriptor:

@@ -16,7 +16,9 @@ follows the last layer at once. The last layer's check, the only one the request
 thus starts within ~0.1 ms of its mark instead of up to 2 ms later (on a 1K-token hand-off
 of the base preset, about half of the transfer time the request saw). ``stop`` (set by
 ``ShmReceiver.cleanup``) ends the wait at once; so does an aborted writer; ``deadline``
-bounds it.
+bounds it. The hand-off's capability (``stamp.py``) is checked as soon as the writer has
+written it, before any layer is read: a handle that is not the writer's gets
+``CapabilityError``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pdserve.transfer.janitor import SegmentState
 from pdserve.transfer.populate import Populator
 from pdserve.transfer.segment import SegmentGeometry, SegmentHeader
 from pdserve.transfer.slots import SlotMappings, SlotNotReservedError
+from pdserve.transfer.stamp import check_capability, mapped_capability
 
 _WAIT_MIN_S = 50e-6
 _WAIT_MAX_S = 2e-3
@@ -76,7 +79,12 @@ class _Waiter:
 
 
 def follow_segment(
-    path: Path, deadline: float, stop: threading.Event, pool: Executor | None = None
+    path: Path,
+    deadline: float,
+    stop: threading.Event,
+    pool: Executor | None = None,
+    *,
+    capability: bytes = b"",
 ) -> tuple[mmap.mmap, SegmentHeader]:
     """Check every layer of the segment at ``path`` as its writer marks it, until it is
     sealed (see the module docstring): the private mapping and what the segment says.
@@ -95,22 +103,29 @@ def follow_segment(
         os.close(fd)
 
     try:
-        return _follow(mm, name, _Waiter(name, deadline, stop, lambda: aborted(mm)), pool)
+        wait = _Waiter(name, deadline, stop, lambda: aborted(mm))
+        return _follow(mm, name, wait, pool, capability)
     except BaseException:
         segment.close_mapping(mm)
         raise
 
 
 def mapped_when_reserved(
-    slots: SlotMappings, path: Path, deadline: float, stop: threading.Event
+    slots: SlotMappings,
+    path: Path,
+    generation: int,
+    capability: bytes,
+    deadline: float,
+    stop: threading.Event,
 ) -> mmap.mmap:
     """The reader's kept mapping of the slot at ``path``, once its writer has reserved it (a
-    new slot is reserved beside the compute, as a one-off segment is)."""
+    new slot is reserved beside the compute, as a one-off segment is) and, for a slot not
+    mapped yet, started the hand-off of ``generation`` with ``capability``."""
     found: list[mmap.mmap] = []
 
     def mapped() -> bool:
         try:
-            found.append(slots.mapping(path))
+            found.append(slots.mapping(path, generation, capability))
         except SlotNotReservedError:
             return False
         return True
@@ -129,6 +144,7 @@ def follow_slot(
     stop: threading.Event,
     pool: Executor | None = None,
     *,
+    capability: bytes = b"",
     populate: bool = True,
 ) -> SegmentHeader:
     """``follow_segment`` for the hand-off of ``generation`` in a reused slot, over the
@@ -145,7 +161,7 @@ def follow_slot(
 
     wait = _Waiter(name, deadline, stop, gave_up)
     wait.until(mine, "its writer to start")
-    _, head = _follow(mm, name, wait, pool, populate=populate)
+    _, head = _follow(mm, name, wait, pool, capability, populate=populate)
     if not mine():
         raise KVTransferError(f"shm slot {name!r}: its writer gave up")
     return head
@@ -174,9 +190,16 @@ def _populated_checksum(populate: Populator | None, at: int, part: memoryview) -
 
 
 def _follow(
-    mm: mmap.mmap, name: str, wait: _Waiter, pool: Executor | None, *, populate: bool = True
+    mm: mmap.mmap,
+    name: str,
+    wait: _Waiter,
+    pool: Executor | None,
+    capability: bytes,
+    *,
+    populate: bool = True,
 ) -> tuple[mmap.mmap, SegmentHeader]:
     wait.until(lambda: segment.mapped_state(mm) is not None, "its header")
+    check_capability(mapped_capability(mm), capability, name)
     layout, num_tokens, geom = segment.mapped_header(mm, name)
     fill = Populator(mm) if populate else None
     half = geom.layer_bytes // 2

@@ -1,7 +1,9 @@
 """The decode side of an shm hand-off: ``ShmReceiver`` (see ``shm.py`` for the transport).
 
 It reads and checks one sealed segment and unlinks it, on every outcome; with ``follow`` it
-reads the segment while its writer still fills it (``shm_follow``), for a prefetch.
+reads the segment while its writer still fills it (``shm_follow``), for a prefetch. Every
+outcome but one: a descriptor whose capability is not the segment's (``stamp.py``) is refused
+with ``CapabilityError`` before anything is unlinked, claimed, freed or (a slot) mapped.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pdserve.transfer.base import (
 from pdserve.transfer.janitor import HANDED_OVER, SHM_DIR, segment_state
 from pdserve.transfer.shm_follow import follow_segment, follow_slot, mapped_when_reserved
 from pdserve.transfer.slots import Claim, SlotMappings
+from pdserve.transfer.stamp import holds_capability
 
 INLINE_READ_BYTES = 1 << 20
 """A sealed segment up to this size is read on the caller's thread, hashed there alone:
@@ -69,6 +72,7 @@ class ShmReceiver:
         self._path: Path | None = None
         self._pooled = False
         self._generation = 0
+        self._capability = b""
         self._stop = threading.Event()
 
     async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
@@ -86,6 +90,7 @@ class ShmReceiver:
             self._path = self._segment_path(descriptor)
             self._pooled = descriptor.generation > 0
             self._generation = descriptor.generation
+            self._capability = descriptor.capability
             deadline = time.monotonic() + timeout_s
             if self._pooled:
                 read = self._follow_slot if self.follow else self._read_slot
@@ -122,10 +127,16 @@ class ShmReceiver:
         self._stop.set()
         if self._pooled:
             if self._path is not None and self.state is not TransferState.DONE:
-                self.discard_slot(self._path, self._generation)
+                self.discard_slot(self._path, self._generation, self._capability)
             return
-        if self._path is not None and segment_state(self._path) in HANDED_OVER:
-            segment.unlink(self._path)
+        path = self._path
+        # Never another hand-off's: the segment must hold this reader's capability.
+        if (
+            path is not None
+            and segment_state(path) in HANDED_OVER
+            and holds_capability(path, self._capability)
+        ):
+            segment.unlink(path)
 
     def _segment_path(self, d: TransferDescriptor) -> Path:
         if d.kind is not TransportKind.SHM:
@@ -150,7 +161,7 @@ class ShmReceiver:
             ) from None
         owned = False
         try:
-            head = segment.read_header(fd, d.offset, d.name)
+            head = segment.read_header(fd, d.offset, d.name, d.capability)
             # Sealed, so ours now: single use, unlinked at once, whatever happens from here on
             # (the open fd keeps it readable). Nobody can open it anew, so what the checksums
             # pass is what the engine imports. (An unsealed or foreign file still belongs to
@@ -172,7 +183,7 @@ class ShmReceiver:
                 segment.unlink(path)
 
     def _follow_read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
-        mm, head = follow_segment(path, deadline, self._stop, self.pool)
+        mm, head = follow_segment(path, deadline, self._stop, self.pool, capability=d.capability)
         segment.unlink(path)  # sealed: ours now, single use
         try:
             self._check(d, head)
@@ -186,7 +197,7 @@ class ShmReceiver:
     ) -> KVPayload:
         """Claim the reused slot, check it on the kept mapping, and hand out views over it;
         the claim ends once the engine imported them (``KVPayload.release``)."""
-        claim = self._slot_mappings().claim(path, d.generation, deadline)
+        claim = self._slot_mappings().claim(path, d.generation, d.capability, deadline)
         try:
             head = segment.mapped_sealed_header(claim.mm, d.name)
             self._check(d, head)
@@ -202,11 +213,11 @@ class ShmReceiver:
 
     def _follow_slot(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
         slots = self._slot_mappings()
-        mm = mapped_when_reserved(slots, path, deadline, self._stop)
+        mm = mapped_when_reserved(slots, path, d.generation, d.capability, deadline, self._stop)
         fresh = not slots.populated(path)
         head = follow_slot(mm, d.name, d.generation, deadline, self._stop, self.pool,
-                           populate=fresh)  # fmt: skip
-        claim = slots.claim(path, d.generation, deadline)
+                           capability=d.capability, populate=fresh)  # fmt: skip
+        claim = slots.claim(path, d.generation, d.capability, deadline)
         try:
             self._check(d, head)
             claim.populated_now()
@@ -215,10 +226,11 @@ class ShmReceiver:
             claim.release()
             raise
 
-    def discard_slot(self, path: Path, generation: int) -> None:
+    def discard_slot(self, path: Path, generation: int, capability: bytes) -> None:
         """Give up, unread, the sealed hand-off of ``generation`` in the reused slot at
-        ``path`` (``SlotMappings.discard``): its writer may use the slot again at once."""
-        self._slot_mappings().discard(path, generation)
+        ``path`` (``SlotMappings.discard``; only with its ``capability``): its writer may use
+        the slot again at once."""
+        self._slot_mappings().discard(path, generation, capability)
 
     def _slot_mappings(self) -> SlotMappings:
         return self.slots if self.slots is not None else SlotMappings(1)

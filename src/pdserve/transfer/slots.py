@@ -20,7 +20,9 @@ preamble, ``segment.py``; ``flock`` on the file guards the moves between writer 
      writer keeps the mapping.
   4. Claim (reader): ``SlotMappings.claim`` takes ``flock(LOCK_EX)`` and holds it until the
      release; the slot must be SEALED at the descriptor's generation, else the hand-off is
-     gone (reused after its lease, revoked, not sealed). -> CLAIMED.
+     gone (reused after its lease, revoked, not sealed), and hold the descriptor's
+     capability, else the handle is not the writer's (``CapabilityError``; a slot this reader
+     has not mapped yet is checked with a ``pread`` before it is mapped). -> CLAIMED.
   5. Read (reader): the checksums are checked on the kept mapping, and the payload's K and V
      are views over it (the engine's import is the one copy).
   6. Release (reader): once the engine imported the KV (``KVPayload.release``), the views are
@@ -45,9 +47,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.errors import CapabilityError, InvalidArgumentError, KVTransferError
 from pdserve.transfer import segment
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, SegmentState
+from pdserve.transfer.stamp import (
+    capability_matches,
+    check_capability,
+    mapped_capability,
+    read_stamp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,21 +309,46 @@ class SlotMappings:
     def num_mappings(self) -> int:
         return len(self._maps)
 
-    def mapping(self, path: Path) -> mmap.mmap:
-        """The kept mapping of the slot at ``path`` (made on first use)."""
+    def mapping(self, path: Path, generation: int, capability: bytes) -> mmap.mmap:
+        """The kept mapping of the slot at ``path``; a slot not mapped yet is mapped only
+        once it holds the hand-off of ``generation`` with ``capability``
+        (``SlotNotReservedError`` before, ``CapabilityError`` for another capability)."""
+        if path.name not in self._maps:
+            stamp = read_stamp(path)
+            if stamp is None or stamp.generation != generation:
+                raise SlotNotReservedError(f"shm slot {path.name!r} is not at the hand-off yet")
+            check_capability(stamp.capability, capability, path.name)
         return self._get(path).mm
+
+    def _verified(self, path: Path, generation: int, capability: bytes) -> _Mapping:
+        """The mapping of the slot at ``path``, made only if a ``pread`` finds the hand-off
+        of ``generation`` with ``capability`` in it (raises otherwise)."""
+        if path.name not in self._maps:
+            stamp = read_stamp(path)
+            if stamp is None:
+                raise KVTransferError(f"shm slot {path.name!r} is gone or not begun")
+            if stamp.generation != generation:
+                raise KVTransferError(
+                    f"shm slot {path.name!r} holds another hand-off now (its own expired "
+                    f"or was revoked)"
+                )
+            check_capability(stamp.capability, capability, path.name)
+        return self._get(path)
 
     def populated(self, path: Path) -> bool:
         """Whether a read went through the kept mapping of ``path`` already."""
         m = self._maps.get(path.name)
         return m is not None and m.populated
 
-    def claim(self, path: Path, generation: int, deadline: float) -> Claim:
+    def claim(self, path: Path, generation: int, capability: bytes, deadline: float) -> Claim:
         """Hold the slot at ``path`` for the hand-off of ``generation`` (step 4); waits for
         its lock until ``deadline`` (``time.monotonic``). ``KVTransferError`` if the slot is
-        gone, held, or holds another hand-off (or this one unsealed)."""
-        m = self._get(path)
+        gone, held, or holds another hand-off (or this one unsealed); ``CapabilityError`` if
+        ``capability`` is not the hand-off's."""
+        m = self._verified(path, generation, capability)
         name = path.name
+        if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
+            check_capability(mapped_capability(m.mm), capability, name)
         with self._lock:
             if m.claimed:
                 raise KVTransferError(f"shm slot {name!r} is already claimed by this reader")
@@ -327,7 +360,7 @@ class SlotMappings:
             m.claimed = False
             raise
         try:
-            _check_claimable(m.mm, generation, name)
+            _check_claimable(m.mm, generation, capability, name)
         except BaseException:
             fcntl.flock(m.fd, fcntl.LOCK_UN)
             m.claimed = False
@@ -335,13 +368,14 @@ class SlotMappings:
         segment.set_state(m.mm, SegmentState.CLAIMED)
         return claim
 
-    def discard(self, path: Path, generation: int) -> bool:
-        """Free the hand-off of ``generation`` if it is sealed and nobody claimed it: its
-        reader gives it up unread (a refused request, a failed follow-read). True if it did;
-        anything else (gone, claimed, being written, another hand-off) is left as it is."""
+    def discard(self, path: Path, generation: int, capability: bytes) -> bool:
+        """Free the hand-off of ``generation`` if it is sealed, nobody claimed it and it has
+        ``capability``: its reader gives it up unread (a refused request, a failed
+        follow-read). True if it did; anything else (gone, claimed, being written, another
+        hand-off or capability) is left as it is."""
         try:
-            m = self._get(path)
-        except KVTransferError:
+            m = self._verified(path, generation, capability)
+        except (KVTransferError, CapabilityError):  # gone, moved on, or not this handle's
             return False
         with self._lock:
             if m.claimed:  # this process holds it: its payload's release frees it
@@ -352,7 +386,8 @@ class SlotMappings:
                 return False
             try:
                 sealed = segment.mapped_state(m.mm) is SegmentState.SEALED
-                if sealed and segment.mapped_generation(m.mm) == generation:
+                mine = capability_matches(mapped_capability(m.mm), capability)
+                if sealed and mine and segment.mapped_generation(m.mm) == generation:
                     segment.set_state(m.mm, SegmentState.FREE)
                     return True
                 return False
@@ -425,12 +460,13 @@ def _lock(fd: int, deadline: float, name: str) -> None:
         delay = min(2 * delay, _LOCK_WAIT_MAX_S)
 
 
-def _check_claimable(mm: mmap.mmap, generation: int, name: str) -> None:
+def _check_claimable(mm: mmap.mmap, generation: int, capability: bytes, name: str) -> None:
     state, current = segment.mapped_state(mm), segment.mapped_generation(mm)
     if current != generation:
         raise KVTransferError(
             f"shm slot {name!r} holds another hand-off now (its own expired or was revoked)"
         )
+    check_capability(mapped_capability(mm), capability, name)
     if state is SegmentState.SEALED:
         return
     if state is SegmentState.WRITING:

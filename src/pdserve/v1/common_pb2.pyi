@@ -184,13 +184,14 @@ class RecomputeLocation(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "store", "direct", "shm", "engine_native", "recompute")
+    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "capability", "store", "direct", "shm", "engine_native", "recompute")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
@@ -202,9 +203,10 @@ class KVHandle(_message.Message):
     model_fingerprint: str
     checksum: int
     prefix_tokens: int
+    capability: bytes
     store: StoreLocation
     direct: DirectLocation
     shm: ShmLocation
     engine_native: EngineNativeLocation
     recompute: RecomputeLocation
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., engine_native: _Optional[_Union[EngineNativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., engine_native: _Optional[_Union[EngineNativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...

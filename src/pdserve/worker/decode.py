@@ -54,6 +54,7 @@ from pdserve.errors import (
 )
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
 from pdserve.transfer.slots import SlotMappings
@@ -96,7 +97,8 @@ class DecodeWorker:
 
     ``inbox``: this worker's own KVStore endpoint, served on ``address``, into which prefill
     workers stream ``direct`` hand-offs. ``transfer_timeout_s``: bound on each receive (0: from
-    the payload's size and the bandwidth measured so far).
+    the payload's size and the bandwidth measured so far). ``security``: TLS and the internal
+    token of the calls to KV stores.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DecodeWorker:
         address: str = "",
         host: str | None = None,
         transfer_timeout_s: float = 0.0,
+        security: SecurityOptions = INSECURE,
     ) -> None:
         if not transfer_timeout_s >= 0:
             raise InvalidArgumentError(
@@ -119,6 +122,7 @@ class DecodeWorker:
         self.address = address
         self.host = host or socket.gethostname()
         self.transfer_timeout_s = transfer_timeout_s
+        self.security = security
         self.links = LinkModel(self.host)
         self.fingerprint = kv_fingerprint(engine.layout)
         self.prefetches = Prefetches()
@@ -144,7 +148,9 @@ class DecodeWorker:
     def _store(self, address: str) -> KVStoreClient:
         client = self._stores.get(address)
         if client is None:
-            client = self._stores[address] = KVStoreClient(address, timeout_s=self.store_timeout_s)
+            client = self._stores[address] = KVStoreClient(
+                address, timeout_s=self.store_timeout_s, security=self.security
+            )
         return client
 
     def _inbound(self, kv: KVLocation, *, follow: bool = False) -> Inbound | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.worker.announce import Announce
@@ -15,15 +16,16 @@ from pdserve.worker.protocol import handle_to_proto
 class DecodeStubs:
     """``Decode`` stubs by decode worker address, for announcements."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: SecurityOptions = INSECURE) -> None:
+        self.security = security
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def announcer(self, address: str) -> Announce:
         channel = self._channels.get(address)
         if channel is None:
             interceptors = tracing.client_interceptors()
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, interceptors=list(interceptors) or None
+            channel = self._channels[address] = self.security.aio_channel(
+                address, interceptors=list(interceptors)
             )
         stub = decode_pb2_grpc.DecodeStub(channel)
 

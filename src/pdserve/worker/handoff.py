@@ -2,21 +2,26 @@
 
 ``KVLocation`` is the worker's side of ``pdserve.v1.KVHandle`` (one of its ``location``s);
 ``TransferRecord`` is one hand-off measured on both sides (``pdserve.v1.TransferTiming``).
+
+Every hand-off carries a capability, 16 random bytes (``transfer.stamp``): a store or direct
+entry's key ends with their hex (``store_key``), so naming the entry takes knowing them, and an
+shm segment holds them. Only the prefill worker that wrote the KV and whoever it answered
+(the router, then the decode worker) know them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.transfer.base import TransferDescriptor, TransferStats, TransportKind
 
 STORE_KEY_PREFIX = "kv/"
 
 
-def store_key(request_id: str) -> str:
-    """The KV store key of a request's prompt KV."""
-    return f"{STORE_KEY_PREFIX}{request_id}"
+def store_key(request_id: str, capability: bytes) -> str:
+    """The KV store key of a request's prompt KV: ``kv/{request_id}/{capability hex}``."""
+    return f"{STORE_KEY_PREFIX}{request_id}/{capability.hex()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +51,24 @@ class KVLocation:
     prefix_tokens: int = 0
     """Leading prompt tokens left out of the payload: the decode worker's prefix cache holds
     them (``prefix.DecodePrefix``). ``prefix_tokens + num_tokens`` is the prompt length."""
+    capability: bytes = field(default=b"", repr=False)
+    """The hand-off's capability (module docstring); recompute: that of the hand-off that
+    fell back, if one began (it lets the decode worker drop that hand-off's prefetch)."""
 
     @classmethod
     def recompute(
-        cls, request_id: str, num_tokens: int, fingerprint: str, reason: str
+        cls,
+        request_id: str,
+        num_tokens: int,
+        fingerprint: str,
+        reason: str,
+        capability: bytes = b"",
     ) -> KVLocation:
         """Nothing moved: the decode worker prefills the prompt itself."""
-        return cls(TransportKind.RECOMPUTE, request_id, num_tokens, 0, fingerprint, reason=reason)
+        return cls(
+            TransportKind.RECOMPUTE, request_id, num_tokens, 0, fingerprint, reason=reason,
+            capability=capability,
+        )  # fmt: skip
 
     @classmethod
     def of(cls, d: TransferDescriptor, fingerprint: str) -> KVLocation:
@@ -61,11 +77,12 @@ class KVLocation:
             return cls(
                 d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint,
                 key=d.name, host=d.host, offset=d.offset, length=d.length,
-                generation=d.generation,
+                generation=d.generation, capability=d.capability,
             )  # fmt: skip
         return cls(
-            d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint, address=d.host, key=d.name
-        )
+            d.kind, d.request_id, d.num_tokens, d.num_bytes, fingerprint, address=d.host,
+            key=d.name, capability=d.capability,
+        )  # fmt: skip
 
     def descriptor(self) -> TransferDescriptor:
         """The receiver's view (no layout or checksums: the data describes itself)."""
@@ -73,11 +90,11 @@ class KVLocation:
             return TransferDescriptor(
                 self.kind, self.request_id, self.num_tokens, self.num_bytes, "",
                 name=self.key, host=self.host, offset=self.offset, length=self.length,
-                generation=self.generation,
+                generation=self.generation, capability=self.capability,
             )  # fmt: skip
         return TransferDescriptor(
             self.kind, self.request_id, self.num_tokens, self.num_bytes, "",
-            name=self.key, host=self.address,
+            name=self.key, host=self.address, capability=self.capability,
         )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from pdserve.kvstore.store import KVStore, StoredPayload
 from pdserve.transfer.base import TransferState, TransferStats, TransportKind, advance
 from pdserve.transfer.janitor import parse_owner_pid
 from pdserve.transfer.shm import ShmReceiver
+from pdserve.transfer.stamp import holds_capability
 from pdserve.transfer.stream import StreamHeader
 from pdserve.worker.frames import FrameCollector, read_header
 from pdserve.worker.handoff import KVLocation
@@ -189,8 +190,8 @@ class ShmInbound(_Timed):
     """``shm``: ``ShmReceiver`` behind the ``Inbound`` interface (it unlinks what it read).
 
     ``discard`` before any ``receive`` (the request was refused) unlinks the segment too, if
-    its name is one of pdserve's segments and it lies on this host (a reused slot: frees the
-    hand-off in it, ``ShmReceiver.discard_slot``).
+    its name is one of pdserve's segments, it lies on this host and it holds the handle's
+    capability (a reused slot: frees the hand-off in it, ``ShmReceiver.discard_slot``).
     """
 
     def __init__(self, receiver: ShmReceiver, location: KVLocation) -> None:
@@ -216,7 +217,9 @@ class ShmInbound(_Timed):
         if parse_owner_pid(name) is None or "/" in name:
             return  # not a pdserve segment name: never unlink what came off the network
         path = self.receiver.shm_dir / name
+        capability = self.location.capability
         if self.location.generation:  # a reused slot: its writer's; free this hand-off
-            self.receiver.discard_slot(path, self.location.generation)
+            self.receiver.discard_slot(path, self.location.generation, capability)
             return
-        path.unlink(missing_ok=True)
+        if holds_capability(path, capability):  # a guessed name unlinks nothing
+            path.unlink(missing_ok=True)

@@ -16,6 +16,12 @@ from typing import Any
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
+from pdserve.security.options import (
+    INSECURE,
+    SecurityOptions,
+    add_security_args,
+    security_from_args,
+)
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.outbound import SendFaults
@@ -99,6 +105,8 @@ class WorkerOptions:
     """A sealed shm segment nobody read for this long is unlinked (its owner alive)."""
     faults: tuple[str, ...] = ()
     """Fault injection for fault tests (``--fault``); empty in production."""
+    security: SecurityOptions = INSECURE
+    """TLS, the internal credential and reflection (``pdserve.security``)."""
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -291,6 +299,7 @@ def worker_parser(
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
     # Fault injection, for fault tests only: corrupt[@PREFIX] or stall:N[@PREFIX], repeatable.
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
+    add_security_args(p, env)
     return p
 
 
@@ -320,8 +329,11 @@ def _int(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def options_from_args(args: argparse.Namespace) -> WorkerOptions:
-    """Check the parsed flags and bundle them; ``InvalidArgumentError`` names the flag."""
+def options_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> WorkerOptions:
+    """Check the parsed flags and bundle them; ``InvalidArgumentError`` names the flag.
+    ``env``: where the internal token may come from (``PDSERVE_INTERNAL_TOKEN``)."""
     if args.model is None:
         raise InvalidArgumentError("--model", "a checkpoint directory is required")
     role = WorkerRole(args.role)
@@ -382,4 +394,5 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         janitor_interval_s=args.janitor_interval_s,
         janitor_max_age_s=args.janitor_max_age_s,
         faults=tuple(args.fault),
+        security=security_from_args(args, env or {}),
     )

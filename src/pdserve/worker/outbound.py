@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor, Future
@@ -46,6 +47,7 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.shm import ShmSender
+from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream import StreamHeader, check_layer, missing_layers
 from pdserve.worker.frames import LayerCopy, frame_bytes, stream_bytes
 from pdserve.worker.handoff import store_key
@@ -133,6 +135,8 @@ class StreamSender:
         self.state = TransferState.PENDING
         self.stats = TransferStats(kind)
         self.key = ""
+        self.capability = b""
+        """The hand-off's capability (``handoff.store_key``), chosen by ``begin``."""
         self._header: StreamHeader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sealer = sealer
@@ -160,7 +164,8 @@ class StreamSender:
         self.state = advance(self.state, TransferState.SENDING)
         self._loop = asyncio.get_running_loop()
         self._header = header = StreamHeader(request_id, layout, num_tokens, self.compression)
-        self.key = store_key(request_id)
+        self.capability = secrets.token_bytes(CAPABILITY_BYTES)
+        self.key = store_key(request_id, self.capability)
         self.stats.num_bytes = stream_bytes(header)
         self._inline = (
             self.compression is Compression.NONE
@@ -261,6 +266,7 @@ class StreamSender:
             host=self.client.address,
             layout=h.layout,
             compression=self.compression.value,
+            capability=self.capability,
         )
 
     def _finish(self) -> TransferDescriptor:

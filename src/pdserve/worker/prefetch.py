@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -70,8 +71,13 @@ class Prefetch:
         """Past its read's bound, or ended and not taken within ``TAKE_GRACE_S``."""
         return now >= self.expires_at or (self.done_at > 0 and now >= self.done_at + TAKE_GRACE_S)
 
+    def proven_by(self, location: KVLocation) -> bool:
+        """Whether ``location`` carries this hand-off's capability (constant-time): only its
+        holder may take or drop the read."""
+        return hmac.compare_digest(self.location.capability, location.capability)
+
     def matches(self, location: KVLocation) -> bool:
-        return _where(self.location) == _where(location)
+        return _where(self.location) == _where(location) and self.proven_by(location)
 
     async def stop(self) -> None:
         """Cancel the read and wait for it, leaving the transport's copy where it is."""
@@ -88,7 +94,7 @@ class Prefetch:
 
 def _where(kv: KVLocation) -> tuple[object, ...]:
     """What names a hand-off's data (its prefix split aside)."""
-    return (kv.kind, kv.key, kv.address, kv.host, kv.num_tokens)
+    return (kv.kind, kv.key, kv.address, kv.host, kv.num_tokens, kv.generation)
 
 
 class Prefetches:
@@ -118,10 +124,13 @@ class Prefetches:
 
     async def take(self, location: KVLocation) -> Prefetch | None:
         """The prefetch of ``location``'s request if it read that very location; one that
-        read somewhere else is dropped (and None returned)."""
-        prefetch = self._pending.pop(location.request_id, None)
-        if prefetch is None:
+        read somewhere else is dropped (and None returned). A location without the hand-off's
+        capability (not the writer's handle, nor its recompute fallback) leaves the read
+        alone: a stranger naming the request id neither takes nor drops it."""
+        prefetch = self._pending.get(location.request_id)
+        if prefetch is None or not prefetch.proven_by(location):
             return None
+        del self._pending[location.request_id]
         if prefetch.matches(location):
             return prefetch
         await prefetch.drop()

@@ -2,7 +2,9 @@
 
 Per request:
   1. Check the request against the model (the full ``max_tokens`` included, so that a request
-     the decode side would refuse fails here, before any compute).
+     the decode side would refuse fails here, before any compute), and the decode worker it
+     names against its reservation (``assignment.AssignedDecode``): an address the scheduler
+     did not assign is not used (the KV then goes through the KV store).
   2. Choose the transport (``placement.TransportChooser``: forced, or shm on the decode
      worker's host, else direct/store, or recompute) and ``begin`` it: the shm segment or the
      Put stream exists before the engine starts. Before that, ask the decode worker which
@@ -44,6 +46,7 @@ from pdserve.transfer.shm import ShmSender
 from pdserve.transfer.slots import SlotPool, slot_budget
 from pdserve.worker import decode_prefix
 from pdserve.worker.announce import Announced, Announcers
+from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
@@ -116,9 +119,12 @@ class PrefillWorker:
         options: TransferOptions | None = None,
         prefix: PrefixReuse | None = None,
         announcers: Announcers | None = None,
+        assignments: AssignedDecode | None = None,
     ) -> None:
         """``announcers``: tell decode workers of layer-wise store/shm hand-offs as they
-        begin (``worker.announce``); None: they read them at the Decode call."""
+        begin (``worker.announce``); None: they read them at the Decode call.
+        ``assignments``: use a decode address only if the request's reservation holds it
+        (``worker.assignment``); None (no scheduler): any address is used."""
         if not lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {lease_s}")
         self.engine = engine
@@ -130,6 +136,7 @@ class PrefillWorker:
         self.fingerprint = kv_fingerprint(engine.layout)
         self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
         self.announcers = announcers
+        self.assignments = assignments
         # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
         # sealed segments off the request's path.
         self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
@@ -146,6 +153,8 @@ class PrefillWorker:
             await self.prefix.close()
         if self.announcers is not None:
             await self.announcers.close()
+        if self.assignments is not None:
+            await self.assignments.close()
         self._shm_pool.shutdown(wait=True)
         self._shm_closer.shutdown(wait=True)
         if self._shm_slots is not None:
@@ -159,7 +168,7 @@ class PrefillWorker:
         client = self._endpoints.get(address)
         if client is None:
             client = self._endpoints[address] = KVStoreClient(
-                address, timeout_s=self.store.timeout_s
+                address, timeout_s=self.store.timeout_s, security=self.store.security
             )
         return client
 
@@ -207,6 +216,14 @@ class PrefillWorker:
         transport: str = "",
     ) -> PrefillResult:
         check_request(self.engine, request_id, prompt_ids, params)
+        if decode_address and self.assignments is not None:
+            refusal = await self.assignments.refusal(reservation_id, decode_address)
+            if refusal is not None:
+                logger.warning(
+                    "%s: decode address %s not used (%s); the KV goes through the store",
+                    request_id, decode_address, refusal,
+                )  # fmt: skip
+                decode_address = ""
         forced = parse_transport(transport)
         kind = self.chooser.choose(
             len(prompt_ids),
@@ -354,7 +371,11 @@ class PrefillWorker:
                 compression=compression,
                 layerwise=self.options.layerwise,
             ).replace(fallback_reason=str(err))
-            location = KVLocation.recompute(request_id, n, self.fingerprint, str(err))
+            # The capability of the hand-off that fell back: a decode worker that began to
+            # read it early (a prefetch) may drop that read at once (``prefetch.take``).
+            location = KVLocation.recompute(
+                request_id, n, self.fingerprint, str(err), out.planned().capability
+            )
             return _Sent(location, record)
         record = TransferRecord.sent(
             out.stats,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.transfer.base import TransportKind
+from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.delta import DecodeDelta, StreamTiming
 from pdserve.worker.handoff import KVLocation, TransferRecord
@@ -31,6 +32,7 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
         num_bytes=kv.num_bytes,
         model_fingerprint=kv.model_fingerprint,
         prefix_tokens=kv.prefix_tokens,
+        capability=kv.capability,
     )
     if kv.kind is TransportKind.STORE:
         handle.store.CopyFrom(common_pb2.StoreLocation(address=kv.address, key=kv.key))
@@ -51,8 +53,18 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
     return handle
 
 
+def _capability(handle: common_pb2.KVHandle, required: bool) -> bytes:
+    cap = bytes(handle.capability)
+    if (required or cap) and len(cap) != CAPABILITY_BYTES:
+        raise InvalidArgumentError(
+            "kv.capability", f"must be {CAPABILITY_BYTES} bytes, got {len(cap)}"
+        )
+    return cap
+
+
 def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
-    """The location of a handle; ``InvalidArgumentError`` names a missing or empty field."""
+    """The location of a handle; ``InvalidArgumentError`` names a missing or empty field (a
+    handle of moved KV must carry its 16-byte capability)."""
     where = handle.WhichOneof("location")
     common = (handle.request_id, handle.num_tokens, handle.num_bytes, handle.model_fingerprint)
     skip = handle.prefix_tokens
@@ -61,7 +73,10 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
         if not loc.key:
             raise InvalidArgumentError(f"kv.{where}.key", "must not be empty")
         kind = TransportKind.STORE if where == "store" else TransportKind.DIRECT
-        return KVLocation(kind, *common, address=loc.address, key=loc.key, prefix_tokens=skip)
+        return KVLocation(
+            kind, *common, address=loc.address, key=loc.key, prefix_tokens=skip,
+            capability=_capability(handle, True),
+        )  # fmt: skip
     if where == "shm":
         shm = handle.shm
         if not shm.name:
@@ -69,9 +84,13 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
         return KVLocation(
             TransportKind.SHM, *common, key=shm.name, host=shm.host, offset=shm.offset,
             length=shm.length, generation=shm.generation, prefix_tokens=skip,
+            capability=_capability(handle, True),
         )  # fmt: skip
     if where == "recompute":
-        return KVLocation(TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason)
+        return KVLocation(
+            TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason,
+            capability=_capability(handle, False),
+        )  # fmt: skip
     raise InvalidArgumentError(
         "kv.location",
         f"must be store, direct, shm or recompute; this worker cannot read {where or 'none'}",

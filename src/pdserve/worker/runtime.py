@@ -3,8 +3,8 @@
 ``load_engine`` loads the model, gates its steps with the host lease when one is configured,
 and starts the engine thread. ``run_worker`` then:
 
-1. builds the gRPC server (the role's servicers + health + reflection + error mapping) and
-   starts it; health says SERVING;
+1. builds the gRPC server (the role's servicers + health + error mapping, behind the internal
+   credential check and TLS of ``options.security``) and starts it; health says SERVING;
 2. starts heartbeats into Redis (when a Redis URL is configured), the shm janitor (once at
    once, then every ``janitor_interval_s``: segments of dead writers, or older than
    ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
@@ -28,6 +28,7 @@ from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
+from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
@@ -61,8 +62,9 @@ def prefill_worker(
     store: KVStoreClient,
     telemetry: WorkerTelemetry | None = None,
 ) -> PrefillWorker:
-    """The prefill worker these options describe (hand-off settings, prefix reuse); it traces
-    its stages and counts its transfers into ``telemetry``."""
+    """The prefill worker these options describe (hand-off settings, prefix reuse; with Redis,
+    decode addresses checked against reservations); it traces its stages and counts its
+    transfers into ``telemetry``."""
     prefix = (
         PrefixReuse(
             store,
@@ -80,7 +82,12 @@ def prefill_worker(
         host=options.host_name,
         options=options.transfer_options(),
         prefix=prefix,
-        announcers=DecodeStubs() if options.kv_prefetch else None,
+        announcers=DecodeStubs(options.security) if options.kv_prefetch else None,
+        assignments=(
+            AssignedDecode(connect(options.redis_url), KeySpace(options.namespace))
+            if options.redis_url
+            else None
+        ),
         telemetry=telemetry,
     )
 
@@ -126,7 +133,10 @@ async def run_worker(
         port=options.port,
         host=options.host,
         interceptors=telemetry.server_interceptors() if telemetry is not None else (),
+        security=options.security,
+        auth=options.security.internal_auth(),
     )
+    options.security.warn_if_open(f"{options.role.value} worker", options.host)
     if on_bound is not None:
         on_bound(options.address(port))
     identity = WorkerIdentity(

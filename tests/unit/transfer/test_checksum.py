@@ -275,7 +275,9 @@ def test_received_views_are_private_and_outlive_the_segment(shm_prefix: str) -> 
 def test_a_failed_mapping_fails_the_send_and_leaves_nothing(
     shm_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def refuse(fd: int, header: bytes, geom: segment.SegmentGeometry) -> mmap.mmap:
+    def refuse(
+        fd: int, header: bytes, geom: segment.SegmentGeometry, capability: bytes
+    ) -> mmap.mmap:
         os.close(fd)
         raise OSError("no mapping today")
 

@@ -85,7 +85,9 @@ def test_unsealed_segment_is_left_to_its_writer(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 4)
     sender = ShmSender(prefix=shm_prefix)
     sender.begin("r", payload.layout, 4)
-    early = TransferDescriptor(sender.kind, "r", 4, 0, "", name=sender.name)
+    early = TransferDescriptor(
+        sender.kind, "r", 4, 0, "", name=sender.name, capability=sender.capability
+    )
     with pytest.raises(KVTransferError, match="not sealed"):
         asyncio.run(ShmReceiver().receive(early, timeout_s=5.0))
     assert leftovers(shm_prefix) == [sender.name]
@@ -142,7 +144,7 @@ def test_read_honours_the_deadline(shm_prefix: str) -> None:
     desc, _ = sealed(shm_prefix)
     fd = os.open(SHM_DIR / desc.name, os.O_RDONLY)
     try:
-        head = segment.read_header(fd, 0, desc.name)
+        head = segment.read_header(fd, 0, desc.name, desc.capability)
         with pytest.raises(KVTransferError, match="timed out at layer 0"):
             segment.read_payload(fd, 0, head, head.checksums, deadline=0.0)
     finally:

@@ -18,6 +18,7 @@ from pdserve.transfer import checksum, segment, shm
 from pdserve.transfer.base import TransferDescriptor, TransferState, TransportKind, default_registry
 from pdserve.transfer.janitor import SHM_DIR
 from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.stamp import CAPABILITY_OFFSET, HEADER_OFFSET
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
@@ -73,7 +74,14 @@ def test_one_thread_and_two_write_the_same_segment(shm_prefix: str, pool: Counti
         for k, v in zip(payload.keys, payload.values, strict=True)
     )
     assert alone.layer_checksums == paired.layer_checksums == expected
-    on_disk = [(SHM_DIR / d.name).read_bytes() for d in (alone, paired)]
+    # Byte for byte the same, but for each hand-off's own random capability.
+    on_disk = [bytearray((SHM_DIR / d.name).read_bytes()) for d in (alone, paired)]
+    assert [bytes(b[CAPABILITY_OFFSET:HEADER_OFFSET]) for b in on_disk] == [
+        alone.capability,
+        paired.capability,
+    ]
+    for b in on_disk:
+        b[CAPABILITY_OFFSET:HEADER_OFFSET] = bytes(HEADER_OFFSET - CAPABILITY_OFFSET)
     assert on_disk[0] == on_disk[1]
     for desc in (alone, paired):
         receiver = ShmReceiver(pool=pool, inline_bytes=0)  # in a worker thread, with the pool
@@ -93,7 +101,7 @@ def test_a_flipped_byte_in_k_or_v_fails_its_layer(
     path = SHM_DIR / desc.name
     fd = os.open(path, os.O_RDONLY)
     try:
-        geom = segment.read_header(fd, 0, desc.name).geom
+        geom = segment.read_header(fd, 0, desc.name, desc.capability).geom
     finally:
         os.close(fd)
     # A byte inside layer 1's K (its 5th) or V (the 5th of its second half).
@@ -143,7 +151,7 @@ def test_the_deadline_holds_on_both_threads(shm_prefix: str, pool: CountingPool)
     desc = send(shm_prefix, random_payload(make_layout(num_layers=3), 6), pool, "r")
     fd = os.open(SHM_DIR / desc.name, os.O_RDONLY)
     try:
-        head = segment.read_header(fd, 0, desc.name)
+        head = segment.read_header(fd, 0, desc.name, desc.capability)
         with pytest.raises(KVTransferError, match="timed out at layer 0") as err:
             segment.read_payload(fd, 0, head, head.checksums, deadline=0.0, pool=pool)
         # The pool's half timed out as well, and says so rather than vanishing.

@@ -190,7 +190,9 @@ READER = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     from pdserve.transfer.slots import SlotMappings
-    claim = SlotMappings().claim(Path(sys.argv[1]), int(sys.argv[2]), time.monotonic() + 10)
+    claim = SlotMappings().claim(
+        Path(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3]), time.monotonic() + 10
+    )
     print("claimed", flush=True)
     time.sleep(60)  # killed here, holding the claim
     """
@@ -202,7 +204,7 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
     assert d is not None
     path = SHM_DIR / d.name
     proc = subprocess.Popen(
-        [sys.executable, "-c", READER, str(path), str(d.generation)],
+        [sys.executable, "-c", READER, str(path), str(d.generation), d.capability.hex()],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3],
     )  # fmt: skip
     try:
@@ -277,7 +279,7 @@ def test_closing_and_the_janitor_leave_nothing(shm_prefix: str, maps: SlotMappin
     maps.sweep()
     assert maps.num_mappings == 0  # ... until its periodic sweep
     with pytest.raises(KVTransferError, match="gone"):
-        maps.claim(SHM_DIR / d.name, d.generation, time.monotonic() + 1)
+        maps.claim(SHM_DIR / d.name, d.generation, d.capability, time.monotonic() + 1)
 
 
 def test_capacity_rounds_up_by_at_most_an_eighth() -> None:
@@ -322,16 +324,16 @@ def test_a_hand_off_given_up_unread_is_freed(pool: SlotPool, maps: SlotMappings)
     _, d, _ = send(pool, "r")
     assert d is not None
     path = SHM_DIR / d.name
-    assert not maps.discard(path, d.generation + 1)  # not this hand-off: left alone
+    assert not maps.discard(path, d.generation + 1, d.capability)  # not this hand-off
     assert state(pool) is SegmentState.SEALED
-    assert maps.discard(path, d.generation)
+    assert maps.discard(path, d.generation, d.capability)
     assert state(pool) is SegmentState.FREE
     with pytest.raises(KVTransferError, match="read already"):
         receive(maps, d)
     _, d2, _ = send(pool, "r2", seed=1)
     assert d2 is not None and d2.name == d.name
     got = receive(maps, d2)
-    assert not maps.discard(path, d2.generation)  # claimed here: its release frees it
+    assert not maps.discard(path, d2.generation, d2.capability)  # claimed: release frees it
     assert state(pool) is SegmentState.CLAIMED
     got.release()
 
@@ -365,9 +367,9 @@ def test_a_follower_waits_for_a_new_slot_to_be_reserved(
     found_empty = threading.Event()
     mapping, reserve = maps.mapping, segment.map_for_writing
 
-    def watched(path: Path) -> mmap.mmap:
+    def watched(path: Path, generation: int, capability: bytes) -> mmap.mmap:
         try:
-            return mapping(path)
+            return mapping(path, generation, capability)
         except SlotNotReservedError:
             found_empty.set()
             raise

@@ -1,0 +1,69 @@
+"""``pdserve up``'s security: its flags, the insecure-mode warning, and how its greeting tells
+a user to reach a secured cluster (``pdserve.launcher`` runs the cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Protocol
+
+from pdserve.scheduling.registry import redacted
+from pdserve.security.certs import ClusterCerts
+
+INSECURE_WARNING = (
+    "warning: insecure local mode: plaintext gRPC, internal services open to any local "
+    "process (listening on 127.0.0.1 only; pdserve up --tls DIR --api-keys FILE secures it, "
+    "see docs/security.md)"
+)
+"""The one line ``pdserve up`` prints when started without ``--tls``."""
+
+
+class SecuredCluster(Protocol):
+    """What the greeting reads of a ``launcher.Cluster``."""
+
+    @property
+    def certs(self) -> ClusterCerts | None: ...
+
+    router_client_auth: bool
+    api_keys: Path | None
+    redis_url: str | None
+    log_dir: Path | None
+
+
+def add_up_security_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("security (docs/security.md; default: the insecure local mode)")
+    s.add_argument("--tls", type=Path, metavar="DIR",
+                   help="run secured with the certificates and token of 'pdserve certs DIR' "
+                   "(made if missing): TLS, mutual TLS and a token between services, a "
+                   "password on the embedded Redis")  # fmt: skip
+    s.add_argument("--router-client-auth", action="store_true",
+                   help="with --tls: the router demands client certificates too")  # fmt: skip
+    s.add_argument("--api-keys", type=Path, metavar="FILE",
+                   help="API keys -> tenants (and quotas): the router demands a key")  # fmt: skip
+
+
+def how_to_call(cluster: SecuredCluster, address: str) -> str:
+    """The lines of ``pdserve up``'s greeting that show how to reach the cluster. A Redis
+    password is written to ``LOG_DIR/redis-url`` (mode 0600), never to the terminal."""
+    flags = ""
+    certs = cluster.certs
+    if certs is not None:
+        flags += f" --tls-ca {certs.ca}"
+        if cluster.router_client_auth:
+            flags += f" --tls-cert {certs.client_cert} --tls-key {certs.client_key}"
+    if cluster.api_keys is not None:
+        flags += " --api-key $PDSERVE_API_KEY"
+    redis_url = cluster.redis_url or ""
+    status = f"pdserve status --redis-url {redis_url}"
+    if redacted(redis_url) != redis_url and cluster.log_dir is not None:
+        secret = cluster.log_dir / "redis-url"
+        if not secret.exists():
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(redis_url + "\n")
+        status = f'pdserve status --redis-url "$(cat {secret})"'
+    return (
+        f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32{flags}\n'
+        f"  {status}"
+    )
