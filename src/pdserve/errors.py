@@ -67,3 +67,10 @@ class KVTransferError(PdServeError):
     """A KV hand-off timed out, broke or failed its checksum."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class RequestFailedError(PdServeError):
+    """The engine could not go on with one request: its step failed (a forward pass that
+    raised, logits that were not finite). The engine and its other requests carry on."""
+
+    grpc_code = "INTERNAL"
