@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.engine import EngineStats
 from pdserve.worker import observability as obs
+from pdserve.worker.async_engine import EngineSnapshot
 from pdserve.worker.timing import RequestTiming
 
 
@@ -173,9 +174,13 @@ def test_a_request_that_never_ran_has_no_stages(provider: TracerProvider) -> Non
 class _Engine:
     def __init__(self) -> None:
         self.waiting, self.free = 3, 40
+        self.failed_steps, self.failed_requests = 0, 0
 
     def stats(self) -> EngineStats:
         return EngineStats(64, self.free, 16, 1, self.waiting, 0, 0, 0, 0, 0)
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.stats(), (), 0, self.failed_steps, self.failed_requests)
 
 
 class _Heartbeat:
@@ -204,10 +209,17 @@ def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
     assert ("pdserve_redis_errors_total", (("operation", "heartbeat"),)) not in first
     # Two failures happened before the watch began; three since.
     engine.waiting, engine.free, heartbeat.errors = 0, 64, 5
+    engine.failed_steps, engine.failed_requests = 2, 5
     second = _samples(telemetry)
     assert second[("pdserve_queue_depth", (("role", "decode"),))] == 0
     assert second[("pdserve_kv_blocks_free", (("role", "decode"),))] == 64
     assert second[("pdserve_redis_errors_total", (("operation", "heartbeat"),))] == 3
+    assert second[("pdserve_engine_failures_total", (("kind", "step"),))] == 2
+    assert second[("pdserve_engine_failures_total", (("kind", "request"),))] == 5
+    engine.failed_requests = 6  # counted once, then only what is new
+    third = _samples(telemetry)
+    assert third[("pdserve_engine_failures_total", (("kind", "step"),))] == 2
+    assert third[("pdserve_engine_failures_total", (("kind", "request"),))] == 6
 
 
 def test_transfers_count_bytes_and_seconds_of_their_own_window() -> None:

@@ -34,11 +34,12 @@ TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
 SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
+ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
-    SCHEDULER_CONFLICTS, REDIS_ERRORS,
+    SCHEDULER_CONFLICTS, REDIS_ERRORS, ENGINE_FAILURES,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -50,6 +51,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 TRANSFER_DIRECTIONS = ("send", "recv")
+ENGINE_FAILURE_KINDS = ("step", "request")
 
 
 def _label(field: str, value: str) -> str:
@@ -139,6 +141,12 @@ class WorkerMetrics:
         self._redis_errors = Counter(
             REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
         )
+        self._engine_failures = Counter(
+            ENGINE_FAILURES,
+            "Engine steps that failed some of their requests, and the requests they failed.",
+            ["kind"],
+            registry=r,
+        )
 
     def set_queue_depth(self, depth: int, *, role: str | None = None) -> None:
         """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""
@@ -162,6 +170,12 @@ class WorkerMetrics:
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+    def count_engine_failures(self, kind: str, n: int = 1) -> None:
+        """Engine steps (``kind="step"``) or requests (``"request"``) that failed, ``n`` more."""
+        if kind not in ENGINE_FAILURE_KINDS:
+            raise InvalidArgumentError("kind", f"must be one of {ENGINE_FAILURE_KINDS}")
+        self._engine_failures.labels(kind=kind).inc(_non_negative("n", n))
 
 
 class SchedulerMetrics:

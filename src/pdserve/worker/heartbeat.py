@@ -61,7 +61,9 @@ class WorkerHeartbeat:
     """Publishes ``worker_info`` of one AsyncEngine through a ``Heartbeater``.
 
     ``start()`` begins beating, ``mark_draining()`` flags the worker as taking no new work
-    from the next beat on, ``stop()`` ends the beats and deletes the worker's key.
+    from the next beat on, ``stop()`` ends the beats and deletes the worker's key. A worker
+    whose engine failed for good (``EngineSnapshot.failed``) says ``draining`` too: the
+    scheduler places nothing on it.
     """
 
     def __init__(
@@ -79,7 +81,8 @@ class WorkerHeartbeat:
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
-        return worker_info(self.identity, self.engine.snapshot(), draining=self.draining)
+        snapshot = self.engine.snapshot()
+        return worker_info(self.identity, snapshot, draining=self.draining or snapshot.failed)
 
     @property
     def errors(self) -> int:
