@@ -16,11 +16,12 @@ from pdserve.client.errors import (
     ServerError,
     Unavailable,
 )
-from pdserve.client.request import RequestOptions, RetryPolicy
+from pdserve.client.request import DEFAULT_TIMEOUT_S, RequestOptions, RetryPolicy
 from pdserve.client.results import Completion, Delta, Timing, Usage
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "AsyncClient",
     "AsyncCompletionStream",
     "Cancelled",

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pdserve.client.client import Client
 from pdserve.client.errors import PdServeClientError
+from pdserve.client.request import DEFAULT_TIMEOUT_S
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -23,7 +24,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"deadline, seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none)")  # fmt: skip
     p.add_argument("--tenant", default=None)
     p.add_argument("--stats", action="store_true", help="print usage and timing at the end")
     return p
@@ -32,7 +34,8 @@ def generate_parser() -> argparse.ArgumentParser:
 def main_generate(argv: Sequence[str]) -> int:
     """Entry of ``pdserve generate``; returns the exit status."""
     args = generate_parser().parse_args(list(argv))
-    with Client(args.router, timeout=args.timeout, tenant=args.tenant) as client:
+    timeout = args.timeout if args.timeout > 0 else None
+    with Client(args.router, timeout=timeout, tenant=args.tenant) as client:
         try:
             with client.stream(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -12,6 +12,10 @@
 Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
 all ``PdServeClientError``), each with the gRPC ``code`` and ``message``. UNAVAILABLE is retried
 (bounded, with backoff) as long as no token has arrived.
+
+Every call has a deadline: ``DEFAULT_TIMEOUT_S`` (60 s) unless the client or the call says
+otherwise. It bounds the whole call, retries and every streamed token included, so a stalled
+server costs at most that long. ``Client(address, timeout=None)`` makes calls without a limit.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from typing import Any, Unpack
 import grpc
 
 from pdserve.client.errors import error_from_rpc
-from pdserve.client.request import RequestOptions, RetryPolicy, build_request, metadata
+from pdserve.client.request import (
+    DEFAULT_TIMEOUT_S,
+    RequestOptions,
+    RetryPolicy,
+    build_request,
+    check_timeout,
+    metadata,
+)
 from pdserve.client.results import Completion
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -40,13 +51,13 @@ class _Base:
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
         self.address = address
-        self.timeout = timeout
-        """Default per-request timeout in seconds (None: no limit)."""
+        self.timeout = check_timeout(timeout)
+        """Default deadline of a call in seconds, streams included (None: no limit)."""
         self.tenant = tenant
         """Default tenant, sent as the ``x-pdserve-tenant`` metadata."""
         self.retry = retry or RetryPolicy()
@@ -59,7 +70,7 @@ class _Base:
         options: RequestOptions,
     ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
         request = build_request(prompt, **options)
-        deadline = Deadline(self.timeout if timeout is None else timeout)
+        deadline = Deadline(self.timeout if timeout is None else check_timeout(timeout))
         return request, deadline, metadata(tenant if tenant is not None else self.tenant)
 
 
@@ -70,7 +81,7 @@ class Client(_Base):
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
@@ -90,7 +101,8 @@ class Client(_Base):
 
         ``options``: sampling parameters, stop conditions and request id (``RequestOptions``);
         unset ones take the server's defaults (temperature 1, max_tokens 16); ``temperature=0``
-        is greedy. ``timeout`` and ``tenant`` override the client's defaults.
+        is greedy. ``timeout`` (seconds) and ``tenant`` override the client's defaults; a
+        ``timeout`` of None takes the client's.
         """
         request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         attempt = 0
@@ -149,7 +161,7 @@ class AsyncClient(_Base):
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
