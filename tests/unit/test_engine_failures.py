@@ -15,7 +15,7 @@ from pdserve.engine.faults import EngineFaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, RequestFailedError, WorkerUnavailableError
 from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.engine_failures import FailureTracker
+from pdserve.worker.engine_state import FailureTracker
 from pdserve.worker.options import parse_engine_faults, parse_faults
 from tests.unit.test_async_engine import collect, prompts, run
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.engine import EngineStats
 from pdserve.worker import observability as obs
-from pdserve.worker.async_engine import EngineSnapshot
+from pdserve.worker.engine_state import EngineSnapshot
 from pdserve.worker.timing import RequestTiming
 
 

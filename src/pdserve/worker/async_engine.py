@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,29 +60,16 @@ from pdserve.worker.engine_commands import (
     post_outputs,
     route_outputs,
 )
-from pdserve.worker.engine_failures import DEFAULT_MAX_CONSECUTIVE_FAILURES, FailureTracker
+from pdserve.worker.engine_state import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    EngineSnapshot,
+    FailureTracker,
+)
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's state after a turn of its loop, readable from any thread."""
-
-    stats: EngineStats
-    tags: tuple[str, ...]
-    """Tags (scheduler reservation ids) of the requests the engine has admitted."""
-    num_steps: int
-    """Engine steps run so far."""
-    failed_steps: int = 0
-    """Steps that failed some of their requests (the engine went on)."""
-    failed_requests: int = 0
-    """Requests those steps failed."""
-    failed: bool = False
-    """The engine thread stopped on a failure: it takes no more requests."""
 
 
 class AsyncEngine:
@@ -117,7 +102,7 @@ class AsyncEngine:
         # abort from that stream still releases them: its consumer left before it saw the end).
         self._held: dict[str, RequestStream] = {}
         self._num_steps = 0
-        self._snapshot = EngineSnapshot(engine.stats(), (), 0)
+        self._snapshot = self._failures.snapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -420,10 +405,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         tags = tuple(s.tag for s in self._streams.values() if s.tag)
-        f = self._failures
-        self._snapshot = EngineSnapshot(
-            self._engine.stats(), tags, self._num_steps, f.failed_steps, f.failed_requests
-        )
+        self._snapshot = self._failures.snapshot(self._engine.stats(), tags, self._num_steps)
 
     def _shutdown(self, failure: BaseException | None) -> None:
         """Abort everything, fail every waiter, publish the final (empty) state."""
@@ -446,12 +428,5 @@ class AsyncEngine:
         self._closed = True
         if failure is None:
             self._publish()
-        else:  # the engine's stats cannot be trusted: keep the last ones, no request admitted
-            f = self._failures
-            self._snapshot = dataclasses.replace(
-                self._snapshot,
-                tags=(),
-                failed_steps=f.failed_steps,
-                failed_requests=f.failed_requests,
-                failed=True,
-            )
+        else:
+            self._snapshot = self._failures.lost(self._snapshot)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
-from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.engine_state import EngineSnapshot
 
 
 def kv_fingerprint(layout: KVLayout) -> str:

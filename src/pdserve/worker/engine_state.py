@@ -1,4 +1,5 @@
-"""What ``AsyncEngine`` does about failures: count them, and tell when the engine is lost.
+"""What ``AsyncEngine``'s engine thread publishes for other threads: its ``EngineSnapshot``
+(load, admitted tags, failure counts) and, through ``FailureTracker``, its failures.
 
 A step that fails some requests (``StepFailedError``) fails only those; the engine thread goes
 on. ``FailureTracker`` counts such steps and requests, and decides when the engine cannot
@@ -13,15 +14,35 @@ wait on ``failed()``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
+from dataclasses import dataclass
 
+from pdserve.engine.engine import EngineStats
 from pdserve.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
 """Failed steps in a row, none with any request progressing, after which the engine is lost."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's state after a turn of its loop, readable from any thread."""
+
+    stats: EngineStats
+    tags: tuple[str, ...]
+    """Tags (scheduler reservation ids) of the requests the engine has admitted."""
+    num_steps: int
+    """Engine steps run so far."""
+    failed_steps: int = 0
+    """Steps that failed some of their requests (the engine went on)."""
+    failed_requests: int = 0
+    """Requests those steps failed."""
+    failed: bool = False
+    """The engine thread stopped on a failure: it takes no more requests."""
 
 
 def _resolve(future: asyncio.Future[BaseException], err: BaseException) -> None:
@@ -61,6 +82,21 @@ class FailureTracker:
 
     def step_succeeded(self) -> None:
         self.consecutive = 0
+
+    def snapshot(self, stats: EngineStats, tags: tuple[str, ...], num_steps: int) -> EngineSnapshot:
+        """A snapshot of the engine with these counts."""
+        return EngineSnapshot(stats, tags, num_steps, self.failed_steps, self.failed_requests)
+
+    def lost(self, last: EngineSnapshot) -> EngineSnapshot:
+        """The final snapshot of an engine that failed for good: its last stats (its state is
+        unknown now), no request admitted, ``failed``."""
+        return dataclasses.replace(
+            last,
+            tags=(),
+            failed_steps=self.failed_steps,
+            failed_requests=self.failed_requests,
+            failed=True,
+        )
 
     def set_fatal(self, err: BaseException) -> None:
         """The engine thread ends on ``err``: wake every ``failed()`` waiter."""
