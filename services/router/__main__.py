@@ -16,10 +16,19 @@ import logging
 import os
 from pathlib import Path
 
-from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
+from pdserve.errors import InvalidArgumentError
+from pdserve.router import (
+    ChannelPool,
+    FlowConfig,
+    ModelLimits,
+    RequestFlow,
+    RequestLimits,
+    RequestPreparer,
+)
+from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
-from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import DEFAULT_OPTIONS, build_server, serve_until_signal, write_port_file
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
 from pdserve.telemetry.metrics import RouterMetrics
@@ -52,9 +61,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="YAML/JSON file of API keys -> tenant (docs/security.md); every call then needs "
         "'authorization: Bearer KEY' and its tenant is the key's",
     )  # fmt: skip
+    add_limit_args(p)
     add_telemetry_args(p, os.environ)
     add_security_args(p, os.environ)
     return p.parse_args(argv)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The per-request limits (``RequestLimits``); each refusal names the field."""
+    g = p.add_argument_group("request limits (a request over one is INVALID_ARGUMENT)")
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="token ids of a prompt (default: the model's maximum length)",
+    )
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=None,
+        help=f"UTF-8 bytes of a text prompt (default: {PROMPT_BYTES_PER_TOKEN} "
+        "per token of the model's maximum length)",
+    )
+    g.add_argument("--max-stop-strings", type=int, default=16, help="stop strings")
+    g.add_argument(
+        "--max-stop-chars", type=int, default=1024, help="characters of all stop strings together"
+    )
+    g.add_argument("--max-stop-token-ids", type=int, default=128, help="stop token ids")
+    g.add_argument("--max-request-id-chars", type=int, default=256)
+    g.add_argument("--max-tenant-chars", type=int, default=256)
+    g.add_argument("--tokenize-threads", type=int, default=2,
+                   help="threads tokenizing long text prompts off the event loop")  # fmt: skip
+
+
+def request_limits(args: argparse.Namespace, model: ModelLimits) -> RequestLimits:
+    """The limits the flags set; a bad value is InvalidArgumentError naming its flag."""
+    try:
+        return RequestLimits.for_model(
+            model.max_model_len,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_request_id_chars=args.max_request_id_chars,
+            max_tenant_chars=args.max_tenant_chars,
+        )
+    except InvalidArgumentError as err:
+        flag = "--" + err.field.replace("_", "-")
+        raise InvalidArgumentError(flag, str(err).removeprefix(f"{err.field}: ")) from err
+
+
+def server_options(limits: RequestLimits) -> list[tuple[str, int]]:
+    """gRPC options: a request larger than any within ``limits`` is refused unparsed."""
+    options = dict(DEFAULT_OPTIONS)
+    options["grpc.max_receive_message_length"] = limits.max_message_bytes()
+    return list(options.items())
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -67,7 +129,8 @@ async def serve(args: argparse.Namespace) -> None:
             args.host,
         )
     tokenizer = Tokenizer.from_dir(args.model)
-    limits = ModelLimits.from_dir(args.model)
+    model_limits = ModelLimits.from_dir(args.model)
+    limits = request_limits(args, model_limits)
     metrics = RouterMetrics()
     telemetry = ServiceTelemetry.start(
         SERVICE_ROUTER, metrics.registry, host=args.host, endpoint=MetricsEndpoint.from_args(args)
@@ -85,10 +148,11 @@ async def serve(args: argparse.Namespace) -> None:
             config=FlowConfig(mode=mode_from_name(args.mode)),
         )
         stack.push_async_callback(flow.close)
+        preparer = RequestPreparer(tokenizer, model_limits, limits, threads=args.tokenize_threads)
+        stack.callback(preparer.close)
         servicer = RouterServicer(
             flow,
-            tokenizer,
-            limits,
+            preparer,
             RouterTelemetry(metrics, tracer_provider=telemetry.tracer_provider),
             api_keys=api_keys,
         )
@@ -99,6 +163,7 @@ async def serve(args: argparse.Namespace) -> None:
             interceptors=telemetry.server_interceptors(),
             security=security,
             auth=api_keys,
+            options=server_options(limits),
         )
         await server.start()
         await health.set_serving()

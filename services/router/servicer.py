@@ -21,12 +21,12 @@ from grpc.aio import ServicerContext
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import UnauthenticatedError
-from pdserve.router import ModelLimits, RequestFlow, RouteChunk, RouteRequest, prepare_request
+from pdserve.router import RequestFlow, RequestPreparer, RouteChunk, RouteRequest
+from pdserve.router.limits import check_message
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.auth import bearer
-from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 TENANT_METADATA_KEY = "x-pdserve-tenant"
@@ -82,33 +82,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
         self,
         flow: RequestFlow,
-        tokenizer: Tokenizer,
-        limits: ModelLimits,
+        preparer: RequestPreparer,
         telemetry: RouterTelemetry | None = None,
         *,
         api_keys: ApiKeys | None = None,
     ) -> None:
         self.flow = flow
-        self.tokenizer = tokenizer
-        self.limits = limits
+        self.preparer = preparer
         self.telemetry = telemetry or RouterTelemetry()
         self.api_keys = api_keys
 
-    def _route(
+    async def _route(
         self, request: router_pb2.GenerateRequest, context: Context, tenant: str
     ) -> RouteRequest:
+        # Sizes first, by counts: nothing large is copied out of the message before this.
+        check_message(request, self.preparer.limits, tenant=tenant)
         which = request.WhichOneof("prompt")
         params = (
             sampling_from_proto(request.sampling)
             if request.HasField("sampling")
             else SamplingParams()
         )
-        return prepare_request(
+        return await self.preparer.prepare(
             text=request.text if which == "text" else None,
-            token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+            token_ids=request.token_ids.ids if which == "token_ids" else None,
             params=params,
-            tokenizer=self.tokenizer,
-            limits=self.limits,
             request_id=request.request_id if request.HasField("request_id") else None,
             tenant=tenant,
             skip_special_tokens=request.skip_special_tokens,
@@ -120,7 +118,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tenant = _tenant(request, context, self.api_keys)
         async with contextlib.AsyncExitStack() as cleanup:
             with self.telemetry.request(tenant) as observed:
-                route = self._route(request, context, tenant)
+                route = await self._route(request, context, tenant)
                 observed.prepared(route)
                 stream = self.flow.generate(
                     route, timeout_s=context.time_remaining(), observed=observed
@@ -151,7 +149,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.GenerateResponse:
         tenant = _tenant(request, context, self.api_keys)
         with self.telemetry.request(tenant) as observed:
-            route = self._route(request, context, tenant)
+            route = await self._route(request, context, tenant)
             observed.prepared(route)
             # The answer leaves only when the handler returns, clean-up included.
             total = await self.flow.collect(

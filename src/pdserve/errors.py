@@ -84,3 +84,10 @@ class PermissionDeniedError(PdServeError):
 class CapabilityError(PermissionDeniedError):
     """A KV handle's capability does not match the hand-off it names: the caller did not get
     the handle from the hand-off's writer (a guessed name or generation)."""
+
+
+class RequestFailedError(PdServeError):
+    """The engine could not go on with one request: its step failed (a forward pass that
+    raised, logits that were not finite). The engine and its other requests carry on."""
+
+    grpc_code = "INTERNAL"

@@ -106,9 +106,17 @@ class Tokenizer:
         """Number of ids the tokenizer knows, added tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_bos``, BOS first if this model uses one."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = True, *, release_gil: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_bos``, BOS first if this model uses one.
+
+        ``release_gil``: let other Python threads run meanwhile (the library's ``encode``
+        holds the GIL throughout, its batch form does not), for a long text tokenized on a
+        worker thread while an event loop keeps running. The ids are the same.
+        """
+        if release_gil:
+            ids: list[int] = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos and self.adds_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from pdserve.client import (
+    DEFAULT_TIMEOUT_S,
     AsyncClient,
     Cancelled,
     Client,
@@ -56,6 +57,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
     script: deque[Step] = field(default_factory=deque)
     requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    time_left: list[float | None] = field(default_factory=list)
+    """The deadline each call arrived with, in seconds left (None: no deadline)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,6 +66,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         with self.lock:
             self.requests.append(request)
             self.metadata.append({k: v for k, v in context.invocation_metadata()})
+            self.time_left.append(context.time_remaining())
             return self.script.popleft() if self.script else Step()
 
     def _chunks(self) -> list[router_pb2.GenerateChunk]:
@@ -146,6 +150,35 @@ def test_generate_builds_the_request_and_reads_the_response(fake: tuple[FakeRout
     assert not s.HasField("top_p")  # unset: the server's default applies
     assert request.skip_special_tokens
     assert servicer.metadata[0]["x-pdserve-tenant"] == "team-b"  # per call beats the default
+
+
+def test_every_call_has_the_default_deadline_unless_told_otherwise(
+    fake: tuple[FakeRouter, str],
+) -> None:
+    servicer, address = fake
+    with Client(address) as client:
+        client.generate("a")
+        list(client.stream("b"))
+        client.generate("c", timeout=5)
+    with Client(address, timeout=None) as unlimited:
+        list(unlimited.stream("d"))
+    default, streamed, given, none = servicer.time_left
+    # (gRPC carries a deadline rounded up a little.)
+    for left in (default, streamed):
+        assert left is not None and DEFAULT_TIMEOUT_S - 10 < left <= DEFAULT_TIMEOUT_S + 1
+    assert given is not None and 0 < given <= 6
+    assert none is None or none > 1e9  # the sync server says "no deadline" so
+    with pytest.raises(ValueError, match="timeout"):
+        Client(address, timeout=0)
+
+
+def test_a_stalled_stream_ends_at_its_deadline(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address, timeout=0.5) as client, pytest.raises(DeadlineExceeded):
+        for _ in client.stream("hi"):  # one chunk, then nothing
+            pass
+    assert servicer.cancelled.wait(10)  # the server saw the call end
 
 
 def test_unset_options_stay_unset(fake: tuple[FakeRouter, str]) -> None:

@@ -284,6 +284,12 @@ BAD_REQUESTS: list[tuple[str, dict[str, object], str]] = [
     ("hello", {"stop": [""]}, "sampling.stop"),
     ("hello", {"request_id": "has space"}, "request_id"),
     ("hello", {"tenant": "x" * 1000}, "tenant"),
+    # The router's per-request limits (its defaults).
+    ("hello", {"stop": ["x"] * 17}, "sampling.stop"),
+    ("hello", {"stop": ["y" * 1025]}, "sampling.stop"),
+    ("hello", {"stop_token_ids": [1] * 129}, "sampling.stop_token_ids"),
+    ("hello", {"request_id": "r" * 257}, "request_id"),
+    ("é" * (8 * MAX_LEN + 1), {}, "text"),  # over 16 bytes per token of the model's length
 ]
 
 
@@ -307,6 +313,50 @@ def test_values_the_wire_cannot_carry_fail_in_the_client(cluster: Cluster) -> No
         with pytest.raises(InvalidRequest) as info:
             client.generate("hello", max_tokens=-1)
         assert info.value.field == "sampling.max_tokens"
+
+
+def test_sampling_values_at_their_edges_are_served(cluster: Cluster) -> None:
+    """Values that once killed an engine thread: now greedy, or the best token kept."""
+    edges: list[dict[str, object]] = [
+        {"temperature": 1e-320},
+        {"temperature": 5e-324, "top_k": 2**32 - 1},
+        {"temperature": 1.0, "top_p": 1e-300, "seed": 2**63 - 1},
+        {"temperature": 0.7, "top_p": 5e-324, "seed": 0},
+    ]
+    with Client(cluster.router_address, timeout=60) as client:
+        greedy = client.generate("edge", max_tokens=6, temperature=0, ignore_eos=True)
+        for options in edges:
+            done = client.generate("edge", max_tokens=6, ignore_eos=True, **options)  # type: ignore[arg-type]
+            assert done.token_ids == greedy.token_ids, options
+        # A sampling run with a huge temperature completes too (a uniform draw).
+        wide = client.generate("edge", max_tokens=6, ignore_eos=True, temperature=1e308)
+        assert len(wide.token_ids) == 6
+    wait_idle(cluster)
+
+
+def test_oversized_messages_are_refused_before_they_are_parsed(cluster: Cluster) -> None:
+    huge = [
+        router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[7] * 1_000_000)),
+        router_pb2.GenerateRequest(
+            text="hi", sampling=common_pb2.SamplingParams(stop=["stop"] * 100_000)
+        ),
+    ]
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        router = router_pb2_grpc.RouterStub(channel)
+        for request in huge:
+            with pytest.raises(grpc.RpcError) as info:
+                router.GenerateUnary(request, timeout=30)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in info.value.details()
+        # Below the size bound but over a count: refused by count, naming the field.
+        with pytest.raises(grpc.RpcError) as info:
+            router.GenerateUnary(
+                router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[7] * 300)),
+                timeout=30,
+            )
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("token_ids:")
+    wait_idle(cluster)
 
 
 def test_raw_requests_with_bad_oneof_and_enum_values(cluster: Cluster) -> None:

@@ -17,6 +17,7 @@ from pdserve.compute import HostLease
 from pdserve.engine.engine import EngineStats
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.worker import observability as obs
+from pdserve.worker.engine_state import EngineSnapshot
 from pdserve.worker.timing import RequestTiming
 
 
@@ -177,9 +178,13 @@ class _Engine:
     def __init__(self, gate: ComputeGate = UNGATED) -> None:
         self.waiting, self.free = 3, 40
         self.gate = gate
+        self.failed_steps, self.failed_requests = 0, 0
 
     def stats(self) -> EngineStats:
         return EngineStats(64, self.free, 16, 1, self.waiting, 0, 0, 0, 0, 0)
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.stats(), (), 0, self.failed_steps, self.failed_requests)
 
 
 class _Heartbeat:
@@ -208,10 +213,17 @@ def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
     assert ("pdserve_redis_errors_total", (("operation", "heartbeat"),)) not in first
     # Two failures happened before the watch began; three since.
     engine.waiting, engine.free, heartbeat.errors = 0, 64, 5
+    engine.failed_steps, engine.failed_requests = 2, 5
     second = _samples(telemetry)
     assert second[("pdserve_queue_depth", (("role", "decode"),))] == 0
     assert second[("pdserve_kv_blocks_free", (("role", "decode"),))] == 64
     assert second[("pdserve_redis_errors_total", (("operation", "heartbeat"),))] == 3
+    assert second[("pdserve_engine_failures_total", (("kind", "step"),))] == 2
+    assert second[("pdserve_engine_failures_total", (("kind", "request"),))] == 5
+    engine.failed_requests = 6  # counted once, then only what is new
+    third = _samples(telemetry)
+    assert third[("pdserve_engine_failures_total", (("kind", "step"),))] == 2
+    assert third[("pdserve_engine_failures_total", (("kind", "request"),))] == 6
 
 
 def test_host_lease_totals_advance_at_scrape_time(tmp_path: Path) -> None:

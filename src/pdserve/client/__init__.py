@@ -18,12 +18,13 @@ from pdserve.client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from pdserve.client.request import RequestOptions, RetryPolicy
+from pdserve.client.request import DEFAULT_TIMEOUT_S, RequestOptions, RetryPolicy
 from pdserve.client.results import Completion, Delta, Timing, Usage
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream
 from pdserve.security.tls import TlsConfig
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "AsyncClient",
     "AsyncCompletionStream",
     "Cancelled",

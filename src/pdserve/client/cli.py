@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pdserve.client.client import Client
 from pdserve.client.errors import PdServeClientError
+from pdserve.client.request import DEFAULT_TIMEOUT_S
 from pdserve.security.tls import TlsConfig
 
 
@@ -25,7 +26,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string, repeatable")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"deadline, seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none)")  # fmt: skip
     p.add_argument("--tenant", default=None)
     p.add_argument("--stats", action="store_true", help="print usage and timing at the end")
     s = p.add_argument_group("a secured router (docs/security.md)")
@@ -48,8 +50,8 @@ def main_generate(argv: Sequence[str]) -> int:
     """Entry of ``pdserve generate``; returns the exit status."""
     args = generate_parser().parse_args(list(argv))
     client = Client(
-        args.router, timeout=args.timeout, tenant=args.tenant, api_key=args.api_key,
-        tls=_tls_of(args),
+        args.router, timeout=args.timeout if args.timeout > 0 else None, tenant=args.tenant,
+        api_key=args.api_key, tls=_tls_of(args),
     )  # fmt: skip
     with client:
         try:

@@ -13,6 +13,10 @@ Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Un
 ``Unauthenticated``, all ``PdServeClientError``), each with the gRPC ``code`` and ``message``.
 UNAVAILABLE is retried (bounded, with backoff) as long as no token has arrived.
 
+Every call has a deadline: ``DEFAULT_TIMEOUT_S`` (60 s) unless the client or the call says
+otherwise. It bounds the whole call, retries and every streamed token included, so a stalled
+server costs at most that long. ``Client(address, timeout=None)`` makes calls without a limit.
+
 A secured router (``docs/security.md``): ``api_key="..."`` sends the key on every call, and
 ``tls=TlsConfig(ca=Path("ca.pem"))`` (or ``tls=True`` for a certificate of a public CA) speaks
 TLS; ``TlsConfig(ca=..., cert=..., key=...)`` also presents a client certificate (mutual TLS).
@@ -30,7 +34,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.client.errors import error_from_rpc
-from pdserve.client.request import RequestOptions, RetryPolicy, build_request, metadata
+from pdserve.client.request import (
+    DEFAULT_TIMEOUT_S,
+    RequestOptions,
+    RetryPolicy,
+    build_request,
+    check_timeout,
+    metadata,
+)
 from pdserve.client.results import Completion
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
 from pdserve.security.tls import TlsConfig
@@ -52,15 +63,15 @@ class _Base:
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         tls: TlsConfig | bool = False,
     ) -> None:
         self.address = address
-        self.timeout = timeout
-        """Default per-request timeout in seconds (None: no limit)."""
+        self.timeout = check_timeout(timeout)
+        """Default deadline of a call in seconds, streams included (None: no limit)."""
         self.tenant = tenant
         """Default tenant, sent as the ``x-pdserve-tenant`` metadata (a router with API keys
         ignores it: the key names the tenant)."""
@@ -83,7 +94,7 @@ class _Base:
         options: RequestOptions,
     ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
         request = build_request(prompt, **options)
-        deadline = Deadline(self.timeout if timeout is None else timeout)
+        deadline = Deadline(self.timeout if timeout is None else check_timeout(timeout))
         md = metadata(tenant if tenant is not None else self.tenant, self._api_key)
         return request, deadline, md
 
@@ -95,7 +106,7 @@ class Client(_Base):
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
@@ -125,7 +136,8 @@ class Client(_Base):
 
         ``options``: sampling parameters, stop conditions and request id (``RequestOptions``);
         unset ones take the server's defaults (temperature 1, max_tokens 16); ``temperature=0``
-        is greedy. ``timeout`` and ``tenant`` override the client's defaults.
+        is greedy. ``timeout`` (seconds) and ``tenant`` override the client's defaults; a
+        ``timeout`` of None takes the client's.
         """
         request, deadline, md = self._prepare(prompt, timeout, tenant, options)
         attempt = 0
@@ -184,7 +196,7 @@ class AsyncClient(_Base):
         self,
         address: str,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
         tenant: str | None = None,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,

@@ -14,6 +14,9 @@ from pdserve.v1 import common_pb2, router_pb2
 
 TENANT_METADATA_KEY = "x-pdserve-tenant"
 
+DEFAULT_TIMEOUT_S = 60.0
+"""The clients' default deadline of one call (the whole of it, a stream included)."""
+
 _UINT32 = 2**32
 _UINT64 = 2**64
 
@@ -103,6 +106,15 @@ def metadata(tenant: str | None, api_key: str | None = None) -> tuple[tuple[str,
     A router with API keys takes the tenant from the key and ignores the tenant sent."""
     out = ((TENANT_METADATA_KEY, tenant),) if tenant else ()
     return (*out, ("authorization", f"Bearer {api_key}")) if api_key else out
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` if it is None (no limit) or a number of seconds > 0."""
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+    ):
+        raise ValueError(f"timeout must be a number of seconds > 0, or None; got {timeout!r}")
+    return timeout
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,12 @@ Request lifecycle (see ``sequence.py`` for states):
      returns one ``RequestOutput`` per request that received a token.
   3. A finished request's blocks are freed at once, unless it was added with ``hold_kv``:
      then ``export_kv`` reads them and ``release_kv`` frees them. ``abort`` frees at once.
+
+A step that fails fails only its own requests: ``step`` aborts them and raises
+``StepFailedError`` with the outputs of the rest (a row of the batch whose logits are not
+finite fails alone; a forward pass that raises fails the whole batch; an imported KV that
+cannot be written fails its request). Any other exception from ``step`` means the engine's
+bookkeeping cannot be trusted any more.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import GenerationResult, RequestOutput
+from pdserve.engine.outputs import GenerationResult, RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
@@ -35,6 +42,7 @@ from pdserve.errors import (
     CapacityError,
     DuplicateRequestError,
     InvalidArgumentError,
+    RequestFailedError,
     UnknownRequestError,
 )
 from pdserve.models.config import ModelConfig
@@ -68,7 +76,14 @@ class _Request:
 class Engine:
     """A paged-KV, continuously batching engine for one model on one device."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        faults: EngineFaults | None = None,
+    ) -> None:
+        """``faults``: failures to inject on purpose, for fault tests only."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -109,6 +124,7 @@ class Engine:
             dtype=self.dtype,
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
+            faults=faults,
         )
         self.gate: ComputeGate = UNGATED
         """Brackets each step's compute (sharing the device with other engines); set it
@@ -120,9 +136,11 @@ class Engine:
         self._rng = random.Random(0)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **config: Any) -> Engine:
+    def from_pretrained(
+        cls, path: str | Path, *, faults: EngineFaults | None = None, **config: Any
+    ) -> Engine:
         """Load a checkpoint directory; keyword arguments are ``EngineConfig`` fields."""
-        return cls(path, EngineConfig(**config))
+        return cls(path, EngineConfig(**config), faults=faults)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -290,17 +308,27 @@ class Engine:
             tuple(v.to("cpu").contiguous() for _, v in layers),
         )
 
-    def _admit_imports(self) -> list[RequestOutput]:
+    def _admit_imports(self, failures: dict[str, RequestFailedError]) -> list[RequestOutput]:
+        """Admit waiting hand-offs while there is room; one whose KV cannot be written fails
+        alone (into ``failures``)."""
         outputs: list[RequestOutput] = []
         while self._imports and len(self.scheduler.running) < self.config.max_num_seqs:
             seq, kv = self._imports[0]
             if not self.block_manager.allocate(seq, kv.num_tokens + 1):
                 break
             self._imports.popleft()
-            for i in range(kv.layout.num_layers):
-                self.runner.write_layer(i, seq.block_table, kv.keys[i], kv.values[i])
-            if kv.release is not None:  # the transport's memory is free for its next hand-off
-                kv.release()
+            try:
+                for i in range(kv.layout.num_layers):
+                    self.runner.write_layer(i, seq.block_table, kv.keys[i], kv.values[i])
+            except Exception as err:  # a payload whose tensors do not fit its layout
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                del self._requests[seq.request_id]
+                failures[seq.request_id] = RequestFailedError(f"cannot import the KV: {err!r}")
+                continue
+            finally:
+                if kv.release is not None:  # the transport's memory is free for its next one
+                    kv.release()
             seq.num_computed_tokens = seq.num_cached_tokens = kv.num_tokens
             self.block_manager.register_computed_blocks(seq)
             self.scheduler.add_running(seq)
@@ -314,14 +342,27 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule -> execute -> update. Returns deltas of requests that progressed."""
-        outputs = self._admit_imports()
+        """Schedule -> execute -> update. Returns deltas of requests that progressed.
+
+        Raises ``StepFailedError`` when requests failed (see the module docstring).
+        """
+        failures: dict[str, RequestFailedError] = {}
+        outputs = self._admit_imports(failures)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
+            return self._finish_step(outputs, failures)
         prefill_tokens = sched.num_tokens - len(sched.decodes)
-        with self.gate.hold(prefill_tokens):
-            result = self.runner.execute(sched, self.gate.checkpoint if prefill_tokens else None)
+        try:
+            with self.gate.hold(prefill_tokens):
+                result = self.runner.execute(
+                    sched, self.gate.checkpoint if prefill_tokens else None
+                )
+        except Exception as err:  # nothing of the step was applied: fail its requests
+            why = RequestFailedError(f"the engine step failed: {err!r}")
+            for chunk in (*sched.decodes, *sched.prefills):
+                self.abort(chunk.seq.request_id)
+                failures[chunk.seq.request_id] = why
+            return self._finish_step(outputs, failures)
         for seq in self.scheduler.update(sched, result.sampled):
             req = self._requests[seq.request_id]
             token, logprob = seq.token_ids[-1], seq.output_logprobs[-1]
@@ -331,6 +372,17 @@ class Engine:
             if result.logits is not None:
                 out.logits = result.logits[seq.request_id]
             outputs.append(out)
+        for rid, reason in result.failed.items():  # after update: its computed KV is valid
+            self.abort(rid)
+            failures[rid] = RequestFailedError(reason)
+        return self._finish_step(outputs, failures)
+
+    @staticmethod
+    def _finish_step(
+        outputs: list[RequestOutput], failures: dict[str, RequestFailedError]
+    ) -> list[RequestOutput]:
+        if failures:
+            raise StepFailedError(failures, outputs)
         return outputs
 
     def _output(self, req: _Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:

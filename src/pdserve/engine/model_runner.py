@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -27,6 +28,9 @@ from pdserve.models.llama import (
 class StepResult:
     sampled: dict[str, tuple[int, float]]
     """request id -> (token, logprob) for every chunk that reached its last token."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """request id -> why no token could be sampled (its logits were not finite); such a
+    request is in no other field. Its forward pass ran: its KV is as valid as any."""
     logits: dict[str, torch.Tensor] | None = None
     """request id -> ``[vocab]`` float32 logits, when the config asks for them."""
 
@@ -72,8 +76,10 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         max_model_len: int,
+        faults: EngineFaults | None = None,
     ) -> None:
         self.cfg = model_config
+        self.faults = faults
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = dtype
@@ -105,6 +111,10 @@ class ModelRunner:
     ) -> StepResult:
         """Run one scheduled step; ``checkpoint()`` is called between layers (see
         ``engine.gate``)."""
+        if self.faults is not None and self.faults.fails_step(
+            c.seq for c in (*out.decodes, *out.prefills)
+        ):
+            raise RuntimeError("injected fault: this step fails")
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -171,9 +181,20 @@ class ModelRunner:
         )
         if not sample_seqs:  # only non-final prompt chunks this step
             return StepResult({})
-        tokens, logprobs = sample(logits, sample_seqs)
+        if self.faults is not None:
+            for i, s in enumerate(sample_seqs):
+                if self.faults.nan_logits(s):
+                    logits[i] = float("nan")
+        samples = sample(logits, sample_seqs)
         result = StepResult(
-            {s.request_id: (t, lp) for s, t, lp in zip(sample_seqs, tokens, logprobs, strict=True)}
+            {
+                s.request_id: (t, lp)
+                for i, (s, t, lp) in enumerate(
+                    zip(sample_seqs, samples.tokens, samples.logprobs, strict=True)
+                )
+                if i not in samples.failed
+            },
+            {sample_seqs[i].request_id: why for i, why in samples.failed.items()},
         )
         if self.config.return_logits:
             result.logits = {s.request_id: logits[i].cpu() for i, s in enumerate(sample_seqs)}

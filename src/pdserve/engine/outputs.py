@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from pdserve.errors import PdServeError, RequestFailedError
+
 if TYPE_CHECKING:
     import torch
 
@@ -51,3 +53,21 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     num_cached_tokens: int = 0
+
+
+class StepFailedError(PdServeError):
+    """``Engine.step`` failed some requests; the engine is consistent and can step on.
+
+    The failed requests are already aborted (their blocks freed, held KV included); the step's
+    other requests progressed as usual and their outputs are in ``outputs``, to be delivered
+    like those of a step that returned.
+    """
+
+    grpc_code = "INTERNAL"
+
+    def __init__(
+        self, failures: dict[str, RequestFailedError], outputs: list[RequestOutput]
+    ) -> None:
+        super().__init__(f"{len(failures)} request(s) failed in an engine step")
+        self.failures = failures
+        self.outputs = outputs

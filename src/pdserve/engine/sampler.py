@@ -1,10 +1,32 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeded RNG."""
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeded RNG.
+
+No sampling parameter that ``SamplingParams`` accepts makes a draw fail: temperatures below
+``GREEDY_TEMPERATURE`` are greedy, and every filter keeps at least the most likely token, so
+each row's distribution has a finite, positive mass. What can still fail is the model: a row
+of non-finite logits (NaN, +inf) has no distribution. Such a row fails alone (``Samples.failed``)
+and the other rows of the batch get their tokens as if it had not been there.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """One token per row, or why the row has none."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    """Log-probability of each token under the model's raw distribution (before temperature and
+    filtering), as the API reports it."""
+    failed: dict[int, str]
+    """Row -> why no token could be drawn; ``tokens[row]`` is meaningless for these rows."""
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -19,32 +41,43 @@ def step_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` ``[S, vocab]`` (float32) for ``seqs[i]``.
+def _draw(row: torch.Tensor, seq: Sequence) -> int:
+    """Sample one token of ``row`` (``[vocab]`` float32 logits) under ``seq.params``."""
+    p = seq.params
+    row = row / p.temperature  # >= GREEDY_TEMPERATURE: finite logits stay finite
+    if 0 < p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p. The first is always
+        # kept: a top_p that rounds to 0 in float32 would otherwise drop them all.
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(row, dim=-1)
+    assert seq.generator is not None
+    seq.generator.manual_seed(step_seed(seq.seed, seq.num_output_tokens))
+    return int(torch.multinomial(probs, 1, generator=seq.generator)[0])
 
-    Returns the tokens and the log-probability of each under the model's raw distribution
-    (before temperature and filtering), as the API reports it.
-    """
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
+    """Pick one token per row of ``logits`` ``[S, vocab]`` (float32) for ``seqs[i]``."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
     # max() beats argmax() on CPU by ~2x for [S, 32000] rows; ties resolve to the first index.
     tokens = logits.max(dim=-1).indices  # [S]; overwritten below for sampled rows
+    failed: dict[int, str] = {}
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
+        if seq.params.greedy:
             continue
-        row = logits[i] / p.temperature
-        if 0 < p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            # Drop a token when the mass *before* it already reaches top_p (keeps at least one).
-            drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(row, dim=-1)
-        assert seq.generator is not None
-        seq.generator.manual_seed(step_seed(seq.seed, seq.num_output_tokens))
-        tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+        try:
+            tokens[i] = _draw(logits[i], seq)
+        except RuntimeError as err:  # torch refuses a distribution with NaN/inf mass
+            failed[i] = f"sampling failed: {err}"
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    for i, lp in enumerate(chosen):
+        # A NaN or +inf logit makes the row's log-softmax NaN: the arg-max is no token then.
+        if not math.isfinite(lp) and i not in failed:
+            failed[i] = "the model's logits are not finite"
+    return Samples(tokens.tolist(), chosen, failed)

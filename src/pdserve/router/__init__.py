@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from pdserve.router.channels import ChannelPool
 from pdserve.router.flow import FlowConfig, RequestFlow
+from pdserve.router.limits import RequestLimits
 from pdserve.router.output import RouteChunk, RouteTiming, RouteUsage
-from pdserve.router.request import ModelLimits, RouteRequest, prepare_request
+from pdserve.router.request import ModelLimits, RequestPreparer, RouteRequest, prepare_request
 
 __all__ = [
     "ChannelPool",
     "FlowConfig",
     "ModelLimits",
     "RequestFlow",
+    "RequestLimits",
+    "RequestPreparer",
     "RouteChunk",
     "RouteRequest",
     "RouteTiming",

@@ -1,20 +1,30 @@
-"""A client request, validated against the model before any other service sees it."""
+"""A client request, validated against the model before any other service sees it.
+
+``prepare_request`` does it in the caller's thread. ``RequestPreparer`` does it for the
+router's event loop, which must never be held for long by one request: a long text prompt is
+tokenized on a small pool of threads, with the GIL released (tokenizing 100 KB of text takes
+tens of milliseconds, during which every other stream would stall).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
+from pdserve.router.limits import RequestLimits
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.tokenizer import Tokenizer
 
-MAX_ID_LENGTH = 256
-"""Request ids and tenant names longer than this are refused (they end up in Redis keys)."""
+INLINE_TOKENIZE_CHARS = 2048
+"""Text prompts up to this many characters are tokenized on the event loop (about a
+millisecond); longer ones on the preparer's threads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +52,79 @@ class RouteRequest:
     skip_special_tokens: bool = True
 
 
-def _check_name(value: str, field: str) -> str:
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidArgumentError(field, f"longer than {MAX_ID_LENGTH} characters")
-    if any(not c.isprintable() or c.isspace() for c in value):
-        raise InvalidArgumentError(field, "must not contain spaces or control characters")
-    return value
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A request whose every field but the prompt's tokens is valid."""
+
+    field: str
+    """The prompt's field: ``text`` or ``token_ids``."""
+    text: str | None
+    token_ids: list[int] | None
+    request_id: str
+    tenant: str
+
+
+def _check(
+    text: str | None,
+    token_ids: Sequence[int] | None,
+    params: SamplingParams,
+    model: ModelLimits,
+    limits: RequestLimits,
+    request_id: str | None,
+    tenant: str,
+) -> _Checked:
+    if text is not None and token_ids is not None:
+        raise InvalidArgumentError("prompt", "give either text or token_ids, not both")
+    if text is None and token_ids is None:
+        raise InvalidArgumentError("prompt", "one of text or token_ids must be set")
+    ids: list[int] | None = None
+    if text is not None:
+        if not text:
+            raise InvalidArgumentError("text", "the prompt must not be empty")
+        limits.check_prompt_text(text)
+    elif token_ids is not None:
+        limits.check_prompt_tokens(len(token_ids))
+        ids = check_token_ids(token_ids, vocab_size=model.vocab_size, field="token_ids")
+    limits.check_stops(params.stop)
+    limits.check_stop_token_ids(len(params.stop_token_ids))
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not request_id:
+        raise InvalidArgumentError("request_id", "must not be empty when set")
+    else:
+        limits.check_name(request_id, "request_id")
+    return _Checked(
+        field="text" if text is not None else "token_ids",
+        text=text,
+        token_ids=ids,
+        request_id=request_id,
+        tenant=limits.check_name(tenant, "tenant"),
+    )
+
+
+def _route_request(
+    checked: _Checked,
+    ids: list[int],
+    params: SamplingParams,
+    model: ModelLimits,
+    skip_special_tokens: bool,
+) -> RouteRequest:
+    if len(ids) >= model.max_model_len:
+        raise InvalidArgumentError(
+            checked.field,
+            f"the prompt has {len(ids)} tokens; the model allows fewer than "
+            f"{model.max_model_len} (prompt plus generated tokens)",
+        )
+    check_sampling_against(
+        params, vocab_size=model.vocab_size, max_model_len=model.max_model_len, prompt_len=len(ids)
+    )
+    return RouteRequest(
+        request_id=checked.request_id,
+        prompt_token_ids=tuple(ids),
+        params=params,
+        tenant=checked.tenant,
+        skip_special_tokens=skip_special_tokens,
+    )
 
 
 def prepare_request(
@@ -57,6 +134,7 @@ def prepare_request(
     params: SamplingParams,
     tokenizer: Tokenizer,
     limits: ModelLimits,
+    request_limits: RequestLimits | None = None,
     request_id: str | None = None,
     tenant: str = "",
     skip_special_tokens: bool = True,
@@ -65,39 +143,61 @@ def prepare_request(
 
     Exactly one of ``text`` and ``token_ids`` must be given. Field names follow the Router's
     GenerateRequest message (``text``, ``token_ids``, ``sampling.max_tokens``, ...).
+    ``request_limits`` defaults to ``RequestLimits.for_model`` of the model.
     """
-    if text is not None and token_ids is not None:
-        raise InvalidArgumentError("prompt", "give either text or token_ids, not both")
-    if text is not None:
-        if not text:
-            raise InvalidArgumentError("text", "the prompt must not be empty")
-        field = "text"
-        ids = tokenizer.encode(text)
-    elif token_ids is not None:
-        field = "token_ids"
-        ids = check_token_ids(token_ids, vocab_size=limits.vocab_size, field=field)
-    else:
-        raise InvalidArgumentError("prompt", "one of text or token_ids must be set")
-    if len(ids) >= limits.max_model_len:
-        raise InvalidArgumentError(
-            field,
-            f"the prompt has {len(ids)} tokens; the model allows fewer than "
-            f"{limits.max_model_len} (prompt plus generated tokens)",
-        )
-    check_sampling_against(
-        params,
-        vocab_size=limits.vocab_size,
-        max_model_len=limits.max_model_len,
-        prompt_len=len(ids),
-    )
-    if request_id is None:
-        request_id = uuid.uuid4().hex
-    elif not request_id:
-        raise InvalidArgumentError("request_id", "must not be empty when set")
-    return RouteRequest(
-        request_id=_check_name(request_id, "request_id"),
-        prompt_token_ids=tuple(ids),
-        params=params,
-        tenant=_check_name(tenant, "tenant"),
-        skip_special_tokens=skip_special_tokens,
-    )
+    req_limits = request_limits or RequestLimits.for_model(limits.max_model_len)
+    checked = _check(text, token_ids, params, limits, req_limits, request_id, tenant)
+    ids = checked.token_ids if checked.text is None else tokenizer.encode(checked.text)
+    assert ids is not None  # _check sets one of the two
+    return _route_request(checked, ids, params, limits, skip_special_tokens)
+
+
+class RequestPreparer:
+    """``prepare_request`` for an event loop: the same checks, long texts tokenized on
+    ``threads`` threads (a bound: more such prompts wait their turn). ``close()`` at the end."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model: ModelLimits,
+        limits: RequestLimits | None = None,
+        *,
+        threads: int = 2,
+        inline_chars: int = INLINE_TOKENIZE_CHARS,
+    ) -> None:
+        if threads < 1:
+            raise InvalidArgumentError("threads", f"must be >= 1, got {threads}")
+        self.tokenizer = tokenizer
+        self.model = model
+        self.limits = limits or RequestLimits.for_model(model.max_model_len)
+        self.inline_chars = inline_chars
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    async def prepare(
+        self,
+        *,
+        text: str | None,
+        token_ids: Sequence[int] | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tenant: str = "",
+        skip_special_tokens: bool = True,
+    ) -> RouteRequest:
+        """See ``prepare_request``."""
+        checked = _check(text, token_ids, params, self.model, self.limits, request_id, tenant)
+        if checked.text is None:
+            ids = checked.token_ids
+        elif len(checked.text) <= self.inline_chars:
+            ids = self.tokenizer.encode(checked.text)
+        else:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._pool, self._encode_long, checked.text)
+        assert ids is not None  # _check sets one of the two
+        return _route_request(checked, ids, params, self.model, skip_special_tokens)
+
+    def _encode_long(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, release_gil=True)
+
+    def close(self) -> None:
+        """Stop the threads; tokenizations still queued are dropped."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -41,12 +41,13 @@ CORE_PACED_SECONDS = "pdserve_core_paced_seconds"  # Counter: ..._total
 CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
 HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
 HTTP_SECONDS = "pdserve_http_request_seconds"
+ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, HANDOFFS, SCHEDULER_DECISIONS,
     SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
-    CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS,
+    CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS, ENGINE_FAILURES,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -58,6 +59,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 TRANSFER_DIRECTIONS = ("send", "recv")
+ENGINE_FAILURE_KINDS = ("step", "request")
 
 
 def _label(field: str, value: str) -> str:
@@ -154,6 +156,12 @@ class WorkerMetrics:
         self._redis_errors = Counter(
             REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
         )
+        self._engine_failures = Counter(
+            ENGINE_FAILURES,
+            "Engine steps that failed some of their requests, and the requests they failed.",
+            ["kind"],
+            registry=r,
+        )
         # The host lease (pdserve.compute): running totals, advanced by what changed.
         self._core_steps = Counter(
             CORE_STEPS, "Engine steps run under the host lease.", ["kind"], registry=r
@@ -226,6 +234,12 @@ class WorkerMetrics:
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+    def count_engine_failures(self, kind: str, n: int = 1) -> None:
+        """Engine steps (``kind="step"``) or requests (``"request"``) that failed, ``n`` more."""
+        if kind not in ENGINE_FAILURE_KINDS:
+            raise InvalidArgumentError("kind", f"must be one of {ENGINE_FAILURE_KINDS}")
+        self._engine_failures.labels(kind=kind).inc(_non_negative("n", n))
 
 
 class SchedulerMetrics:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
+from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.delta import DecodeDelta, StreamTiming
+from pdserve.worker.engine_state import EngineSnapshot
 from pdserve.worker.handoff import KVLocation, TransferRecord, store_key
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint, worker_info
 from pdserve.worker.placement import TransferOptions

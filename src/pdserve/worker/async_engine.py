@@ -16,6 +16,12 @@ The engine thread's loop:
 3. Apply every queued command, run one ``Engine.step()``, route its outputs to their queues,
    publish a stats snapshot, repeat.
 
+Failures: a step that fails some requests (``StepFailedError``: a forward pass that raised,
+logits that were not finite) fails only those, each with ``RequestFailedError`` (INTERNAL);
+the loop goes on. When the engine cannot continue (``FailureTracker``: several failed steps in
+a row with no progress, or any other exception of the thread) every request fails, new ones
+are refused, the snapshot says ``failed`` and ``failed()`` returns.
+
 Cancellation: when the async iterator returned by ``generate`` is closed or cancelled before its
 request finished, an abort is queued at once, so a cancelled RPC frees its KV blocks on the next
 turn of the engine loop. Close iterators promptly (``contextlib.aclosing``) rather than leaving
@@ -31,14 +37,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine, EngineStats
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import WorkerUnavailableError
@@ -53,6 +59,12 @@ from pdserve.worker.engine_commands import (
     StopCommand,
     fail_queued,
     post_outputs,
+    route_outputs,
+)
+from pdserve.worker.engine_state import (
+    DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    EngineSnapshot,
+    FailureTracker,
 )
 from pdserve.worker.timing import RequestTiming
 
@@ -61,24 +73,19 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's state after a turn of its loop, readable from any thread."""
-
-    stats: EngineStats
-    tags: tuple[str, ...]
-    """Tags (scheduler reservation ids) of the requests the engine has admitted."""
-    num_steps: int
-    """Engine steps run so far."""
-
-
 class AsyncEngine:
     """An ``Engine`` on a dedicated thread with an asyncio API (see the module docstring)."""
 
     def __init__(
-        self, engine: Engine, *, batch_window_ms: float = 0.0, adaptive_window: bool = True
+        self,
+        engine: Engine,
+        *,
+        batch_window_ms: float = 0.0,
+        adaptive_window: bool = True,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     ) -> None:
         self._engine = engine
+        self._failures = FailureTracker(max_consecutive_failures)
         self._window = BatchWindow(batch_window_ms, adaptive=adaptive_window)  # engine thread
         # Immutable after construction, so readable from the event loop without the thread.
         self.layout: KVLayout = engine.layout
@@ -96,17 +103,24 @@ class AsyncEngine:
         # abort from that stream still releases them: its consumer left before it saw the end).
         self._held: dict[str, RequestStream] = {}
         self._num_steps = 0
-        self._snapshot = EngineSnapshot(engine.stats(), (), 0)
+        self._snapshot = self._failures.snapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._failure: BaseException | None = None
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, batch_window_ms: float = 0.0, **config: Any
+        cls,
+        model_dir: str | Path,
+        *,
+        batch_window_ms: float = 0.0,
+        faults: EngineFaults | None = None,
+        **config: Any,
     ) -> AsyncEngine:
-        """Load a checkpoint; ``config`` holds ``EngineConfig`` fields. Call ``start()`` next."""
-        return cls(Engine.from_pretrained(model_dir, **config), batch_window_ms=batch_window_ms)
+        """Load a checkpoint; ``config`` holds ``EngineConfig`` fields. Call ``start()`` next.
+
+        ``faults``: failures to inject on purpose, for fault tests only."""
+        engine = Engine.from_pretrained(model_dir, faults=faults, **config)
+        return cls(engine, batch_window_ms=batch_window_ms)
 
     @property
     def engine(self) -> Engine:
@@ -154,8 +168,8 @@ class AsyncEngine:
                 self._commands.put(command)
                 return
         if required:
-            if self._failure is not None:
-                raise WorkerUnavailableError(f"the engine failed: {self._failure!r}")
+            if self._failures.fatal is not None:
+                raise WorkerUnavailableError(f"the engine failed: {self._failures.fatal!r}")
             raise WorkerUnavailableError("the engine is not running")
 
     # -- the async API ---------------------------------------------------------------------
@@ -267,29 +281,39 @@ class AsyncEngine:
         """Stats, admitted tags and step count as of the engine thread's last turn."""
         return self._snapshot
 
+    async def failed(self) -> BaseException:
+        """Wait until the engine thread stops on a failure it cannot recover from (see the
+        module docstring); returns that failure. Never returns if the engine is closed."""
+        return await self._failures.failed()
+
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while True:
-                idle = not self._engine.has_unfinished()
-                if idle:
-                    self._publish()
-                    if not self._apply(self._commands.get()):  # idle: block for work
-                        return
-                if not self._drain():
-                    return
-                # The window opens whenever work arrives at an idle engine, whichever command
-                # brought it (a request queued behind a call counts as well).
-                gather = idle and self._window.opens and self._engine.has_unfinished()
-                if gather and not self._window.gather(self._commands, self._apply, self._full):
-                    return
-                if self._engine.has_unfinished():
-                    self._step()
-        except BaseException as err:  # a failed step leaves the engine in an unknown state
+            self._loop()
+        except BaseException as err:  # the engine's state is unknown now
             logger.exception("engine thread failed; failing every request")
-            self._failure = err
-        finally:
-            self._shutdown()
+            self._shutdown(err)
+            self._failures.set_fatal(err)
+        else:
+            self._shutdown(None)
+
+    def _loop(self) -> None:
+        """Serve commands and step until a stop command."""
+        while True:
+            idle = not self._engine.has_unfinished()
+            if idle:
+                self._publish()
+                if not self._apply(self._commands.get()):  # idle: block for work
+                    return
+            if not self._drain():
+                return
+            # The window opens whenever work arrives at an idle engine, whichever command
+            # brought it (a request queued behind a call counts as well).
+            gather = idle and self._window.opens and self._engine.has_unfinished()
+            if gather and not self._window.gather(self._commands, self._apply, self._full):
+                return
+            if self._engine.has_unfinished():
+                self._step()
 
     def _full(self) -> bool:
         """The next step's budget is reached: nothing more would join it."""
@@ -363,38 +387,43 @@ class AsyncEngine:
             admitted.timing.first_step_start = started
         self._unstarted.clear()
         self._window.stepped()
-        outputs = self._engine.step()
-        ended = time.perf_counter()
+        try:
+            outputs = self._engine.step()
+        except StepFailedError as err:  # the engine aborted the failed requests itself
+            outputs = err.outputs
+            self._fail_requests(err)
+            if self._failures.step_failed(len(err.failures), progressed=bool(outputs)):
+                raise
+        else:
+            self._failures.step_succeeded()
         self._num_steps += 1
-        # Grouped by event loop: one wake-up per loop per step, whatever the batch size.
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted after this step was scheduled
-            if stream.timing.first_output is None:
-                stream.timing.first_output = ended
-                stream.timing.first_batch_size = len(outputs)
-            stream.timing.last_output = ended
-            if out.finished:
-                del self._streams[out.request_id]
-                if stream.hold_kv:
-                    self._held[out.request_id] = stream
-            deliveries.setdefault(stream.loop, []).append((stream, out))
-        post_outputs(deliveries)
+        post_outputs(route_outputs(outputs, self._streams, self._held, time.perf_counter()))
         self._publish()
+
+    def _fail_requests(self, err: StepFailedError) -> None:
+        """Tell the streams of the requests a step failed (already aborted in the engine)."""
+        for rid, why in err.failures.items():
+            logger.error("request %s failed in an engine step: %s", rid, why)
+            self._held.pop(rid, None)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.post(why)
 
     def _publish(self) -> None:
         tags = tuple(s.tag for s in self._streams.values() if s.tag)
-        self._snapshot = EngineSnapshot(self._engine.stats(), tags, self._num_steps)
+        self._snapshot = self._failures.snapshot(self._engine.stats(), tags, self._num_steps)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, failure: BaseException | None) -> None:
         """Abort everything, fail every waiter, publish the final (empty) state."""
-        closed = WorkerUnavailableError("the engine shut down")
+        closed = (
+            WorkerUnavailableError("the engine shut down")
+            if failure is None
+            else WorkerUnavailableError(f"the engine failed: {failure!r}")
+        )
         with self._gate:
             self._accepting = False
         fail_queued(self._commands, closed)  # commands that arrived after the stop
-        if self._failure is None:
+        if failure is None:
             for rid in [*self._streams, *self._held]:
                 self._engine.abort(rid)
         for stream in self._streams.values():
@@ -403,5 +432,7 @@ class AsyncEngine:
         self._held.clear()
         self._unstarted.clear()
         self._closed = True
-        if self._failure is None:
+        if failure is None:
             self._publish()
+        else:
+            self._snapshot = self._failures.lost(self._snapshot)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
-from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.engine_state import EngineSnapshot
 
 
 def kv_fingerprint(layout: KVLayout) -> str:
@@ -61,7 +62,9 @@ class WorkerHeartbeat:
     """Publishes ``worker_info`` of one AsyncEngine through a ``Heartbeater``.
 
     ``start()`` begins beating, ``mark_draining()`` flags the worker as taking no new work
-    from the next beat on, ``stop()`` ends the beats and deletes the worker's key.
+    from the next beat on, ``stop()`` ends the beats and deletes the worker's key. A worker
+    whose engine failed for good (``EngineSnapshot.failed``) says ``draining`` too: the
+    scheduler places nothing on it.
     """
 
     def __init__(
@@ -79,7 +82,8 @@ class WorkerHeartbeat:
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
-        return worker_info(self.identity, self.engine.snapshot(), draining=self.draining)
+        snapshot = self.engine.snapshot()
+        return worker_info(self.identity, snapshot, draining=self.draining or snapshot.failed)
 
     @property
     def errors(self) -> int:

@@ -334,6 +334,7 @@ class WorkerTelemetry:
         self.service: ServiceTelemetry | None = None
         self._heartbeat: WorkerHeartbeat | None = None
         self._redis_errors_seen = 0
+        self._failures_seen = (0, 0)  # the engine's failed steps and requests, counted so far
         registry = CollectorRegistry()
         if process:
             ProcessCollector(registry=registry)
@@ -381,7 +382,8 @@ class WorkerTelemetry:
         """Bring the gauges (and the heartbeat error count) up to date; runs at every scrape,
         on the metrics server's thread: it reads only snapshots the engine publishes."""
         if self.engine is not None:
-            stats = self.engine.stats()
+            snapshot = self.engine.snapshot()
+            stats = snapshot.stats
             self.metrics.set_queue_depth(stats.num_waiting)
             self.metrics.set_kv_blocks(stats.num_blocks_free, stats.num_blocks_total)
             gate = self.engine.gate
@@ -395,6 +397,10 @@ class WorkerTelemetry:
                     paced_s=lease.paced_s,
                     lent_s=lease.lent_s,
                 )
+            steps, requests = self._failures_seen
+            self.metrics.count_engine_failures("step", snapshot.failed_steps - steps)
+            self.metrics.count_engine_failures("request", snapshot.failed_requests - requests)
+            self._failures_seen = (snapshot.failed_steps, snapshot.failed_requests)
         if self._heartbeat is not None:
             errors = self._heartbeat.errors
             for _ in range(errors - self._redis_errors_seen):

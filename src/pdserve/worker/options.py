@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.faults import EngineFaults
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
 from pdserve.security.options import (
@@ -297,32 +298,60 @@ def worker_parser(
     )
     t.add_argument("--janitor-interval-s", type=float, default=float(d("janitor_interval_s", 60.0)))
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
-    # Fault injection, for fault tests only: corrupt[@PREFIX] or stall:N[@PREFIX], repeatable.
+    # Fault injection, for fault tests only, repeatable: corrupt[@PREFIX] or stall:N[@PREFIX]
+    # (hand-offs), nan[@PREFIX] or step[@PREFIX] (the engine).
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
     add_security_args(p, env)
     return p
 
 
 def parse_faults(specs: Sequence[str]) -> SendFaults | None:
-    """``--fault`` values: ``corrupt`` or ``stall:N``, each optionally ``@PREFIX`` (only request
-    ids starting with PREFIX). For fault tests; none: None."""
+    """The hand-off faults of ``--fault`` values (see ``parse_engine_faults`` for the grammar).
+    For fault tests; none: None."""
     corrupt: str | None = None
     stall: str | None = None
     after = 1
-    for spec in specs:
-        kind, _, prefix = spec.partition("@")
-        name, _, arg = kind.partition(":")
-        if name == "corrupt" and not arg:
+    for name, arg, prefix in _fault_specs(specs):
+        if name == "corrupt":
             corrupt = prefix
-        elif name == "stall" and arg.isdigit():
+        elif name == "stall":
             stall, after = prefix, int(arg)
-        else:
-            raise InvalidArgumentError(
-                "--fault", f"expected corrupt or stall:N, then @PREFIX or nothing; got {spec!r}"
-            )
     if corrupt is None and stall is None:
         return None
     return SendFaults(corrupt_prefix=corrupt, stall_prefix=stall, stall_after_layers=after)
+
+
+def parse_engine_faults(specs: Sequence[str]) -> EngineFaults | None:
+    """The engine faults of ``--fault`` values: ``corrupt``, ``stall:N`` (hand-offs), ``nan``
+    or ``step`` (``EngineFaults``), each optionally ``@PREFIX`` (only request ids starting
+    with PREFIX). For fault tests; none: None."""
+    nan: str | None = None
+    step: str | None = None
+    for name, _, prefix in _fault_specs(specs):
+        if name == "nan":
+            nan = prefix
+        elif name == "step":
+            step = prefix
+    if nan is None and step is None:
+        return None
+    return EngineFaults(nan_prefix=nan, step_prefix=step)
+
+
+def _fault_specs(specs: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(name, argument, prefix) of each ``--fault`` value, checked."""
+    parsed = []
+    for spec in specs:
+        kind, _, prefix = spec.partition("@")
+        name, _, arg = kind.partition(":")
+        if not (name in ("corrupt", "nan", "step") and not arg) and not (
+            name == "stall" and arg.isdigit()
+        ):
+            raise InvalidArgumentError(
+                "--fault",
+                f"expected corrupt, stall:N, nan or step, then @PREFIX or nothing; got {spec!r}",
+            )
+        parsed.append((name, arg, prefix))
+    return parsed
 
 
 def _int(value: str | None) -> int | None:

@@ -10,7 +10,10 @@ and starts the engine thread. ``run_worker`` then:
    ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
    file;
 3. on SIGTERM/SIGINT: health NOT_SERVING, the heartbeat says ``draining``, the server stops
-   taking calls and lets in-flight ones finish for up to ``grace_s``;
+   taking calls and lets in-flight ones finish for up to ``grace_s``. Should the engine fail
+   for good (``AsyncEngine.failed``), health turns NOT_SERVING and the heartbeat says
+   ``draining`` at once, so that nothing more is placed here; the process keeps answering
+   (UNAVAILABLE) until it is stopped;
 4. stops the heartbeats and deletes the worker's Redis key, and stops the periodic tasks.
 
 The caller closes the engine (and its own clients) afterwards.
@@ -25,7 +28,13 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from pdserve.compute import HostLease
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import (
+    AddServicerFn,
+    ServiceHealth,
+    build_server,
+    serve_until_signal,
+    write_port_file,
+)
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.assignment import AssignedDecode
@@ -33,7 +42,7 @@ from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
 from pdserve.worker.observability import WorkerTelemetry
-from pdserve.worker.options import WorkerOptions
+from pdserve.worker.options import WorkerOptions, parse_engine_faults
 from pdserve.worker.prefill import PrefillWorker
 from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.traced import TracedPrefillWorker
@@ -44,7 +53,10 @@ logger = logging.getLogger(__name__)
 def load_engine(options: WorkerOptions) -> AsyncEngine:
     """Load the model (blocking: call before serving) and start the engine thread."""
     engine = AsyncEngine.from_pretrained(
-        options.model, batch_window_ms=options.max_wait_ms, **options.engine_config()
+        options.model,
+        batch_window_ms=options.max_wait_ms,
+        faults=parse_engine_faults(options.faults),
+        **options.engine_config(),
     )
     if options.host_lease is not None:  # take turns on the cores with the host's other engines
         engine.engine.gate = HostLease(
@@ -110,6 +122,14 @@ async def _every(interval_s: float, work: Callable[[], Awaitable[None]], what: s
         except Exception:  # a failed pass must not end the loop; the next one retries
             logger.exception("periodic %s failed", what)
         await asyncio.sleep(interval_s)  # a timer, not synchronisation
+
+
+async def watch_engine(engine: AsyncEngine, health: ServiceHealth) -> None:
+    """Once the engine has failed for good: health NOT_SERVING (the heartbeat says
+    ``draining`` by itself, from the engine's snapshot)."""
+    err = await engine.failed()
+    logger.error("the engine failed for good (%r): health NOT_SERVING, no more placements", err)
+    await health.set_not_serving()
 
 
 async def run_worker(
@@ -180,6 +200,8 @@ async def run_worker(
     try:
         await server.start()
         await health.set_serving()
+        # After SERVING, so that an engine that failed already turns it back at once.
+        tasks.append(asyncio.create_task(watch_engine(engine, health), name="engine-watch"))
         if heartbeat is not None:
             heartbeat.start()
             if telemetry is not None:

@@ -1,0 +1,148 @@
+"""Bounds on what one request may ask of the router, so that its cost is bounded.
+
+Every field whose size a client chooses has a limit (``RequestLimits``, set by the router's
+flags): the prompt (token ids, or text in UTF-8 bytes), the stop strings (how many, and their
+characters together), the stop token ids, the request id and the tenant. A request over one is
+INVALID_ARGUMENT naming the field. ``check_message`` checks a ``GenerateRequest`` by counts
+alone, before any repeated field is copied into Python objects, and ``max_message_bytes``
+bounds the whole message, so that gRPC refuses a huge one (RESOURCE_EXHAUSTED) before it is
+even parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.v1 import router_pb2
+
+PROMPT_BYTES_PER_TOKEN = 16
+"""Default text prompt bound, in UTF-8 bytes per token of the model's maximum length: well
+above what real text takes per token (about 4 for English, 3-6 for CJK), so that a prompt it
+refuses would have been too long in tokens anyway."""
+
+# Bytes of protobuf framing per field at most: a tag and a length varint.
+_FRAMING = 6
+_UINT32_BYTES = 5  # a uint32 as a varint, at most
+_UTF8_CHAR_BYTES = 4
+_SCALARS_BYTES = 128  # sampling's numbers and flags, with their tags
+_SLACK_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask at most (see the module docstring)."""
+
+    max_prompt_tokens: int
+    """Token ids of a prompt given as ids (the model refuses more anyway)."""
+    max_prompt_bytes: int
+    """UTF-8 bytes of a prompt given as text."""
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024
+    """Characters of all stop strings together."""
+    max_stop_token_ids: int = 128
+    max_request_id_chars: int = 256
+    max_tenant_chars: int = 256
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompt_tokens", "max_prompt_bytes", "max_stop_strings", "max_stop_chars",
+            "max_stop_token_ids", "max_request_id_chars", "max_tenant_chars",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(name, f"must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def for_model(
+        cls,
+        max_model_len: int,
+        *,
+        max_prompt_tokens: int | None = None,
+        max_prompt_bytes: int | None = None,
+        **others: int,
+    ) -> RequestLimits:
+        """The defaults for a model of ``max_model_len`` tokens, with ``others`` overridden."""
+        return cls(
+            max_prompt_tokens=max_prompt_tokens or max_model_len,
+            max_prompt_bytes=max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len,
+            **others,
+        )
+
+    def max_message_bytes(self) -> int:
+        """A bound on the serialized ``GenerateRequest`` of a request within these limits."""
+        prompt = max(self.max_prompt_bytes, _UINT32_BYTES * self.max_prompt_tokens) + _FRAMING
+        stops = _UTF8_CHAR_BYTES * self.max_stop_chars + _FRAMING * self.max_stop_strings
+        stop_ids = _UINT32_BYTES * self.max_stop_token_ids + _FRAMING
+        names = _UTF8_CHAR_BYTES * (self.max_request_id_chars + self.max_tenant_chars)
+        total = prompt + stops + stop_ids + names + 3 * _FRAMING + _SCALARS_BYTES + _SLACK_BYTES
+        return -(-total // 1024) * 1024
+
+    # -- checks by size; each names the GenerateRequest field -----------------------------------
+
+    def check_prompt_tokens(self, count: int, field: str = "token_ids") -> None:
+        if count > self.max_prompt_tokens:
+            raise InvalidArgumentError(
+                field, f"{count} token ids; this router takes {self.max_prompt_tokens} at most"
+            )
+
+    def check_prompt_text(self, text: str, field: str = "text") -> None:
+        # Characters first: never more than the bytes, and free to count.
+        size = len(text) if len(text) > self.max_prompt_bytes else len(text.encode())
+        if size > self.max_prompt_bytes:
+            raise InvalidArgumentError(
+                field,
+                f"{size} or more UTF-8 bytes; this router takes {self.max_prompt_bytes} at most",
+            )
+
+    def check_stop_count(self, count: int, field: str = "sampling.stop") -> None:
+        if count > self.max_stop_strings:
+            raise InvalidArgumentError(
+                field, f"{count} stop strings; this router takes {self.max_stop_strings}"
+            )
+
+    def check_stops(self, stop: Sequence[str], field: str = "sampling.stop") -> None:
+        self.check_stop_count(len(stop), field)
+        chars = sum(len(s) for s in stop)
+        if chars > self.max_stop_chars:
+            raise InvalidArgumentError(
+                field,
+                f"{chars} characters of stop strings; this router takes {self.max_stop_chars} "
+                "in all",
+            )
+
+    def check_stop_token_ids(self, count: int, field: str = "sampling.stop_token_ids") -> None:
+        if count > self.max_stop_token_ids:
+            raise InvalidArgumentError(
+                field, f"{count} stop token ids; this router takes {self.max_stop_token_ids}"
+            )
+
+    def check_name(self, value: str, field: str) -> str:
+        """A request id or tenant: bounded, printable, no spaces (they end up in Redis keys)."""
+        limit = self.max_tenant_chars if field == "tenant" else self.max_request_id_chars
+        if len(value) > limit:
+            raise InvalidArgumentError(field, f"longer than {limit} characters")
+        if any(not c.isprintable() or c.isspace() for c in value):
+            raise InvalidArgumentError(field, "must not contain spaces or control characters")
+        return value
+
+
+def check_message(
+    request: router_pb2.GenerateRequest, limits: RequestLimits, *, tenant: str
+) -> None:
+    """Check every size-bounded field of ``request`` by its count or length, before anything
+    copies a repeated field out of it. ``tenant``: the one in force (metadata or field)."""
+    which = request.WhichOneof("prompt")
+    if which == "token_ids":
+        limits.check_prompt_tokens(len(request.token_ids.ids))
+    elif which == "text":
+        limits.check_prompt_text(request.text)
+    if request.HasField("sampling"):
+        s = request.sampling
+        limits.check_stop_token_ids(len(s.stop_token_ids))
+        limits.check_stop_count(len(s.stop))  # before the strings are copied out
+        limits.check_stops(s.stop)
+    if request.HasField("request_id"):
+        limits.check_name(request.request_id, "request_id")
+    limits.check_name(tenant, "tenant")
