@@ -36,9 +36,14 @@ class WorkerIdentity:
 
 
 def worker_info(
-    identity: WorkerIdentity, snapshot: EngineSnapshot, *, draining: bool
+    identity: WorkerIdentity,
+    snapshot: EngineSnapshot,
+    *,
+    draining: bool,
+    interval_s: float = 0.0,
 ) -> WorkerInfo:
-    """One heartbeat from the worker's identity and an engine snapshot."""
+    """One heartbeat from the worker's identity and an engine snapshot; ``interval_s``: the
+    time to the next one (a scheduler takes a worker two intervals late for gone)."""
     stats = snapshot.stats
     return WorkerInfo(
         id=identity.id,
@@ -54,6 +59,7 @@ def worker_info(
         running_seqs=stats.num_running,
         draining=draining,
         reservations=snapshot.tags,
+        interval_s=interval_s,
     )
 
 
@@ -75,11 +81,17 @@ class WorkerHeartbeat:
         self.identity = identity
         self.engine = engine
         self.draining = False
+        self.interval_s = interval_s
         self._heartbeater = Heartbeater(registry, self.current, interval_s=interval_s)
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
-        return worker_info(self.identity, self.engine.snapshot(), draining=self.draining)
+        return worker_info(
+            self.identity,
+            self.engine.snapshot(),
+            draining=self.draining,
+            interval_s=self.interval_s,
+        )
 
     @property
     def errors(self) -> int:
