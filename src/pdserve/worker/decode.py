@@ -230,7 +230,10 @@ class DecodeWorker:
         inbound = prefetch.inbound if prefetch is not None else self._inbound(kv)
         try:
             check_request(self.engine, request_id, prompt_ids, params)
-            if kv.model_fingerprint != self.fingerprint:
+            # A recompute handle moves no KV: one without a fingerprint (a migrated colocated
+            # request) has nothing to mismatch.
+            unnamed = kv.kind is TransportKind.RECOMPUTE and not kv.model_fingerprint
+            if kv.model_fingerprint != self.fingerprint and not unnamed:
                 raise KVPayloadMismatchError(
                     f"KV handle fingerprint {kv.model_fingerprint!r} differs from this "
                     f"worker's {self.fingerprint!r}"
