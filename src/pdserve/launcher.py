@@ -10,6 +10,8 @@ port (``--port 0 --port-file F``)::
 and returns once every service's gRPC health check says SERVING and every worker's heartbeat
 is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a grace period, then SIGKILL.
 Children also get ``PR_SET_PDEATHSIG``, so none outlives a launcher that is killed outright.
+With ``supervise`` a ``supervisor.Supervisor`` restarts a service (or the embedded Redis) that
+dies, on its port, while the rest serve on (``pdserve up`` supervises).
 
 Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
 free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
@@ -37,6 +39,7 @@ from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
 from pdserve.service_process import HOST, ServiceProcess, healthy, terminate
+from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.telemetry.service import describe_telemetry
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
@@ -94,6 +97,12 @@ class Cluster:
     host_lease: bool = True
     """The workers share this host's cores through a ``HostLease`` (one engine step at a
     time, decode steps first) instead of oversubscribing them."""
+    supervise: bool = False
+    """Restart services that die (``supervisor``), once the cluster is up."""
+    restart_policy: RestartPolicy | None = None
+    announce: Callable[[str], None] | None = None
+    """Hears the supervisor's exits, restarts and give-ups (default: the log)."""
+    supervisor: Supervisor | None = field(default=None, init=False)
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
@@ -174,6 +183,15 @@ class Cluster:
         except BaseException:
             self.stop(keep_logs=True)  # the error names the log dir
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(
+                self.services,
+                self.child_env(),
+                redis=self._redis,
+                policy=self.restart_policy,
+                announce=self.announce,
+            )
+            self.supervisor.start()
         return self
 
     def _start(self) -> None:
@@ -301,6 +319,8 @@ class Cluster:
         """Stop every service, router first and Redis last. Idempotent.
 
         A temporary log dir is deleted unless ``keep_logs``."""
+        if self.supervisor is not None:
+            self.supervisor.halt()  # no restart may race the shutdown
         tiers = [
             [s for s in self.services if s.name == "router"],
             self.workers(),
@@ -314,6 +334,9 @@ class Cluster:
             self._redis.stop()
             self._redis = None
             self.redis_url = None
+        if self.supervisor is not None:
+            self.supervisor.finish()  # its restarted children are stopped: its thread may end
+            self.supervisor = None
         if self._tmp is not None and not keep_logs:
             self._tmp.cleanup()
             self._tmp = None
@@ -366,6 +389,15 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-host-lease", dest="host_lease", action="store_false",
                    help="let the workers' engines run at once on this host's cores instead of "
                    "taking turns (decode steps first)")  # fmt: skip
+    p.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="stop the whole cluster when a service dies instead of restarting it",
+    )
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy().crash_loop_restarts,
+                   metavar="N", help="restarts of one service within a minute before it is "
+                   "given up (default: %(default)s)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
     p.add_argument(
@@ -401,7 +433,9 @@ def main_up(argv: Sequence[str]) -> int:
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
         worker_args=args.worker_arg, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
-        host_lease=args.host_lease,
+        host_lease=args.host_lease, supervise=args.restart,
+        restart_policy=RestartPolicy(crash_loop_restarts=args.max_restarts),
+        announce=lambda line: print(f"pdserve up: {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
     print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
     with cluster:
@@ -416,7 +450,13 @@ def main_up(argv: Sequence[str]) -> int:
             "Ctrl-C stops everything.",
             flush=True,
         )
-        while not stop.wait(1.0):  # also a liveness check of the children once a second
+        while not stop.wait(0.5):  # also a check of the children twice a second
+            if cluster.supervisor is not None:
+                if cluster.supervisor.fatal.is_set():
+                    gone = ", ".join(cluster.supervisor.given_up())
+                    print(f"pdserve up: {gone} keeps dying; stopping", file=sys.stderr)
+                    return 1
+                continue
             dead = cluster.failed()
             if dead:
                 for s in dead:
