@@ -146,6 +146,11 @@ class Cluster:
     def kvstore_address(self) -> str:
         return self._service("kvstore").address
 
+    @property
+    def embedded_redis(self) -> EmbeddedRedis | None:
+        """The cluster's own Redis; None when it uses one at ``redis_url``."""
+        return self._redis
+
     def metrics_urls(self) -> dict[str, str]:
         """Service name -> ``http://127.0.0.1:PORT/metrics``, in start order."""
         ports = self.metrics_ports
