@@ -123,3 +123,14 @@ def test_bounds_are_checked() -> None:
     with pytest.raises(InvalidArgumentError) as info:
         FlowConfig(migration_limit=-1)
     assert info.value.field == "migration_limit"
+
+
+def test_a_release_that_meets_a_restarting_scheduler_is_tried_again(tokenizer: Tokenizer) -> None:
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        await _collect(flow, _request(tokenizer))
+
+    def configure(f: Fakes) -> None:
+        f.release_failures = 2
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert ("res-0", False) in fakes.released and fakes.release_failures == 0

@@ -64,6 +64,8 @@ class Fakes(
     prefill_time_left: list[float | None] = field(default_factory=list)
     decode_calls: int = 0
     decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release_failures: int = 0
+    """The first this many full Release calls fail with UNAVAILABLE (a scheduler restarting)."""
     prefill_failures: int = 0
     """The first this many Prefill calls fail with UNAVAILABLE (a worker that died)."""
     decode_dies_after: int | None = None
@@ -91,6 +93,9 @@ class Fakes(
             self.release_seen.set()
         if self.release_gate is not None and not request.prefill_only:
             await self.release_gate.wait()
+        if self.release_failures > 0 and not request.prefill_only:
+            self.release_failures -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler restarting")
         self.released.append((request.reservation_id, request.prefill_only))
         return scheduler_pb2.ReleaseResponse(released=True)
 
