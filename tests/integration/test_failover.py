@@ -89,6 +89,34 @@ def test_decode_worker_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -
         run(body)
 
 
+def test_mixed_worker_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None:
+    """Colocated: the streams of a dead mixed worker move to the other one the same way."""
+    batch = jobs(12, 6)
+    expected = references(engine, batch)
+    with supervised(tiny_llama_dir, mode="colocated") as c:
+        mixed = c.workers("mixed")
+
+        async def body() -> None:
+            load = Load(c.router_address)
+            tasks = load.start(batch)
+            await until(
+                lambda: load.all_past(batch, 2) and any(running_on(c, m) for m in mixed),
+                "streams on a mixed worker",
+            )
+            victim = max(mixed, key=lambda m: running_on(c, m))
+            pid, killed_at = kill(victim)
+            watch = asyncio.create_task(detected(c, victim, killed_at))
+            outcomes = list(await asyncio.gather(*tasks))
+            check(outcomes, batch, expected)
+            assert any(o.transport == "recompute" for o in outcomes)
+            await watch
+            await restarted(c, victim.name)
+            await nothing_left(c, dead_pids={pid})
+            await load.client.close()
+
+        run(body)
+
+
 def test_prefill_worker_killed_with_hand_offs_in_flight(
     tiny_llama_dir: Path, engine: Engine
 ) -> None:
