@@ -35,6 +35,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             handle_from_proto(request.kv),
             tenant=request.tenant,
             reservation_id=request.reservation_id,
+            resumed=list(request.resumed_token_ids),
         )
         async with aclosing(stream):  # a cancelled RPC aborts the request at once
             async for delta in stream:

@@ -54,6 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, required=True, help="checkpoint dir (tokenizer + config)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
+    p.add_argument(
+        "--prefill-attempts",
+        type=int,
+        default=3,
+        help="tries in all of a request whose worker fails before its first token (>= 1)",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=2,
+        help="moves at most of a stream whose decode worker fails mid-way to another decode "
+        "worker, which resumes after the tokens already sent (0: fail the stream)",
+    )
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -145,7 +158,11 @@ async def serve(args: argparse.Namespace) -> None:
                 interceptors=telemetry.client_interceptors(),
                 security=security,
             ),
-            config=FlowConfig(mode=mode_from_name(args.mode)),
+            config=FlowConfig(
+                mode=mode_from_name(args.mode),
+                prefill_attempts=args.prefill_attempts,
+                migration_limit=args.migration_limit,
+            ),
         )
         stack.push_async_callback(flow.close)
         preparer = RequestPreparer(tokenizer, model_limits, limits, threads=args.tokenize_threads)

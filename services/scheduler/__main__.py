@@ -2,7 +2,8 @@
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> Redis client ->
 ClusterScheduler (tenant quotas from ``--api-keys`` and the ``--tenant-*`` flags) -> gRPC server
-(+ health, behind the internal credential check) -> serve until SIGTERM/SIGINT.
+(+ health, behind the internal credential check) -> serve until SIGTERM/SIGINT. Health says
+NOT_SERVING while Redis does not answer (the background refresh of the view tells).
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once the server is
 serving, so a launcher can wait for that file (``--metrics-port-file`` is written before it).
 """
@@ -143,8 +144,21 @@ async def serve(args: argparse.Namespace) -> None:
         )  # fmt: skip
         if args.port_file is not None:
             write_port_file(args.port_file, port)
-        async with kept_fresh(scheduler):  # assign finds the view fresh
-            await serve_until_signal(server, health, args.grace_s)
+        draining = False
+
+        async def reachable(ok: bool) -> None:
+            # Without Redis no request can be placed: say so, until it answers again.
+            if not draining:
+                await (health.set_serving() if ok else health.set_not_serving())
+
+        async def drain() -> None:
+            nonlocal draining
+            draining = True
+            await health.set_not_serving()  # again: a refresh may have come in between
+
+        # assign finds the view fresh; health follows Redis
+        async with kept_fresh(scheduler, on_reachable=reachable):
+            await serve_until_signal(server, health, args.grace_s, on_drain=drain)
     finally:
         await redis.aclose()
         telemetry.close()

@@ -176,6 +176,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         request.max_tokens,
                         mode=mode,
                         tenant=request.tenant,
+                        exclude=list(request.exclude),
+                        decode_only=request.decode_only,
                     )
                 outcome = "assigned"
             except Exception as err:

@@ -20,6 +20,9 @@ and the internal token between services, an embedded Redis with a password (its 
 the services through ``PDSERVE_REDIS_URL``, never a command line); ``api_keys`` makes the
 router demand API keys and the scheduler apply the tenants' quotas.
 
+With ``supervise`` a ``supervisor.Supervisor`` restarts a service (or the embedded Redis) that
+dies, on its port, while the rest serve on (``pdserve up`` supervises).
+
 Telemetry: every service serves Prometheus ``/metrics`` on its own port (``metrics_urls()``;
 free ports unless ``metrics_base_port`` is given) and traces into the OTLP collector at
 ``otlp_endpoint`` and/or the shared span file ``trace_file`` (``pdserve trace report
@@ -46,6 +49,7 @@ from pdserve.security.certs import ClusterCerts, make_certs
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.security.tls import TlsConfig
 from pdserve.service_process import HOST, ServiceProcess, terminate
+from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
@@ -112,6 +116,12 @@ class Cluster:
     """With ``tls_dir``: the router demands client certificates too (mutual TLS)."""
     api_keys: Path | None = None
     """The keys file of the router (API keys -> tenants) and scheduler (quotas)."""
+    supervise: bool = False
+    """Restart services that die (``supervisor``), once the cluster is up."""
+    restart_policy: RestartPolicy | None = None
+    announce: Callable[[str], None] | None = None
+    """Hears the supervisor's exits, restarts and give-ups (default: the log)."""
+    supervisor: Supervisor | None = field(default=None, init=False)
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     """Service name -> its bound ``/metrics`` port, once started."""
@@ -171,6 +181,11 @@ class Cluster:
     @property
     def kvstore_address(self) -> str:
         return self._service("kvstore").address
+
+    @property
+    def embedded_redis(self) -> EmbeddedRedis | None:
+        """The cluster's own Redis; None when it uses one at ``redis_url``."""
+        return self._redis
 
     def metrics_urls(self) -> dict[str, str]:
         """Service name -> ``http://127.0.0.1:PORT/metrics``, in start order."""
@@ -238,6 +253,15 @@ class Cluster:
         except BaseException:
             self.stop(keep_logs=True)  # the error names the log dir
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(
+                self.services,
+                self.child_env(),
+                redis=self._redis,
+                policy=self.restart_policy,
+                announce=self.announce,
+            )
+            self.supervisor.start()
         return self
 
     def _start(self) -> None:
@@ -380,6 +404,8 @@ class Cluster:
         """Stop every service, gateway and router first, Redis last. Idempotent.
 
         A temporary log dir is deleted unless ``keep_logs``."""
+        if self.supervisor is not None:
+            self.supervisor.halt()  # no restart may race the shutdown
         tiers = [
             [s for s in self.services if s.name == "gateway"],
             [s for s in self.services if s.name == "router"],
@@ -394,6 +420,9 @@ class Cluster:
             self._redis.stop()
             self._redis = None
             self.redis_url = None
+        if self.supervisor is not None:
+            self.supervisor.finish()  # its restarted children are stopped: its thread may end
+            self.supervisor = None
         if self._tmp is not None and not keep_logs:
             self._tmp.cleanup()
             self._tmp = None

@@ -47,14 +47,15 @@ class ServiceProcess:
             raise WorkerUnavailableError(f"{self.name} has not reported its port yet")
         return f"{HOST}:{self.port}"
 
-    def spawn(self, env: dict[str, str]) -> None:
-        """Start ``python -m MODULE --port 0 --port-file F ARGS`` with output to the log file."""
+    def spawn(self, env: dict[str, str], *, port: int = 0) -> None:
+        """Start ``python -m MODULE --port P --port-file F ARGS`` with output to the log file
+        (appended to: a restart's log follows its predecessor's). ``port`` 0: any free port."""
         argv = [
             sys.executable,
             "-m",
             self.module,
             "--port",
-            "0",
+            str(port),
             "--port-file",
             str(self.port_file),
         ]

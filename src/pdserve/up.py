@@ -15,6 +15,7 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.launcher import Cluster, default_model
 from pdserve.scheduling import redacted
 from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
+from pdserve.supervisor import RestartPolicy
 from pdserve.telemetry.service import describe_telemetry
 
 DEFAULT_HTTP_PORT = 8000
@@ -40,6 +41,15 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-host-lease", dest="host_lease", action="store_false",
                    help="let the workers' engines run at once on this host's cores instead of "
                    "taking turns (decode steps first)")  # fmt: skip
+    p.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="stop the whole cluster when a service dies instead of restarting it",
+    )
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy().crash_loop_restarts,
+                   metavar="N", help="restarts of one service within a minute before it is "
+                   "given up (default: %(default)s)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
     p.add_argument(
@@ -84,7 +94,9 @@ def main_up(argv: Sequence[str]) -> int:
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
         worker_args=args.worker_arg, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
-        host_lease=args.host_lease,
+        host_lease=args.host_lease, supervise=args.restart,
+        restart_policy=RestartPolicy(crash_loop_restarts=args.max_restarts),
+        announce=lambda line: print(f"pdserve up: {line}", file=sys.stderr, flush=True),
         http_port=None if args.no_http else args.http_port,
         tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
     )  # fmt: skip
@@ -100,7 +112,13 @@ def main_up(argv: Sequence[str]) -> int:
             "Ctrl-C stops everything.",
             flush=True,
         )
-        while not stop.wait(1.0):  # also a liveness check of the children once a second
+        while not stop.wait(0.5):  # also a check of the children twice a second
+            if cluster.supervisor is not None:
+                if cluster.supervisor.fatal.is_set():
+                    gone = ", ".join(cluster.supervisor.given_up())
+                    print(f"pdserve up: {gone} keeps dying; stopping", file=sys.stderr)
+                    return 1
+                continue
             dead = cluster.failed()
             if dead:
                 for s in dead:

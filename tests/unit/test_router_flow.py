@@ -18,7 +18,7 @@ import pytest
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdServeError
-from pdserve.router import RequestFlow, RouteChunk, RouteRequest
+from pdserve.router import FlowConfig, RequestFlow, RouteChunk, RouteRequest
 from pdserve.router.downstream import DeadlineExceededError, DownstreamError
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
@@ -64,15 +64,25 @@ class Fakes(
     prefill_time_left: list[float | None] = field(default_factory=list)
     decode_calls: int = 0
     decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    release_failures: int = 0
+    """The first this many full Release calls fail with UNAVAILABLE (a scheduler restarting)."""
+    prefill_failures: int = 0
+    """The first this many Prefill calls fail with UNAVAILABLE (a worker that died)."""
+    decode_dies_after: int | None = None
+    """The first Decode call streams this many tokens, then fails with UNAVAILABLE."""
+    assign_requests: list[scheduler_pb2.AssignRequest] = field(default_factory=list)
+    decode_requests: list[decode_pb2.DecodeRequest] = field(default_factory=list)
 
     async def Assign(self, request: Any, context: Any) -> scheduler_pb2.Assignment:  # noqa: N802
         if self.assign_gate is not None:
             await self.assign_gate.wait()
         if self.assign_error is not None:
             await context.abort(self.assign_error, "no room")
+        self.assign_requests.append(request)
         rid = f"res-{len(self.assigned)}"
         self.assigned.append(rid)
-        worker = scheduler_pb2.WorkerRef(id="w", address=self.address, host="h")
+        # A new worker id per placement (all served here), so exclusions can be checked.
+        worker = scheduler_pb2.WorkerRef(id=f"w{rid[4:]}", address=self.address, host="h")
         return scheduler_pb2.Assignment(
             reservation_id=rid, prefill=worker, decode=worker,
             mode=common_pb2.MODE_DISAGGREGATED, ttl_s=60.0,
@@ -83,11 +93,17 @@ class Fakes(
             self.release_seen.set()
         if self.release_gate is not None and not request.prefill_only:
             await self.release_gate.wait()
+        if self.release_failures > 0 and not request.prefill_only:
+            self.release_failures -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler restarting")
         self.released.append((request.reservation_id, request.prefill_only))
         return scheduler_pb2.ReleaseResponse(released=True)
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         self.prefill_time_left.append(context.time_remaining())
+        if self.prefill_failures > 0:
+            self.prefill_failures -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker went away")
         resp = prefill_pb2.PrefillResponse(
             first_token_id=FIRST, first_logprob=-1.0, finish_reason=self.prefill_finish,  # type: ignore[arg-type]
             queue_ms=1.0, compute_ms=2.0, transfer_ms=3.0, transfer_bytes=100,
@@ -106,11 +122,17 @@ class Fakes(
 
     async def Decode(self, request: Any, context: Any) -> AsyncIterator[decode_pb2.DecodeChunk]:  # noqa: N802
         self.decode_calls += 1
+        self.decode_requests.append(request)
         if self.decode_error is not None:
             await context.abort(self.decode_error, "worker went away")
+        dies_after, self.decode_dies_after = self.decode_dies_after, None
+        # A migrated call continues after the tokens it is given.
+        tokens = self.decode_tokens[len(request.resumed_token_ids) :]
         try:
-            for i, token in enumerate(self.decode_tokens):
-                last = i == len(self.decode_tokens) - 1 and not self.decode_hang
+            for i, token in enumerate(tokens):
+                if i == dies_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker died")
+                last = i == len(tokens) - 1 and not self.decode_hang
                 chunk = decode_pb2.DecodeChunk(token_ids=[token], logprobs=[-0.5])
                 if last:
                     chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
@@ -136,6 +158,7 @@ def run_with_fakes(
     tokenizer: Tokenizer,
     configure: Callable[[Fakes], None],
     body: Callable[[RequestFlow, Fakes], Awaitable[Any]],
+    config: FlowConfig | None = None,
 ) -> Fakes:
     """Serve the fakes, run ``body`` with a flow pointed at them, wait for its clean-ups."""
 
@@ -152,7 +175,7 @@ def run_with_fakes(
             add(fakes, server)  # type: ignore[operator]
         fakes.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
-        flow = RequestFlow(scheduler_address=fakes.address, tokenizer=tokenizer)
+        flow = RequestFlow(scheduler_address=fakes.address, tokenizer=tokenizer, config=config)
         try:
             await body(flow, fakes)
         finally:
@@ -280,12 +303,12 @@ def test_decode_failure_is_reported_and_cleaned_up(tokenizer: Tokenizer) -> None
         with pytest.raises(DownstreamError) as info:
             await _collect(flow, _request(tokenizer))
         assert info.value.grpc_code == "UNAVAILABLE"
-        assert "Decode on w" in str(info.value) and "worker went away" in str(info.value)
+        assert "Decode on w0" in str(info.value) and "worker went away" in str(info.value)
 
     def configure(f: Fakes) -> None:
         f.decode_error = grpc.StatusCode.UNAVAILABLE
 
-    fakes = run_with_fakes(tokenizer, configure, body)
+    fakes = run_with_fakes(tokenizer, configure, body, FlowConfig(migration_limit=0))
     assert ("res-0", False) in fakes.released
     assert fakes.deleted == ["kv-r1"]  # nobody consumed the payload
 

@@ -49,6 +49,10 @@ from pdserve.v1 import router_pb2, router_pb2_grpc
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # A router restarted on its address is reached again within a second (gRPC's default
+    # reconnect backoff grows to two minutes), in time for the retries of UNAVAILABLE.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 

@@ -154,6 +154,7 @@ class Engine:
         cache_salt: str = "",
         kv: KVPayload | None = None,
         first_token: tuple[int, float] | None = None,
+        generated: Seq[int] = (),
     ) -> list[int]:
         """Queue a request; returns its prompt token ids.
 
@@ -161,6 +162,10 @@ class Engine:
         ``layer_hook``: called per layer as the prompt's KV completes (for streaming hand-off).
         ``cache_salt``: prefix-cache namespace (a tenant): equal prompts with different salts
         share no blocks. ``kv`` + ``first_token``: continue a request prefilled elsewhere.
+        ``generated``: output tokens another engine produced before it went away (a migrated
+        request; not with ``kv``): the prompt and these are prefilled as a preempted
+        sequence is, and the request continues at output position ``len(generated)``, so
+        ``max_tokens``, stop conditions and seeded draws run on as if it had never moved.
         """
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self._held:
@@ -171,6 +176,7 @@ class Engine:
             max_model_len=self.max_model_len,
             prompt_len=len(token_ids),
         )
+        resumed = self._resumed_ids(generated, params, kv)
         need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
             raise CapacityError(
@@ -195,7 +201,9 @@ class Engine:
             seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             seq.generator = torch.Generator(device=self.runner.device)
         req = _Request(seq, TextStream(self.tokenizer, params.stop))
-        if kv is None:
+        if resumed:
+            self._resume(req, resumed)
+        elif kv is None:
             self.scheduler.add(seq)
         else:
             self._check_import(kv, token_ids, first_token)
@@ -225,6 +233,40 @@ class Engine:
                 "prompt", f"{len(ids)} tokens; the model's maximum length is {self.max_model_len}"
             )
         return ids
+
+    def _resumed_ids(
+        self, generated: Seq[int], params: SamplingParams, kv: KVPayload | None
+    ) -> list[int]:
+        ids = [int(t) for t in generated]
+        if not ids:
+            return ids
+        if kv is not None:
+            raise InvalidArgumentError("generated", "a resumed request brings no KV")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgumentError("generated", f"token {bad} outside [0, {vocab})")
+        if len(ids) >= params.max_tokens:
+            raise InvalidArgumentError(
+                "generated", f"{len(ids)} tokens leave nothing of max_tokens {params.max_tokens}"
+            )
+        return ids
+
+    def _resume(self, req: _Request, generated: list[int]) -> None:
+        """Queue a sequence that already has output tokens. Its text stream sees them (they
+        were streamed elsewhere), so that a stop string spanning the move is still caught."""
+        seq = req.seq
+        for token in generated:
+            if req.text.add(token):
+                raise InvalidArgumentError("generated", "a stop string already ended the request")
+        req.text.take()  # streamed already
+        seq.token_ids += generated
+        seq.output_logprobs += [0.0] * len(generated)  # reported by the engine that drew them
+        if self.scheduler.token_stop(seq, generated[-1]) is not None:
+            raise InvalidArgumentError(
+                "generated", "the request already ended (a stop token or its length)"
+            )
+        self.scheduler.add(seq)
 
     def _check_import(
         self, kv: KVPayload, token_ids: list[int], first: tuple[int, float] | None

@@ -52,6 +52,10 @@ item is a lead sent in front of the data, in the same chunk, and covered by the 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Reconnect to a store restarted on its address within a second, not gRPC's default of
+    # up to two minutes: hand-offs recompute until then.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.rpc.server import DEFAULT_OPTIONS
+from pdserve.rpc.server import CHANNEL_OPTIONS
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 
@@ -34,7 +34,7 @@ class ChannelPool:
         *,
         max_size: int = 64,
         evict_grace_s: float = 30.0,
-        options: tuple[tuple[str, Any], ...] = DEFAULT_OPTIONS,
+        options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         security: SecurityOptions = INSECURE,
     ) -> None:

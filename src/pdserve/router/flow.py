@@ -17,6 +17,11 @@ while that chunk is on its way to the caller, and the release of the reservation
 background (tracked, in a trace of its own): the caller's call ends right after its last chunk,
 without waiting for the scheduler. Every downstream call gets the caller's remaining deadline.
 
+A worker that fails a request (UNAVAILABLE) does not fail it for the caller: before any token
+went out the request is placed again elsewhere, after that it migrates to another decode
+worker, which resumes after the tokens already streamed (``failover``; bounded by
+``FlowConfig.prefill_attempts`` and ``migration_limit``).
+
 Tracing (``observed``): the flow records ``router.mode_decision``, names the mode on
 ``router.request`` and hands it, with the last stage's end, to every call (``handover``), so
 the stages tile the request. A stream that sent its last chunk is read to its end, not cancelled.
@@ -43,6 +48,7 @@ from pdserve.router.downstream import (
     downstream_error,
     unary_call,
 )
+from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
@@ -77,6 +83,13 @@ class FlowConfig:
     """Bound on Scheduler.Assign, independent of the caller's deadline (see ``_assign``)."""
     renew_fraction: float = 0.5
     """Renew a reservation after this fraction of its TTL (long decodes outlive the TTL)."""
+    prefill_attempts: int = 3
+    """Tries in all of a request whose worker fails before any token went out."""
+    migration_limit: int = 2
+    """Migrations at most of a request whose stream breaks mid-way; 0: none."""
+
+    def __post_init__(self) -> None:
+        Attempts(self.prefill_attempts, self.migration_limit)  # validates them
 
 
 class RequestFlow:
@@ -130,10 +143,7 @@ class RequestFlow:
         try:
             assignment = await self._assign(run, self.config.mode)
             name_mode(run.root, assignment.mode)  # the scheduler has the last word
-            if assignment.mode == common_pb2.MODE_COLOCATED:
-                stream = self._colocated(run, assignment)
-            else:
-                stream = self._disaggregated(run, assignment)
+            stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     yield chunk
@@ -174,16 +184,61 @@ class RequestFlow:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _assign(self, run: RequestState, mode: common_pb2.Mode) -> scheduler_pb2.Assignment:
+    async def _serve(
+        self, run: RequestState, assignment: scheduler_pb2.Assignment
+    ) -> AsyncGenerator[RouteChunk, None]:
+        """Run the request on ``assignment``; when a worker fails it, place it again and go
+        on: from the start while no token went out, else as a migration (``failover``)."""
+        attempts = Attempts(self.config.prefill_attempts, self.config.migration_limit)
+        while True:
+            if run.streamed:
+                stream = self._migrated(run, assignment)
+            elif assignment.mode == common_pb2.MODE_COLOCATED:
+                stream = self._colocated(run, assignment)
+            else:
+                stream = self._disaggregated(run, assignment)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for chunk in stream:
+                        yield chunk
+                return
+            except PdServeError as err:
+                if not attempts.another(err, migrating=bool(run.streamed)):
+                    raise
+                run.failed_workers.append(run.serving)
+                logger.warning(
+                    "request %s: %s; %s", run.request.request_id, err,
+                    f"migrating after {len(run.streamed)} tokens" if run.streamed
+                    else "placing it again",
+                )  # fmt: skip
+                assignment = await self._reassign(run, assignment.mode)
+
+    async def _reassign(self, run: RequestState, mode: common_pb2.Mode) -> scheduler_pb2.Assignment:
+        """Give the failed attempt's reservation back and place the request again, away
+        from the workers that failed it; a decode worker alone once tokens went out."""
+        if run.renewer is not None:
+            run.renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run.renewer
+            run.renewer = None
+        if run.reservation_id:
+            run.tasks.append(asyncio.create_task(self.housekeeper.release(run.reservation_id)))
+            run.reservation_id = ""
+        return await self._assign(run, mode, decode_only=bool(run.streamed))
+
+    async def _assign(
+        self, run: RequestState, mode: common_pb2.Mode, *, decode_only: bool = False
+    ) -> scheduler_pb2.Assignment:
         req = run.request
         step = "Scheduler.Assign"
         remaining = run.clock.remaining(step)
         # The router's own part ends here: validation and tokenization (by the caller, since
         # the request arrived), and the mode, today always the configured one.
         asked_ns = time.time_ns()
-        record_mode_decision(
-            run.root, run.stage_end_ns or asked_ns, asked_ns, mode, len(req.prompt_token_ids)
-        )
+        if not run.failed_workers:  # a placement after a failure decides nothing new
+            record_mode_decision(
+                run.root, run.stage_end_ns or asked_ns, asked_ns, mode, len(req.prompt_token_ids)
+            )
         # The call runs to completion even when the caller's deadline or a cancellation cuts the
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
@@ -195,6 +250,8 @@ class RequestFlow:
                     max_tokens=req.params.max_tokens,
                     mode=mode,
                     tenant=req.tenant,
+                    exclude=run.failed_workers,
+                    decode_only=decode_only,
                 ),
                 timeout=self.config.assign_timeout_s,
             )
@@ -224,6 +281,7 @@ class RequestFlow:
         req = run.request
         worker = assignment.prefill
         step = f"Prefill on {worker.id} ({worker.address})"
+        run.serving = worker.id
         prefill = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
         with handing_over(run.stage_end_ns or time.time_ns(), run.root):
             call = prefill.Prefill(
@@ -287,6 +345,7 @@ class RequestFlow:
             asyncio.create_task(self.housekeeper.release(run.reservation_id, prefill_only=True))
         )
         step = f"Decode on {worker.id} ({worker.address})"
+        run.serving = worker.id
         decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
         with handing_over(run.stage_end_ns or time.time_ns(), run.root):
             stream = decode.Decode(
@@ -311,6 +370,7 @@ class RequestFlow:
         req = run.request
         worker = assignment.prefill
         step = f"Mixed.Generate on {worker.id} ({worker.address})"
+        run.serving = worker.id
         mixed = decode_pb2_grpc.MixedStub(self.channels.get(worker.address))
         with handing_over(run.stage_end_ns or time.time_ns(), run.root):
             stream = mixed.Generate(
@@ -331,6 +391,32 @@ class RequestFlow:
             t.prefill_ms = last.timing.prefill_ms
             t.decode_ms = last.timing.decode_ms
             run.cached_tokens = last.num_cached_tokens
+
+        async for chunk in self._relay(run, step, stream, absorb):
+            yield chunk
+
+    async def _migrated(
+        self, run: RequestState, assignment: scheduler_pb2.Assignment
+    ) -> AsyncGenerator[RouteChunk, None]:
+        """Continue after ``run.streamed`` on the assignment's decode worker, which prefills
+        the prompt and those tokens itself (``failover``)."""
+        worker = assignment.decode
+        step = f"Decode (migrated) on {worker.id} ({worker.address})"
+        run.serving = worker.id
+        request = migrated_request(
+            run.request,
+            run.streamed,
+            reservation_id=run.reservation_id,
+            fingerprint=run.kv.model_fingerprint if run.kv is not None else "",
+            reason=f"migrated from {run.failed_workers[-1]} after {len(run.streamed)} tokens",
+        )
+        decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+            stream = decode.Decode(request, timeout=run.clock.remaining(step))
+        run.calls.append(stream)
+
+        def absorb(last: decode_pb2.DecodeChunk) -> None:
+            run.timing.absorb_decode(last.timing)
 
         async for chunk in self._relay(run, step, stream, absorb):
             yield chunk

@@ -29,6 +29,10 @@ from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, scheduler_pb2,
 logger = logging.getLogger(__name__)
 
 
+RELEASE_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
+"""Waits before each new try of a Release that found the scheduler unreachable: long enough
+for a supervised scheduler to come back."""
+
 Track = Callable[[Coroutine[Any, Any, None]], Any]
 """Starts a background clean-up that outlives the request (its owner waits for it on close)."""
 
@@ -66,20 +70,26 @@ class Housekeeper:
         await self.release(reservation_id)
 
     async def release(self, reservation_id: str, *, prefill_only: bool = False) -> None:
-        """Scheduler.Release (only the prefill share with ``prefill_only``)."""
-        try:
-            await self._scheduler().Release(
-                scheduler_pb2.ReleaseRequest(
-                    reservation_id=reservation_id, prefill_only=prefill_only
-                ),
-                timeout=self.timeout_s,
-            )
-        except AioRpcError as err:
-            # The reservation expires by its TTL; the request itself is unaffected.
-            logger.warning(
-                "Release of reservation %s failed (%s: %s); it expires by its TTL",
-                reservation_id, err.code().name, err.details(),
-            )  # fmt: skip
+        """Scheduler.Release (only the prefill share with ``prefill_only``). While the
+        scheduler is unreachable (restarting) the call is tried again a few times
+        (``RELEASE_BACKOFF_S``): a release lost holds the capacity until the TTL."""
+        request = scheduler_pb2.ReleaseRequest(
+            reservation_id=reservation_id, prefill_only=prefill_only
+        )
+        for backoff_s in (*RELEASE_BACKOFF_S, None):
+            try:
+                await self._scheduler().Release(request, timeout=self.timeout_s)
+                return
+            except AioRpcError as err:
+                if err.code() is grpc.StatusCode.UNAVAILABLE and backoff_s is not None:
+                    await asyncio.sleep(backoff_s)  # a backoff, not synchronisation
+                    continue
+                # The reservation expires by its TTL; the request itself is unaffected.
+                logger.warning(
+                    "Release of reservation %s failed (%s: %s); it expires by its TTL",
+                    reservation_id, err.code().name, err.details(),
+                )  # fmt: skip
+                return
 
     async def renew_forever(self, reservation_id: str, ttl_s: float) -> None:
         """Renew the reservation before each TTL runs out, until cancelled or it is gone."""

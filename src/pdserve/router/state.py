@@ -60,6 +60,12 @@ class RequestState:
     """True once a decode worker has streamed from the KV (it then owns the payload)."""
     timing: RouteTiming = field(default_factory=RouteTiming)
     completion_tokens: int = 0
+    streamed: list[int] = field(default_factory=list)
+    """Every token streamed to the caller so far (a migration resumes after them)."""
+    serving: str = ""
+    """Id of the worker the current call runs on (blamed if it fails)."""
+    failed_workers: list[str] = field(default_factory=list)
+    """Workers that failed this request; a new placement excludes them."""
     cached_tokens: int = 0
     first_sent: bool = False
     root: trace.Span | None = None
@@ -85,6 +91,7 @@ class RequestState:
                 finish = finish if finish is not None else FinishReason.STOP
                 break
         self.completion_tokens += kept
+        self.streamed += tokens[:kept]
         chunk = RouteChunk(
             self.request.request_id,
             token_ids=tokens[:kept],

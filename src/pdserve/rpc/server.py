@@ -46,6 +46,16 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
 
+RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    # A channel whose peer went away fails calls at once and reconnects with backoff, by
+    # default up to 120 s apart: a service restarted on the same address (``pdserve up``'s
+    # supervisor) would stay unreachable that long after it is back.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = DEFAULT_OPTIONS + RECONNECT_OPTIONS
+"""Options of the channels services open to each other."""
+
 
 class ServiceHealth(health_aio.HealthServicer):
     """The standard health servicer, knowing which services this server hosts.

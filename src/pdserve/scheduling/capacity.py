@@ -145,6 +145,17 @@ def shortfall(view: WorkerView, claim: Claim, limits: CapacityLimits) -> str | N
     return None
 
 
+STALE_AFTER_INTERVALS = 2.0
+"""A worker whose last heartbeat is older than this many of its intervals is gone: it missed
+two beats in a row (its key lives three intervals, a margin for a slow Redis write)."""
+
+
+def stale(view: WorkerView) -> bool:
+    """True when the worker's heartbeat is too old for it to be alive."""
+    interval = view.info.interval_s
+    return interval > 0 and view.heartbeat_age_s > STALE_AFTER_INTERVALS * interval
+
+
 def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None) -> str | None:
     """Why ``view`` must not serve ``phase`` regardless of load, or None."""
     if view.info.role is not phase.role:

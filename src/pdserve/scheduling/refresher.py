@@ -8,7 +8,9 @@ a task refreshes the view every half interval instead, so that ``assign`` finds 
 its only Redis round trips are the optimistic re-check and the commit.
 
 While Redis is unreachable the task logs once and keeps trying; ``assign`` reports the outage
-to its callers (UNAVAILABLE) as before.
+to its callers (UNAVAILABLE) as before. ``on_reachable`` hears of each change (the first
+refresh's outcome included), so that the service's health can say NOT_SERVING while the
+scheduler cannot place anything.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -25,9 +27,16 @@ from pdserve.scheduling.scheduler import ClusterScheduler
 logger = logging.getLogger(__name__)
 
 
+Reachable = Callable[[bool], Awaitable[None]]
+"""Told whether Redis answered, whenever that changes."""
+
+
 @contextlib.asynccontextmanager
 async def kept_fresh(
-    scheduler: ClusterScheduler, *, period_s: float | None = None
+    scheduler: ClusterScheduler,
+    *,
+    period_s: float | None = None,
+    on_reachable: Reachable | None = None,
 ) -> AsyncIterator[None]:
     """Refresh ``scheduler``'s view every ``period_s`` (default half its
     ``refresh_interval_s``) while inside; the task is cancelled and awaited on the way out.
@@ -36,7 +45,9 @@ async def kept_fresh(
     if not period > 0:
         yield
         return
-    task = asyncio.create_task(_refresh_every(scheduler, period), name="scheduler-view-refresh")
+    task = asyncio.create_task(
+        _refresh_every(scheduler, period, on_reachable), name="scheduler-view-refresh"
+    )
     try:
         yield
     finally:
@@ -45,20 +56,27 @@ async def kept_fresh(
             await task
 
 
-async def _refresh_every(scheduler: ClusterScheduler, period_s: float) -> None:
-    failing = False
+async def _refresh_every(
+    scheduler: ClusterScheduler, period_s: float, on_reachable: Reachable | None
+) -> None:
+    failing: bool | None = None  # unknown until the first refresh
     while True:
         try:
             await scheduler.refresh()
         except (RedisError, OSError) as err:  # assign reports an outage to its callers
-            if not failing:
+            if failing is not True:
                 logger.warning(
                     "cannot refresh the scheduler's view of the workers: %r (retrying every "
                     "%.3g s)", err, period_s,
                 )  # fmt: skip
+                if on_reachable is not None:
+                    await on_reachable(False)
             failing = True
         else:
-            if failing:
-                logger.info("the scheduler's view of the workers is refreshed again")
+            if failing is not False:
+                if failing:
+                    logger.info("the scheduler's view of the workers is refreshed again")
+                if on_reachable is not None:
+                    await on_reachable(True)
             failing = False
         await asyncio.sleep(period_s)

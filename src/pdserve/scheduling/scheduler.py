@@ -5,20 +5,23 @@ Lifecycle of one ``assign()``:
 1. Decide from the cache. The scheduler keeps a view of every live worker (heartbeat plus
    reserved amounts) that is at most ``refresh_interval_s`` old, so a decision costs no Redis
    round trip to *choose* (the service refreshes it in the background, ``refresher``; without
-   that, the decision that finds it too old refreshes it first). It drops workers that are
-   draining, of the wrong role, excluded earlier in this call, or too full on that view, and
-   lets the placement policy order the rest: a decode worker (the scarce KV blocks) first, then
-   a prefill worker with the same model fingerprint; or a single mixed worker in colocated
-   mode. If nothing fits, the view is refreshed once before refusing, so a refusal is never
-   based on data older than the call.
+   that, the decision that finds it too old refreshes it first). The view leaves out workers
+   whose heartbeat is more than two of their intervals old (gone, though their key may live
+   on). It drops workers that are draining, of the wrong role, excluded by the caller (they
+   failed this request) or earlier in this call, or too full on that view, and lets the
+   placement policy order the rest: a decode worker (the scarce KV blocks) first, then a
+   prefill worker with the same model fingerprint; or a single mixed worker in colocated
+   mode; or a decode worker alone for a request migrating from a dead one (``decode_only``).
+   If nothing fits, the view is refreshed once before refusing, so a refusal is never based
+   on data older than the call.
 2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
    assigns queue instead of invalidating each other), then WATCH the chosen workers'
    heartbeat keys and reservation sets.
-3. Re-check on fresh data read under the WATCH: each worker is alive (its key exists), not
-   draining, both workers have the same model fingerprint, and each has room for this request
-   on top of the live reservations it has not admitted yet (decode: ceil((prompt + max_tokens)
-   / block_size) blocks <= free - reserved; prefill: pending + prompt tokens within its queue
-   limit; see ``capacity.shortfall``).
+3. Re-check on fresh data read under the WATCH: each worker is alive (its key exists and its
+   heartbeat is not stale), not draining, both workers have the same model fingerprint, and
+   each has room for this request on top of the live reservations it has not admitted yet
+   (decode: ceil((prompt + max_tokens) / block_size) blocks <= free - reserved; prefill:
+   pending + prompt tokens within its queue limit; see ``capacity.shortfall``).
 4. MULTI/EXEC the reservation (``reservations.ReservationLedger``, whose docstring explains
    the Redis layout and why expired reservations stop counting): one sorted-set member per
    worker scored by its expiry, plus a record with the same TTL. If another scheduler committed
@@ -68,6 +71,7 @@ from pdserve.scheduling.capacity import (
     WorkerView,
     ineligibility,
     shortfall,
+    stale,
 )
 from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
@@ -81,6 +85,9 @@ from pdserve.scheduling.reservations import (
 from pdserve.scheduling.worker_info import WorkerInfo
 
 _EXPIRED = "heartbeat expired"
+_STALE = "heartbeat stale"
+_EXCLUDED = "excluded by the caller"
+_GONE = (_EXPIRED, _STALE, _EXCLUDED)
 
 
 @contextlib.contextmanager
@@ -197,9 +204,9 @@ class ClusterScheduler:
             started = time.monotonic()
             infos = await self.registry.list_workers()
             reserved, now_s = await self.ledger.reserved_on(infos)
-            self._views = {
-                i.id: WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos
-            }
+            views = (WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos)
+            # A worker two heartbeats late is gone, even while its key lives on.
+            self._views = {v.id: v for v in views if not stale(v)}
             self._refreshed_at = started
             self.refreshes += 1
 
@@ -219,14 +226,21 @@ class ClusterScheduler:
         *,
         mode: Mode | None = None,
         tenant: str = "",
+        exclude: Sequence[str] = (),
+        decode_only: bool = False,
     ) -> Assignment:
         """Choose workers for a request and reserve capacity on them (see module docstring).
 
         ``mode`` None takes ``default_mode``. ``tenant``'s quota caps its live reservations
-        (``QuotaExceededError``); no placement policy uses the tenant yet.
+        (``QuotaExceededError``); no placement policy uses the tenant yet. ``exclude``: worker
+        ids not to choose (they failed this request). ``decode_only``: reserve a decode worker
+        alone (a migration; it recomputes the prompt), named as ``prefill`` too; colocated
+        mode ignores it.
         """
         with _redis_reachable():
-            return await self._assign(request_id, prompt_tokens, max_tokens, mode, tenant)
+            return await self._assign(
+                request_id, prompt_tokens, max_tokens, mode, tenant, exclude, decode_only
+            )
 
     async def _assign(
         self,
@@ -235,13 +249,17 @@ class ClusterScheduler:
         max_tokens: int,
         mode: Mode | None,
         tenant: str,
+        exclude: Sequence[str],
+        decode_only: bool,
     ) -> Assignment:
         chosen_mode = self.default_mode if mode is None else Mode(mode)
-        phases = (
-            (Phase.COLOCATED,) if chosen_mode is Mode.COLOCATED else (Phase.PREFILL, Phase.DECODE)
-        )
+        if chosen_mode is Mode.COLOCATED:
+            phases: tuple[Phase, ...] = (Phase.COLOCATED,)
+        else:
+            phases = (Phase.DECODE,) if decode_only else (Phase.PREFILL, Phase.DECODE)
         demands = {ph: Demand(prompt_tokens, max_tokens, ph) for ph in phases}
-        excluded: dict[str, str] = {}  # worker id -> why it failed the re-check in this call
+        # worker id -> why it is out of this call (the caller's word, or a failed re-check)
+        excluded: dict[str, str] = dict.fromkeys(exclude, _EXCLUDED)
         called_at = time.monotonic()
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -311,6 +329,8 @@ class ClusterScheduler:
             best = self._ranked(views, demands[Phase.COLOCATED], None)
             return (best[0],) if best else Phase.COLOCATED.value
         decodes = self._ranked(views, demands[Phase.DECODE], None)
+        if Phase.PREFILL not in demands:  # decode only: the worker recomputes the prompt
+            return (decodes[0],) if decodes else Phase.DECODE.value
         for decode in decodes:
             fingerprint = decode.info.model_fingerprint
             prefills = self._ranked(views, demands[Phase.PREFILL], fingerprint)
@@ -338,6 +358,8 @@ class ClusterScheduler:
             view = fresh[part.worker_id]
             if view is None:
                 raise RecheckFailedError(part.worker_id, _EXPIRED)
+            if stale(view):
+                raise RecheckFailedError(part.worker_id, _STALE)
             why = ineligibility(view, part.phase, fingerprint) or shortfall(
                 view, part.claim, self.limits
             )
@@ -359,7 +381,7 @@ class ClusterScheduler:
         alive = [
             v
             for v in self._views.values()
-            if v.info.role is role and not v.info.draining and excluded.get(v.id) != _EXPIRED
+            if v.info.role is role and not v.info.draining and excluded.get(v.id) not in _GONE
         ]
         what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
         if not alive:

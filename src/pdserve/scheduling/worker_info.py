@@ -61,6 +61,9 @@ class WorkerInfo:
     """Unix time (seconds) at which the heartbeat was taken."""
     reservations: tuple[str, ...] = ()
     """Reservation ids already admitted, i.e. already counted in kv_blocks_free/queued_tokens."""
+    interval_s: float = 0.0
+    """Seconds between the worker's heartbeats: a heartbeat older than two of them means the
+    worker is gone, before its key expires (0: unknown; only the key's expiry counts)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -90,8 +93,10 @@ class WorkerInfo:
                 raise InvalidArgumentError(name, f"must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.draining, bool):
             raise InvalidArgumentError("draining", f"must be a bool, got {self.draining!r}")
-        if not isinstance(self.ts, int | float) or isinstance(self.ts, bool):
-            raise InvalidArgumentError("ts", f"must be a number, got {self.ts!r}")
+        for name in ("ts", "interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise InvalidArgumentError(name, f"must be a number, got {value!r}")
         object.__setattr__(self, "reservations", tuple(self.reservations))
         if not all(isinstance(r, str) for r in self.reservations):
             raise InvalidArgumentError("reservations", "must be reservation id strings")

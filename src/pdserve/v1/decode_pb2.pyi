@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "first_logprob", "sampling", "kv", "reservation_id", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "first_logprob", "sampling", "kv", "reservation_id", "tenant", "resumed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DecodeRequest(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -26,7 +27,8 @@ class DecodeRequest(_message.Message):
     kv: _common_pb2.KVHandle
     reservation_id: str
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., reservation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., reservation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("kv",)

@@ -9,18 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "tenant")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "tenant", "exclude", "decode_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
     mode: _common_pb2.Mode
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    exclude: _containers.RepeatedScalarFieldContainer[str]
+    decode_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., tenant: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., decode_only: _Optional[bool] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("id", "address", "host")

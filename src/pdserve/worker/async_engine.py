@@ -187,6 +187,7 @@ class AsyncEngine:
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
         coalesce: bool = False,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields its outputs, the last one ``finished``.
 
@@ -201,7 +202,8 @@ class AsyncEngine:
         ``hold_kv`` the finished request keeps its blocks: call ``export_and_release`` or
         ``abort``; closing the iterator before it yielded the finished output releases them
         too. ``tag`` is listed in ``snapshot().tags`` while the request is admitted;
-        ``timing`` is filled in as the request runs.
+        ``timing`` is filled in as the request runs. ``generated``: output tokens another
+        engine drew before the request migrated here (``Engine.add_request``).
 
         ``layer_hook`` runs **on the engine thread**, inside the forward pass of the prompt's
         last chunk, once per layer with views valid only during the call (see
@@ -225,6 +227,7 @@ class AsyncEngine:
                 kv,
                 first_token,
                 layer_hook,
+                generated,
             )
         )
         finished = False
@@ -359,6 +362,7 @@ class AsyncEngine:
                 kv=command.kv,
                 first_token=command.first_token,
                 layer_hook=command.layer_hook,
+                generated=command.generated,
             )
         except Exception as err:  # delivered to the generate() caller
             stream.post(err)

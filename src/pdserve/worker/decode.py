@@ -7,7 +7,10 @@
 * ``direct`` here: the prefill worker wrote the stream into this worker's own endpoint; read
   it in-process;
 * ``shm``: read the segment on this host (the reader unlinks it);
-* ``recompute``: nothing was moved; prefill the prompt here.
+* ``recompute``: nothing was moved; prefill the prompt here. With ``resumed`` tokens (a
+  request migrating from a decode worker that died mid-stream) the prompt, the first token
+  and those are prefilled together and the request continues after them
+  (``worker.migration``).
 
 A ``store`` or ``shm`` hand-off announced by the prefill worker when it began
 (``prefetch``, ``worker.prefetch``) is read while the prefill computes; ``decode`` then only
@@ -64,6 +67,7 @@ from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
+from pdserve.worker.migration import Resumed, resume
 from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
@@ -210,14 +214,32 @@ class DecodeWorker:
         *,
         tenant: str = "",
         reservation_id: str = "",
+        resumed: Sequence[int] = (),
     ) -> AsyncGenerator[DecodeDelta, None]:
-        """The tokens after ``first_token``; the transport's copy is gone when this ends."""
+        """The tokens after ``first_token`` (and after ``resumed``, the tokens a decode worker
+        that died had streamed); the transport's copy is gone when this ends."""
+        if resumed:
+            check_request(self.engine, request_id, prompt_ids, params)
+            deltas = resume(
+                self.engine,
+                self.fingerprint,
+                Resumed(request_id, prompt_ids, [first_token[0], *resumed], params, kv),
+                tenant=tenant,
+                reservation_id=reservation_id,
+            )
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+            return
         started = time.perf_counter()
         prefetch = await self.prefetches.take(kv)
         inbound = prefetch.inbound if prefetch is not None else self._inbound(kv)
         try:
             check_request(self.engine, request_id, prompt_ids, params)
-            if kv.model_fingerprint != self.fingerprint:
+            # A recompute handle moves no KV: one without a fingerprint (a migrated colocated
+            # request) has nothing to mismatch.
+            unnamed = kv.kind is TransportKind.RECOMPUTE and not kv.model_fingerprint
+            if kv.model_fingerprint != self.fingerprint and not unnamed:
                 raise KVPayloadMismatchError(
                     f"KV handle fingerprint {kv.model_fingerprint!r} differs from this "
                     f"worker's {self.fingerprint!r}"

@@ -54,6 +54,8 @@ class AddCommand:
     kv: KVPayload | None
     first_token: tuple[int, float] | None
     layer_hook: LayerHook | None
+    generated: Sequence[int] = ()
+    """Output tokens drawn elsewhere before a migration (``Engine.add_request``)."""
 
 
 @dataclass(slots=True)

@@ -37,9 +37,14 @@ class WorkerIdentity:
 
 
 def worker_info(
-    identity: WorkerIdentity, snapshot: EngineSnapshot, *, draining: bool
+    identity: WorkerIdentity,
+    snapshot: EngineSnapshot,
+    *,
+    draining: bool,
+    interval_s: float = 0.0,
 ) -> WorkerInfo:
-    """One heartbeat from the worker's identity and an engine snapshot."""
+    """One heartbeat from the worker's identity and an engine snapshot; ``interval_s``: the
+    time to the next one (a scheduler takes a worker two intervals late for gone)."""
     stats = snapshot.stats
     return WorkerInfo(
         id=identity.id,
@@ -55,6 +60,7 @@ def worker_info(
         running_seqs=stats.num_running,
         draining=draining,
         reservations=snapshot.tags,
+        interval_s=interval_s,
     )
 
 
@@ -78,12 +84,18 @@ class WorkerHeartbeat:
         self.identity = identity
         self.engine = engine
         self.draining = False
+        self.interval_s = interval_s
         self._heartbeater = Heartbeater(registry, self.current, interval_s=interval_s)
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
         snapshot = self.engine.snapshot()
-        return worker_info(self.identity, snapshot, draining=self.draining or snapshot.failed)
+        return worker_info(
+            self.identity,
+            snapshot,
+            draining=self.draining or snapshot.failed,
+            interval_s=self.interval_s,
+        )
 
     @property
     def errors(self) -> int:

@@ -7,8 +7,16 @@ import math
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import CapacityLimits, Claim, Demand, Phase, WorkerRole
-from pdserve.scheduling.capacity import ineligibility, shortfall
+from pdserve.scheduling import (
+    CapacityLimits,
+    Claim,
+    Demand,
+    Phase,
+    WorkerInfo,
+    WorkerRole,
+    WorkerView,
+)
+from pdserve.scheduling.capacity import ineligibility, shortfall, stale
 from pdserve.scheduling.reservations import decode_member, encode_member, live_claims
 
 from .factories import view
@@ -75,3 +83,22 @@ def test_live_claims_skip_expired_and_admitted_reservations() -> None:
     ]
     assert live_claims(entries, now_ms=1000.0, admitted=["admitted"]) == Claim(6, 3)
     assert live_claims(entries, now_ms=1000.0) == Claim(56, 23)
+
+
+@pytest.mark.parametrize(
+    ("interval_s", "age_s", "gone"),
+    [(0.5, 0.4, False), (0.5, 1.0, False), (0.5, 1.01, True), (0.0, 3600.0, False)],
+)
+def test_a_heartbeat_two_intervals_late_is_stale(
+    interval_s: float, age_s: float, gone: bool
+) -> None:
+    info = view("d", interval_s=interval_s).info
+    assert stale(WorkerView(info, heartbeat_age_s=age_s)) is gone
+
+
+def test_heartbeat_interval_round_trips_and_is_checked() -> None:
+    info = view("d", interval_s=0.25).info
+    assert WorkerInfo.from_json(info.to_json()).interval_s == 0.25
+    with pytest.raises(InvalidArgumentError) as err:
+        view("d", interval_s="soon")
+    assert err.value.field == "interval_s"
