@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry  # the async client wants the async Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.keys import KeySpace, text
