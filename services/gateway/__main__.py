@@ -1,7 +1,8 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP front door of a cluster.
 
 Wiring only: flags -> the checkpoint's tokenizer, limits and chat template (no weights) ->
-``Gateway`` on an ``AsyncClient`` of the router -> FastAPI app on uvicorn -> serve until
+``Gateway`` on an ``AsyncClient`` of the router (TLS with ``--router-tls-*``) -> FastAPI app
+on uvicorn (HTTPS with ``--tls-cert``/``--tls-key``) -> serve until
 SIGTERM/SIGINT (uvicorn's own handlers: stop accepting, let running requests finish for
 ``--grace-s``). The listening socket is bound here, so ``--port 0`` picks a free port;
 ``--port-file`` receives it once the app has started (``--metrics-port-file`` the metrics
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import uvicorn
 
+from pdserve.errors import InvalidArgumentError
 from pdserve.gateway import Gateway, GatewayConfig, create_app
+from pdserve.gateway.security import GatewayTls, add_gateway_tls_args, gateway_tls_from_args
 from pdserve.rpc.server import freeze_startup_heap, write_port_file
 from pdserve.telemetry.metrics import GatewayMetrics, MetricsServer, start_metrics_server
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
@@ -49,9 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
+    add_gateway_tls_args(p, os.environ)
     args = p.parse_args(argv)
     if not args.router:
         p.error(f"--router (or ${ENV_ROUTER}) is required")
+    try:
+        args.tls = gateway_tls_from_args(args)
+    except InvalidArgumentError as err:
+        p.error(str(err))
     return args
 
 
@@ -66,12 +74,14 @@ def _metrics(args: argparse.Namespace, metrics: GatewayMetrics) -> MetricsServer
 
 
 async def serve(args: argparse.Namespace) -> None:
+    tls: GatewayTls = args.tls
     config = GatewayConfig(
         router=args.router,
         model_dir=args.model,
         served_model_name=args.served_model_name,
         timeout_s=args.timeout_s or None,
         chat_template=args.chat_template,
+        router_tls=tls.router,
     )
     gateway = Gateway.load(config)
     metrics = GatewayMetrics()
@@ -82,9 +92,11 @@ async def serve(args: argparse.Namespace) -> None:
 
     def ready() -> None:
         logger.info(
-            "gateway serving http://%s:%d/v1 (router %s, model %s as %r, chat template %s, "
-            "metrics %s)", args.host, port, config.router, config.model_dir, config.model_name,
-            gateway.template.origin, metrics_server.url if metrics_server else "off",
+            "gateway serving %s://%s:%d/v1 (router %s over %s, model %s as %r, chat template "
+            "%s, metrics %s)", tls.scheme, args.host, port, config.router,
+            "TLS" if tls.router is not None else "plaintext", config.model_dir,
+            config.model_name, gateway.template.origin,
+            metrics_server.url if metrics_server else "off",
         )  # fmt: skip
         if args.port_file is not None:
             write_port_file(args.port_file, port)
@@ -97,6 +109,8 @@ async def serve(args: argparse.Namespace) -> None:
             access_log=args.access_log,
             timeout_graceful_shutdown=int(args.grace_s) or None,
             lifespan="on",
+            ssl_certfile=tls.cert,
+            ssl_keyfile=tls.key,
         )
     )
     freeze_startup_heap()

@@ -17,8 +17,10 @@ Security (``docs/security.md``): by default everything is plaintext and open on 
 insecure local mode. ``tls_dir`` runs the cluster secured with the certificates and internal
 token of ``pdserve certs`` in that directory (made if missing): TLS on every port, mutual TLS
 and the internal token between services, an embedded Redis with a password (its URL reaches
-the services through ``PDSERVE_REDIS_URL``, never a command line); ``api_keys`` makes the
-router demand API keys and the scheduler apply the tenants' quotas.
+the services through ``PDSERVE_REDIS_URL``, never a command line), and the HTTP gateway
+serves HTTPS with the cluster's certificate and calls the router over TLS; ``api_keys`` makes
+the router demand API keys (the gateway forwards each HTTP caller's) and the scheduler apply
+the tenants' quotas.
 
 With ``supervise`` a ``supervisor.Supervisor`` restarts a service (or the embedded Redis) that
 dies, on its port, while the rest serve on (``pdserve up`` supervises).
@@ -151,11 +153,6 @@ class Cluster:
             self.trace_file = Path(self.trace_file)
         if self.router_client_auth and self.tls_dir is None:
             raise InvalidArgumentError("router_client_auth", "needs tls_dir (certificates)")
-        if self.tls_dir is not None and self.http_port is not None:
-            raise InvalidArgumentError(
-                "http_port",
-                "the HTTP gateway does not call a TLS router yet: no gateway with tls_dir",
-            )
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -171,8 +168,10 @@ class Cluster:
 
     @property
     def http_url(self) -> str:
-        """``http://127.0.0.1:PORT`` of the gateway (OpenAI base URL: add ``/v1``)."""
-        return f"http://{self._service('gateway').address}"
+        """``http://127.0.0.1:PORT`` of the gateway (``https://`` in a secured cluster; the
+        OpenAI base URL: add ``/v1``)."""
+        scheme = "https" if self._certs is not None else "http"
+        return f"{scheme}://{self._service('gateway').address}"
 
     @property
     def scheduler_address(self) -> str:
@@ -221,6 +220,20 @@ class Cluster:
                 "--tls-ca", str(certs.ca), "--internal-token-file", str(certs.token)]  # fmt: skip
         if not router or self.router_client_auth:
             args.append("--tls-client-auth")
+        return args
+
+    def _gateway_security_args(self) -> list[str]:
+        """HTTPS with the cluster's certificate, TLS to the router, and the client
+        certificate (not a member's) when the router demands one. No internal token: the
+        gateway is a client, which sends each HTTP caller's API key."""
+        certs = self._certs
+        if certs is None:
+            return []
+        args = ["--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
+                "--router-tls-ca", str(certs.ca)]  # fmt: skip
+        if self.router_client_auth:
+            args += ["--router-tls-cert", str(certs.client_cert),
+                     "--router-tls-key", str(certs.client_key)]  # fmt: skip
         return args
 
     def child_env(self) -> dict[str, str]:
@@ -325,8 +338,9 @@ class Cluster:
         if self.http_port is not None:
             gateway = self._add(
                 "gateway", "services.gateway",
-                [*common, "--router", router.address, "--model", str(self.model_dir),
-                 *self.gateway_args, "--port", str(self.http_port)],
+                [*common, *self._gateway_security_args(), "--router", router.address,
+                 "--model", str(self.model_dir), *self.gateway_args,
+                 "--port", str(self.http_port)],
                 http=True,
             )  # fmt: skip
             gateway.spawn(env)

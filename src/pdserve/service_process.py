@@ -6,6 +6,7 @@ started them dies, so no service outlives a launcher that is killed outright.
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 import time
@@ -37,7 +38,8 @@ class ServiceProcess:
     role: str | None = None
     """Worker role ("prefill", "decode", "mixed"), None for the other services."""
     http: bool = False
-    """Serves HTTP (the gateway: health is ``GET /health``), not gRPC."""
+    """Serves HTTP (the gateway: health is ``GET /health``), not gRPC; HTTPS when the
+    ``security`` its health is checked with has a CA."""
     proc: subprocess.Popen[bytes] | None = None
     port: int | None = None
 
@@ -90,7 +92,9 @@ class ServiceProcess:
 
     def is_healthy(self, security: SecurityOptions = INSECURE) -> bool:
         """The service's health check says it serves (gRPC health, or HTTP ``/health``)."""
-        return http_healthy(self.address) if self.http else healthy(self.address, security)
+        if self.http:
+            return http_healthy(self.address, ca=security.tls.ca)
+        return healthy(self.address, security)
 
     def read_port(self) -> bool:
         """True once the port file exists (the service is serving)."""
@@ -112,12 +116,17 @@ def healthy(address: str, security: SecurityOptions = INSECURE) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def http_healthy(address: str) -> bool:
-    """True when ``GET http://address/health`` answers 200."""
+def http_healthy(address: str, ca: Path | None = None) -> bool:
+    """True when ``GET http://address/health`` answers 200; ``https://`` checked against the
+    CA bundle ``ca`` when one is given."""
+    scheme, context = "http", None
+    if ca is not None:
+        scheme, context = "https", ssl.create_default_context(cafile=str(ca))
+    url = f"{scheme}://{address}/health"
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=2.0) as reply:
+        with urllib.request.urlopen(url, timeout=2.0, context=context) as reply:
             return bool(reply.status == 200)
-    except (urllib.error.URLError, OSError):  # HTTPError (503) is a URLError
+    except (urllib.error.URLError, OSError):  # HTTPError (503) is a URLError; so are TLS errors
         return False
 
 

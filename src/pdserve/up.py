@@ -79,10 +79,6 @@ def main_up(argv: Sequence[str]) -> int:
     args = up_parser().parse_args(list(argv))
     if args.router_client_auth and args.tls is None:
         raise InvalidArgumentError("--router-client-auth", "needs --tls DIR")
-    if args.tls is not None and not args.no_http:
-        # The gateway does not call a TLS router yet (docs/security.md).
-        print("pdserve up: --tls: no HTTP gateway (it does not call a TLS router yet)", flush=True)
-        args.no_http = True
     if args.tls is None:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
     model = args.model if args.model is not None else default_model(args.preset)
@@ -104,7 +100,10 @@ def main_up(argv: Sequence[str]) -> int:
     with cluster:
         address = cluster.router_address
         telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
-        http = "" if args.no_http else _http_lines(cluster.http_url, model.name)
+        http = ""
+        if not args.no_http:
+            ca = cluster.certs.ca if cluster.certs is not None else None
+            http = _http_lines(cluster.http_url, model.name, ca, api_key=args.api_keys is not None)
         print(
             f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
             f"logs in {cluster.log_dir})\n{http}\ntry it:\n{how_to_call(cluster, address)}\n\n"
@@ -131,9 +130,14 @@ def main_up(argv: Sequence[str]) -> int:
     return 0
 
 
-def _http_lines(url: str, model: str) -> str:
+def _http_lines(url: str, model: str, ca: Path | None = None, *, api_key: bool = False) -> str:
+    """The banner's lines on the gateway: its URL and a curl request (trusting the cluster's
+    CA ``ca`` over HTTPS, with the caller's key from ``$PDSERVE_API_KEY`` when keys are on)."""
     body = f'{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 32}}'
+    flags = f" --cacert {ca}" if ca is not None else ""
+    if api_key:
+        flags += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
     return (
         f"OpenAI-compatible HTTP API at {url}/v1 (model {model!r}):\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"  curl {url}/v1/completions{flags} -H 'Content-Type: application/json' -d '{body}'\n"
     )

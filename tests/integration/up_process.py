@@ -19,7 +19,7 @@ from pdserve import deathsig
 
 READY_LINE = "Ctrl-C stops everything."
 _ROUTER = re.compile(r"pdserve is up: router at (\S+) ")
-_HTTP = re.compile(r"OpenAI-compatible HTTP API at (http://\S+)/v1 ")
+_HTTP = re.compile(r"OpenAI-compatible HTTP API at (https?://\S+)/v1 ")
 _METRICS = re.compile(r"^\s+(\S+)\s+(http://\S+/metrics)$")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdserve.up import DEFAULT_HTTP_PORT, _http_lines, up_parser
 
 
@@ -17,3 +19,12 @@ def test_http_lines_name_the_url_and_a_request() -> None:
     assert "OpenAI-compatible HTTP API at http://127.0.0.1:8123/v1 " in text
     assert "curl http://127.0.0.1:8123/v1/completions" in text
     assert '"model": "demo-small"' in text
+
+
+def test_secured_http_lines_trust_the_ca_and_send_the_key() -> None:
+    text = _http_lines("https://127.0.0.1:8123", "demo-small", Path("/tls/ca.pem"), api_key=True)
+    assert "OpenAI-compatible HTTP API at https://127.0.0.1:8123/v1 " in text
+    assert "curl https://127.0.0.1:8123/v1/completions --cacert /tls/ca.pem " in text
+    assert '-H "Authorization: Bearer $PDSERVE_API_KEY"' in text
+    no_keys = _http_lines("https://127.0.0.1:8123", "demo-small", Path("/tls/ca.pem"))
+    assert "--cacert /tls/ca.pem" in no_keys and "Authorization" not in no_keys

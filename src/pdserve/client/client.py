@@ -17,7 +17,8 @@ Every call has a deadline: ``DEFAULT_TIMEOUT_S`` (60 s) unless the client or the
 otherwise. It bounds the whole call, retries and every streamed token included, so a stalled
 server costs at most that long. ``Client(address, timeout=None)`` makes calls without a limit.
 
-A secured router (``docs/security.md``): ``api_key="..."`` sends the key on every call, and
+A secured router (``docs/security.md``): ``api_key="..."`` sends the key on every call (a
+call's own ``api_key=`` overrides it for that call), and
 ``tls=TlsConfig(ca=Path("ca.pem"))`` (or ``tls=True`` for a certificate of a public CA) speaks
 TLS; ``TlsConfig(ca=..., cert=..., key=...)`` also presents a client certificate (mutual TLS).
 """
@@ -96,10 +97,14 @@ class _Base:
         timeout: float | None,
         tenant: str | None,
         options: RequestOptions,
+        api_key: str | None,
     ) -> tuple[router_pb2.GenerateRequest, Deadline, tuple[tuple[str, str], ...]]:
         request = build_request(prompt, **options)
         deadline = Deadline(self.timeout if timeout is None else check_timeout(timeout))
-        md = metadata(tenant if tenant is not None else self.tenant, self._api_key)
+        md = metadata(
+            tenant if tenant is not None else self.tenant,
+            api_key if api_key is not None else self._api_key,
+        )
         return request, deadline, md
 
 
@@ -134,16 +139,18 @@ class Client(_Base):
         *,
         timeout: float | None = None,
         tenant: str | None = None,
+        api_key: str | None = None,
         **options: Unpack[RequestOptions],
     ) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids) and wait for all of it.
 
         ``options``: sampling parameters, stop conditions and request id (``RequestOptions``);
         unset ones take the server's defaults (temperature 1, max_tokens 16); ``temperature=0``
-        is greedy. ``timeout`` (seconds) and ``tenant`` override the client's defaults; a
-        ``timeout`` of None takes the client's.
+        is greedy. ``timeout`` (seconds), ``tenant`` and ``api_key`` override the client's
+        defaults for this call (a front end serving many callers sends each caller's key);
+        None takes the client's.
         """
-        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options, api_key)
         attempt = 0
         while True:
             attempt += 1
@@ -166,10 +173,11 @@ class Client(_Base):
         *,
         timeout: float | None = None,
         tenant: str | None = None,
+        api_key: str | None = None,
         **options: Unpack[RequestOptions],
     ) -> CompletionStream:
         """Like ``generate``, but yields ``Delta``s as tokens are produced."""
-        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options, api_key)
         return CompletionStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=md),
             self.retry,
@@ -231,10 +239,11 @@ class AsyncClient(_Base):
         *,
         timeout: float | None = None,
         tenant: str | None = None,
+        api_key: str | None = None,
         **options: Unpack[RequestOptions],
     ) -> Completion:
         """See ``Client.generate``."""
-        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options, api_key)
         stub = self._get_stub()
         attempt = 0
         while True:
@@ -258,10 +267,11 @@ class AsyncClient(_Base):
         *,
         timeout: float | None = None,
         tenant: str | None = None,
+        api_key: str | None = None,
         **options: Unpack[RequestOptions],
     ) -> AsyncCompletionStream:
         """See ``Client.stream``: ``async for delta in client.stream(...)``."""
-        request, deadline, md = self._prepare(prompt, timeout, tenant, options)
+        request, deadline, md = self._prepare(prompt, timeout, tenant, options, api_key)
         stub = self._get_stub()
         return AsyncCompletionStream(
             lambda left: stub.Generate(request, timeout=left, metadata=md),

@@ -7,6 +7,10 @@
     GET  /v1/models             the one model this cluster serves
     GET  /health                200 while the router's gRPC health check says SERVING, else 503
 
+The caller's ``Authorization: Bearer KEY`` travels with each router call of its request
+(``api_key_of``); a router with API keys refuses a missing or unknown one, which answers 401.
+``/health`` and ``/v1/models`` call no generation and take no key.
+
 Every error is ``{"error": {"message", "type", "param", "code"}}``: a body that does not
 validate is a 400 naming the parameter (``messages[0].role``), and router errors take their
 status from ``errors.from_client_error``. A client that disconnects cancels its request in the
@@ -36,9 +40,11 @@ from pdserve.gateway.errors import (
     GatewayError,
     Status,
     bad_request,
+    unauthorized,
 )
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import ModelList
+from pdserve.security.auth import bearer
 from pdserve.telemetry.metrics import GatewayMetrics
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
@@ -68,6 +74,17 @@ def _error_response(err: GatewayError) -> JSONResponse:
 
 def _json(model: BaseModel) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
+
+
+def api_key_of(request: Request) -> str | None:
+    """The caller's key from ``Authorization: Bearer KEY``; None without one. A key that gRPC
+    metadata cannot carry (not printable ASCII) is refused here, as the router would."""
+    key = bearer(request.headers.items())
+    if not key:
+        return None
+    if not (key.isascii() and key.isprintable()):
+        raise unauthorized(api_key_sent=True)
+    return key
 
 
 async def _disconnected(request: Request) -> None:
@@ -161,14 +178,16 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        answer = await gateway.completions(body, lambda: _disconnected(request))
+        answer = await gateway.completions(
+            body, lambda: _disconnected(request), api_key_of(request)
+        )
         if isinstance(answer, BaseModel):
             return _json(answer)
         return StreamingResponse(answer, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        answer = await gateway.chat(body, lambda: _disconnected(request))
+        answer = await gateway.chat(body, lambda: _disconnected(request), api_key_of(request))
         if isinstance(answer, BaseModel):
             return _json(answer)
         return StreamingResponse(answer, media_type="text/event-stream")

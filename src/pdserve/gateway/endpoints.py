@@ -2,7 +2,9 @@
 
 ``Gateway.completions`` and ``Gateway.chat`` check the request, turn it into router requests
 (``generation``), and return either a whole response object or, for ``stream: true``, an
-async iterator of Server-Sent Events lines ending in ``data: [DONE]``. Errors raise
+async iterator of Server-Sent Events lines ending in ``data: [DONE]``. ``api_key`` is the
+HTTP caller's key, sent with each of the request's router calls (the router checks it and
+takes the tenant from it; the gateway holds no keys). Errors raise
 ``GatewayError`` with the HTTP status and the OpenAI parameter at fault. A stream's first delta
 is awaited before the iterator is returned, so that a request the router refuses (400, 429,
 503) gets its HTTP status instead of a 200 stream holding an error.
@@ -48,6 +50,7 @@ from pdserve.gateway.responses import (
     Usage,
 )
 from pdserve.router.request import ModelLimits
+from pdserve.security.tls import TlsConfig
 from pdserve.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -95,6 +98,9 @@ class GatewayConfig:
     """Each request's deadline in the cluster; None: none."""
     chat_template: Path | None = None
     """A Jinja2 file used instead of the checkpoint's chat template."""
+    router_tls: TlsConfig | None = None
+    """How to reach a TLS router (its CA; a client certificate for one that demands it);
+    None: plaintext."""
 
     @property
     def model_name(self) -> str:
@@ -124,7 +130,7 @@ class Gateway:
         """Read the checkpoint's tokenizer, limits and chat template (no weights)."""
         return cls(
             config,
-            AsyncClient(config.router, timeout=config.timeout_s),
+            AsyncClient(config.router, timeout=config.timeout_s, tls=config.router_tls or False),
             Tokenizer.from_dir(config.model_dir),
             ModelLimits.from_dir(config.model_dir),
             ChatTemplate.from_dir(config.model_dir, config.chat_template),
@@ -177,35 +183,47 @@ class Gateway:
         )
 
     async def _first(
-        self, watch: Watch, jobs: list[Job], prompt_param: str, max_tokens_param: str
+        self,
+        watch: Watch,
+        jobs: list[Job],
+        prompt_param: str,
+        max_tokens_param: str,
+        api_key: str | None,
     ) -> tuple[tuple[int, Delta], AsyncGenerator[tuple[int, Delta], None]]:
         """Start the streams and wait for the first delta (see the module docstring)."""
-        deltas = stream_all(self.client, jobs, self.config.timeout_s)
+        deltas = stream_all(self.client, jobs, self.config.timeout_s, api_key)
         try:
             return await until_disconnect(watch, anext(deltas)), deltas
         except PdServeClientError as err:
             raise from_client_error(
-                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param
-            ) from err
+                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+                api_key_sent=api_key is not None,
+            ) from err  # fmt: skip
         except StopAsyncIteration:
             raise GatewayError(SERVER_ERROR, "the router sent no answer") from None
 
     async def _all(
-        self, watch: Watch, jobs: list[Job], prompt_param: str, max_tokens_param: str
+        self,
+        watch: Watch,
+        jobs: list[Job],
+        prompt_param: str,
+        max_tokens_param: str,
+        api_key: str | None,
     ) -> list[render.ClientCompletion]:
         try:
             return await until_disconnect(
-                watch, generate_all(self.client, jobs, self.config.timeout_s)
+                watch, generate_all(self.client, jobs, self.config.timeout_s, api_key)
             )
         except PdServeClientError as err:
             raise from_client_error(
-                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param
-            ) from err
+                err, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+                api_key_sent=api_key is not None,
+            ) from err  # fmt: skip
 
     # -- /v1/completions -----------------------------------------------------------------------
 
     async def completions(
-        self, body: CompletionRequest, watch: Watch
+        self, body: CompletionRequest, watch: Watch, api_key: str | None = None
     ) -> Completion | AsyncIterator[str]:
         self._check(body)
         prompts = body.prompts()
@@ -214,9 +232,9 @@ class Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = plan_jobs(prompts, body.n, self._options(body, body.max_tokens), rid)
         if body.stream:
-            first, deltas = await self._first(watch, jobs, "prompt", "max_tokens")
+            first, deltas = await self._first(watch, jobs, "prompt", "max_tokens", api_key)
             return self._completion_events(body, rid, first, deltas)
-        done = await self._all(watch, jobs, "prompt", "max_tokens")
+        done = await self._all(watch, jobs, "prompt", "max_tokens", api_key)
         choices = [
             CompletionChoice(
                 index=i,
@@ -298,7 +316,7 @@ class Gateway:
         return ids
 
     async def chat(
-        self, body: ChatCompletionRequest, watch: Watch
+        self, body: ChatCompletionRequest, watch: Watch, api_key: str | None = None
     ) -> ChatCompletion | AsyncIterator[str]:
         self._check(body)
         ids = self._chat_prompt(body)
@@ -309,9 +327,9 @@ class Gateway:
         jobs = plan_jobs([ids], body.n, self._options(body, max_tokens), rid)
         top = body.top_logprobs or 0
         if body.stream:
-            first, deltas = await self._first(watch, jobs, "messages", max_param)
+            first, deltas = await self._first(watch, jobs, "messages", max_param, api_key)
             return self._chat_events(body, rid, first, deltas)
-        done = await self._all(watch, jobs, "messages", max_param)
+        done = await self._all(watch, jobs, "messages", max_param, api_key)
         choices = [
             ChatChoice(
                 index=i,

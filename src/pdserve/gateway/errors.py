@@ -1,7 +1,8 @@
 """OpenAI's error shape and the HTTP status of each way a request fails.
 
 Every error the gateway answers is ``{"error": {"message", "type", "param", "code"}}``.
-The router's gRPC status decides the HTTP status; an INVALID_ARGUMENT names the router's field
+The router's gRPC status decides the HTTP status (UNAUTHENTICATED: 401 ``invalid_api_key``,
+PERMISSION_DENIED: 403); an INVALID_ARGUMENT names the router's field
 (``sampling.max_tokens``, ``text``), which ``openai_param`` turns back into the parameter the
 caller sent (``max_tokens``, ``prompt`` or ``messages``).
 """
@@ -25,6 +26,10 @@ class Status:
 
 
 BAD_REQUEST = Status(400, "invalid_request_error")
+UNAUTHORIZED = Status(401, "invalid_request_error")
+"""No API key, or one the router refuses (OpenAI answers a bad key so, code
+``invalid_api_key``)."""
+FORBIDDEN = Status(403, "permission_error")
 NOT_FOUND = Status(404, "not_found_error")
 OVERLOADED = Status(429, "rate_limit_error")
 SERVER_ERROR = Status(500, "server_error")
@@ -34,6 +39,8 @@ TIMEOUT = Status(504, "timeout_error")
 _BY_GRPC_CODE: dict[grpc.StatusCode, Status] = {
     grpc.StatusCode.INVALID_ARGUMENT: BAD_REQUEST,
     grpc.StatusCode.OUT_OF_RANGE: BAD_REQUEST,
+    grpc.StatusCode.UNAUTHENTICATED: UNAUTHORIZED,
+    grpc.StatusCode.PERMISSION_DENIED: FORBIDDEN,
     grpc.StatusCode.NOT_FOUND: NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OVERLOADED,
     grpc.StatusCode.UNAVAILABLE: UNAVAILABLE,
@@ -62,6 +69,21 @@ class GatewayError(Exception):
         return ErrorResponse(error=detail)
 
 
+INVALID_API_KEY = "invalid_api_key"
+NO_KEY_MESSAGE = (
+    "You didn't provide an API key: send it in the Authorization header "
+    "('Authorization: Bearer KEY')."
+)
+BAD_KEY_MESSAGE = "Incorrect API key provided."
+
+
+def unauthorized(api_key_sent: bool) -> GatewayError:
+    """The 401 of a request without a key, or with one the router refused (the key itself is
+    never echoed)."""
+    message = BAD_KEY_MESSAGE if api_key_sent else NO_KEY_MESSAGE
+    return GatewayError(UNAUTHORIZED, message, code=INVALID_API_KEY)
+
+
 def bad_request(param: str | None, message: str, code: str = "invalid_value") -> GatewayError:
     """A 400 naming ``param``; the message starts with it, as the router's messages do."""
     text = f"{param}: {message}" if param else message
@@ -85,9 +107,16 @@ def openai_param(field: str | None, *, prompt_param: str, max_tokens_param: str)
 
 
 def from_client_error(
-    err: PdServeClientError, *, prompt_param: str, max_tokens_param: str = "max_tokens"
+    err: PdServeClientError,
+    *,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
+    api_key_sent: bool = True,
 ) -> GatewayError:
-    """The HTTP error for a failed router call."""
+    """The HTTP error for a failed router call; ``api_key_sent`` tells an UNAUTHENTICATED
+    call that carried no key from one whose key was refused."""
+    if err.code == grpc.StatusCode.UNAUTHENTICATED:
+        return unauthorized(api_key_sent)
     status = _BY_GRPC_CODE.get(err.code, SERVER_ERROR)
     code = err.code.name.lower()
     if isinstance(err, InvalidRequest):

@@ -1,8 +1,9 @@
 """One HTTP request as several router requests: each prompt of a batch times ``n`` choices.
 
 Each choice is its own ``Generate`` call through the SDK's ``AsyncClient`` (routing, retries
-and cancellation are the SDK's and the router's); this module only fans them out and merges
-the answers back, by choice index (``prompt_index * n + j``, as OpenAI numbers them).
+and cancellation are the SDK's and the router's), carrying the HTTP caller's API key
+(``api_key``: the router takes the tenant from it); this module only fans them out and
+merges the answers back, by choice index (``prompt_index * n + j``, as OpenAI numbers them).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def plan_jobs(
 
 
 async def generate_all(
-    client: AsyncClient, jobs: Sequence[Job], timeout: float | None
+    client: AsyncClient, jobs: Sequence[Job], timeout: float | None, api_key: str | None = None
 ) -> list[Completion]:
     """Every job's completion, in job order; the first failure cancels the others."""
     tasks = [
-        asyncio.create_task(client.generate(job.prompt, timeout=timeout, **job.options))
+        asyncio.create_task(
+            client.generate(job.prompt, timeout=timeout, api_key=api_key, **job.options)
+        )
         for job in jobs
     ]
     try:
@@ -70,10 +73,13 @@ async def _pump(
     client: AsyncClient,
     job: Job,
     timeout: float | None,
+    api_key: str | None,
     queue: asyncio.Queue[tuple[int, Delta] | _Done | Exception],
 ) -> None:
     try:
-        async with client.stream(job.prompt, timeout=timeout, **job.options) as stream:
+        async with client.stream(
+            job.prompt, timeout=timeout, api_key=api_key, **job.options
+        ) as stream:
             async for delta in stream:
                 queue.put_nowait((job.index, delta))
     except Exception as err:  # handed to the consumer, which raises it
@@ -83,7 +89,7 @@ async def _pump(
 
 
 async def stream_all(
-    client: AsyncClient, jobs: Sequence[Job], timeout: float | None
+    client: AsyncClient, jobs: Sequence[Job], timeout: float | None, api_key: str | None = None
 ) -> AsyncGenerator[tuple[int, Delta], None]:
     """``(choice index, delta)`` of every job as they arrive.
 
@@ -92,12 +98,14 @@ async def stream_all(
     """
     if len(jobs) == 1:
         job = jobs[0]
-        async with client.stream(job.prompt, timeout=timeout, **job.options) as stream:
+        async with client.stream(
+            job.prompt, timeout=timeout, api_key=api_key, **job.options
+        ) as stream:
             async for delta in stream:
                 yield job.index, delta
         return
     queue: asyncio.Queue[tuple[int, Delta] | _Done | Exception] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(client, job, timeout, queue)) for job in jobs]
+    tasks = [asyncio.create_task(_pump(client, job, timeout, api_key, queue)) for job in jobs]
     try:
         running = len(tasks)
         while running:

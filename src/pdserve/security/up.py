@@ -35,12 +35,13 @@ def add_up_security_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("security (docs/security.md; default: the insecure local mode)")
     s.add_argument("--tls", type=Path, metavar="DIR",
                    help="run secured with the certificates and token of 'pdserve certs DIR' "
-                   "(made if missing): TLS, mutual TLS and a token between services, a "
-                   "password on the embedded Redis")  # fmt: skip
+                   "(made if missing): TLS, mutual TLS and a token between services, HTTPS at "
+                   "the HTTP gateway, a password on the embedded Redis")  # fmt: skip
     s.add_argument("--router-client-auth", action="store_true",
                    help="with --tls: the router demands client certificates too")  # fmt: skip
     s.add_argument("--api-keys", type=Path, metavar="FILE",
-                   help="API keys -> tenants (and quotas): the router demands a key")  # fmt: skip
+                   help="API keys -> tenants (and quotas): the router, and so the HTTP "
+                   "gateway, demands a key")  # fmt: skip
 
 
 def how_to_call(cluster: SecuredCluster, address: str) -> str:
