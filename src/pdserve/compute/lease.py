@@ -18,14 +18,16 @@ with every core. Two kinds of step:
 Interactive steps could take every turn and starve bulk work, so while bulk work waits an
 engine starts interactive steps at most once per ``interactive_period_s``: a stream's
 inter-token gap is bounded by the period plus one bulk stretch between checkpoints, and bulk
-work gets the rest of the time.
+work gets the rest of the time. An engine announces its bulk work from its first bulk step
+until it runs an interactive step or goes idle (``idle()``), not just while a step waits: the
+gap between two bulk steps of a long prompt is no moment for the pacing to lapse.
 
 Mechanism: ``flock`` on three files in one directory shared by the host's workers (kernel
 locks: they are released when a process dies, so a killed worker never wedges the others)::
 
     cores.lock        EX: held by the step that runs now
     interactive.lock  SH: held by each interactive step waiting for the cores
-    bulk.lock         SH: held by each engine whose bulk step waits for or holds the cores
+    bulk.lock         SH: held by each engine with bulk work (its bulk steps, and between them)
 
 A bulk step at a checkpoint probes ``interactive.lock`` with a non-blocking EX; when that
 fails someone waits: it drops ``cores.lock``, waits (blocking EX, then UN) until every waiter
@@ -97,6 +99,7 @@ class HostLease:
         self.stats = LeaseStats()
         self._fds = {name: self._open(name) for name in (CORES, INTERACTIVE, BULK)}
         self._holding: bool | None = None  # None: not holding; else whether the step is bulk
+        self._announced = False  # this process holds bulk.lock shared
         self._last_interactive = float("-inf")
         self._lock = threading.Lock()  # one step at a time, whatever thread asks
 
@@ -116,10 +119,11 @@ class HostLease:
         bulk = prefill_tokens > self.bulk_tokens
         with self._lock:
             if bulk:
-                self._flock(BULK, fcntl.LOCK_SH)
+                self._announce(True)
                 started = time.monotonic()
                 self._await_no_interactive()
             else:
+                self._announce(False)
                 self._pace()
                 started = time.monotonic()
                 self._flock(INTERACTIVE, fcntl.LOCK_SH)
@@ -140,8 +144,11 @@ class HostLease:
             finally:
                 self._holding = None
                 self._flock(CORES, fcntl.LOCK_UN)
-                if bulk:
-                    self._flock(BULK, fcntl.LOCK_UN)
+
+    def idle(self) -> None:
+        """The engine has no work left: it no longer announces bulk work."""
+        with self._lock:
+            self._announce(False)
 
     def checkpoint(self) -> None:
         """Between layers of a bulk step: lend the cores to waiting interactive steps."""
@@ -155,6 +162,11 @@ class HostLease:
         self.stats.lent_s += time.monotonic() - started
 
     # -- helpers -----------------------------------------------------------------------------
+    def _announce(self, bulk: bool) -> None:
+        if bulk != self._announced:
+            self._flock(BULK, fcntl.LOCK_SH if bulk else fcntl.LOCK_UN)
+            self._announced = bulk
+
     def _pace(self) -> None:
         """While bulk work waits, start interactive steps at most once a period."""
         if self.interactive_period_s <= 0:

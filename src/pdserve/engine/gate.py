@@ -1,9 +1,10 @@
 """ComputeGate: the seam through which an engine shares its device with other processes.
 
-The engine brackets the compute of each step with ``hold(prefill_tokens)`` and calls
-``checkpoint()`` between layers of a step that computes prompt tokens: a place where a long
-step can lend the device to a short one of another engine (``pdserve.compute.HostLease``
-on a CPU host). ``UNGATED`` does neither: an engine alone on its device.
+The engine brackets the compute of each step with ``hold(prefill_tokens)``, calls
+``checkpoint()`` between layers of a step that computes prompt tokens (a place where a long
+step can lend the device to a short one of another engine; ``pdserve.compute.HostLease`` on
+a CPU host) and ``idle()`` when a step leaves it with no work. ``UNGATED`` does none of it:
+an engine alone on its device.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ class ComputeGate(Protocol):
         """Between layers: give the device away for a while if another engine needs it."""
         ...
 
+    def idle(self) -> None:
+        """The engine has no work left."""
+        ...
+
 
 class Ungated:
     """No sharing: the engine has its device to itself."""
@@ -30,6 +35,9 @@ class Ungated:
         return contextlib.nullcontext()
 
     def checkpoint(self) -> None:
+        return None
+
+    def idle(self) -> None:
         return None
 
 

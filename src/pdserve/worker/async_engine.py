@@ -306,6 +306,7 @@ class AsyncEngine:
             idle = not self._engine.has_unfinished()
             if idle:
                 self._publish()
+                self._engine.gate.idle()  # no bulk work to announce to the host's engines
                 if not self._apply(self._commands.get()):  # idle: block for work
                     return
             if not self._drain():

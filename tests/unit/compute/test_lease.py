@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.compute import HostLease
+from pdserve.compute.lease import BULK as BULK_LOCK
 from pdserve.errors import InvalidArgumentError
 
 CTX = mp.get_context("fork")
@@ -85,10 +86,11 @@ def test_interactive_step_runs_inside_a_bulk_step(tmp_path: Path) -> None:
 
 def _bulk_steps(directory: Path, log: Path, started: mp.Event, stop: mp.Event) -> None:
     lease = HostLease(directory, bulk_tokens=BULK_TOKENS)
-    while not stop.is_set():
+    while not stop.is_set():  # a long prompt's prefill, step after step
         with lease.hold(BULK_TOKENS + 1):
             _log(log, "bulk")
             started.set()
+    lease.idle()
 
 
 def test_waiting_bulk_work_runs_between_paced_interactive_steps(tmp_path: Path) -> None:
@@ -97,7 +99,7 @@ def test_waiting_bulk_work_runs_between_paced_interactive_steps(tmp_path: Path) 
     bulk = CTX.Process(target=_bulk_steps, args=(directory, log, started, stop))
     bulk.start()
     assert started.wait(LIVENESS_S)
-    lease = HostLease(directory, interactive_period_s=0.2, bulk_tokens=BULK_TOKENS)
+    lease = HostLease(directory, interactive_period_s=0.5, bulk_tokens=BULK_TOKENS)
     for _ in range(3):
         with lease.hold(1):
             _log(log, "interactive")
@@ -105,10 +107,26 @@ def test_waiting_bulk_work_runs_between_paced_interactive_steps(tmp_path: Path) 
     bulk.join(LIVENESS_S)
     lines = _lines(log)
     first = lines.index("interactive")
-    after = lines[first:]
-    between = " ".join(after[: after.index("interactive", 1) + 1])
-    assert "bulk" in between.split(), "bulk work waited through two interactive steps"
+    # The bulk engine announces its work between its steps too, so every interactive step
+    # after the first was paced, and the cores went to the bulk work meanwhile.
     assert lease.stats.paced_s > 0
+    runs = " ".join(lines[first:]).split("interactive")[1:-1]
+    assert any("bulk" in run for run in runs), "bulk work waited through every pacing period"
+
+
+def test_idle_ends_the_bulk_announcement(tmp_path: Path) -> None:
+    directory = tmp_path / "lease"
+    bulk, other = HostLease(directory, bulk_tokens=BULK_TOKENS), HostLease(directory)
+    with bulk.hold(BULK_TOKENS + 1):
+        pass
+    assert other._someone_waits(BULK_LOCK)  # still announced between bulk steps
+    bulk.idle()
+    assert not other._someone_waits(BULK_LOCK)
+    with bulk.hold(BULK_TOKENS + 1):
+        pass
+    with bulk.hold(0):  # an interactive step of its own ends it too
+        pass
+    assert not other._someone_waits(BULK_LOCK)
 
 
 def _hold_forever(directory: Path, holding: mp.Event) -> None:

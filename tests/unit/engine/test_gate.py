@@ -34,6 +34,9 @@ class RecordingGate:
         assert self._inside is not None, "checkpoint outside a held step"
         self._inside += 1
 
+    def idle(self) -> None:
+        assert self._inside is None, "idle inside a held step"
+
 
 def _run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
