@@ -102,7 +102,8 @@ class BackendFeatures:
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
-    """The load a heartbeat reports, readable without waiting for the engine."""
+    """The load and health a heartbeat and the metrics report, readable from any thread
+    without waiting for the engine."""
 
     blocks_total: int
     blocks_free: int
@@ -116,6 +117,12 @@ class Capacity:
     """Requests admitted but not yet computing."""
     tags: tuple[str, ...] = ()
     """Tags (scheduler reservation ids) of the requests the engine holds."""
+    failed_steps: int = 0
+    """Engine steps that failed some of their requests (the engine went on)."""
+    failed_requests: int = 0
+    """Requests the engine failed (a step's failure, or the engine's own error)."""
+    failed: bool = False
+    """The engine failed for good: it takes no more requests."""
 
 
 @runtime_checkable
@@ -173,12 +180,15 @@ class EngineBackend(Protocol):
         tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         """A whole request: the outputs from the first token on, the last one ``finished``.
 
         ``cache_salt`` separates tenants in prefix caches; ``tag`` is listed in
         ``capacity().tags`` while the request is admitted; ``timing`` is filled in as it runs;
         ``coalesce`` merges outputs already waiting for a slow consumer into one.
+        ``generated``: output tokens another engine drew before the request migrated here
+        (they count in ``max_tokens``); the outputs are the tokens after them.
         """
         ...
 
@@ -239,6 +249,10 @@ class EngineBackend(Protocol):
 
     def capacity(self) -> Capacity:
         """The load as of the engine's latest report (no waiting)."""
+        ...
+
+    async def failed(self) -> BaseException:
+        """Wait until the engine has failed for good; the failure."""
         ...
 
     async def close(self) -> None:

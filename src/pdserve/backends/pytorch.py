@@ -23,6 +23,7 @@ from pdserve.backends.base import (
     Prefilled,
     refuse,
 )
+from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import RequestOutput
@@ -62,11 +63,15 @@ class TorchBackend:
         *,
         batch_window_ms: float = 0.0,
         gate: ComputeGate | None = None,
+        faults: EngineFaults | None = None,
         **config: Any,
     ) -> TorchBackend:
         """Load a checkpoint (blocking); ``config`` holds ``EngineConfig`` fields, ``gate``
-        how the engine shares the host's cores. Call ``start()`` next."""
-        engine = AsyncEngine.from_pretrained(model_dir, batch_window_ms=batch_window_ms, **config)
+        how the engine shares the host's cores, ``faults`` failures to inject (fault tests
+        only). Call ``start()`` next."""
+        engine = AsyncEngine.from_pretrained(
+            model_dir, batch_window_ms=batch_window_ms, faults=faults, **config
+        )
         if gate is not None:
             engine.engine.gate = gate
         return cls(engine)
@@ -89,6 +94,7 @@ class TorchBackend:
         tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.generate(
             request_id,
@@ -98,6 +104,7 @@ class TorchBackend:
             tag=tag,
             timing=timing,
             coalesce=coalesce,
+            generated=generated,
         )
 
     async def prefill(
@@ -232,7 +239,13 @@ class TorchBackend:
             running=stats.num_running,
             waiting=stats.num_waiting,
             tags=snapshot.tags,
+            failed_steps=snapshot.failed_steps,
+            failed_requests=snapshot.failed_requests,
+            failed=snapshot.failed,
         )
+
+    async def failed(self) -> BaseException:
+        return await self.engine.failed()
 
     async def close(self) -> None:
         await self.engine.close()

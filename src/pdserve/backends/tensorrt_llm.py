@@ -81,6 +81,8 @@ DEFAULT_MAX_NUM_TOKENS = 8192
 """TensorRT-LLM's default token budget of one iteration."""
 FIRST_STATS_ROUNDS = 20
 """``start`` waits this many stats intervals for the engine's first report."""
+MAX_FAILED_READS = 3
+"""Statistics reads failing in a row after which the engine is taken for lost."""
 
 
 class TensorRTLLMBackend:
@@ -113,6 +115,8 @@ class TensorRTLLMBackend:
         self._requests = LiveRequests()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
+        self._fatal: BaseException | None = None
+        self._fatal_waiters: list[asyncio.Future[BaseException]] = []
 
     @classmethod
     def from_pretrained(
@@ -187,12 +191,32 @@ class TensorRTLLMBackend:
         self._requests.close()
         await asyncio.to_thread(self._llm.shutdown)
 
+    async def failed(self) -> BaseException:
+        """Wait until the engine is lost: its statistics failed ``MAX_FAILED_READS`` reads in
+        a row (TensorRT-LLM offers no other signal of a dead engine through the LLM API)."""
+        if self._fatal is not None:
+            return self._fatal
+        waiter: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self._fatal_waiters.append(waiter)
+        try:
+            return await waiter
+        finally:
+            self._fatal_waiters.remove(waiter)
+
     async def _poll_stats(self) -> None:
+        failures = 0
         while True:
             try:
                 await self._read_stats()
-            except Exception:  # one failed read must not end the polling; the next retries
+                failures = 0
+            except Exception as err:  # one failed read must not end the polling
+                failures += 1
                 logger.exception("reading tensorrt-llm's iteration statistics failed")
+                if failures >= MAX_FAILED_READS and self._fatal is None:
+                    self._fatal = err
+                    for waiter in self._fatal_waiters:
+                        if not waiter.done():
+                            waiter.set_result(err)
             await asyncio.sleep(self._stats_interval_s)  # a timer: there is no stats signal
 
     async def _read_stats(self) -> int:
@@ -219,8 +243,16 @@ class TensorRTLLMBackend:
         tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
-        """``coalesce`` is moot: each output is cumulative, a late consumer skips nothing."""
+        """``coalesce`` is moot: each output is cumulative, a late consumer skips nothing.
+        ``generated`` tokens (a migrated request) join the prompt of one request that draws
+        what is left of ``max_tokens``: greedy tokens continue as they would have, seeded
+        sampling draws differ."""
+        if generated:
+            return self._continue(
+                request_id, [*prompt_ids, *generated], params, len(generated), tag, timing
+            )
         return self._requests.stream(
             request_id,
             prompt_ids,
@@ -229,6 +261,31 @@ class TensorRTLLMBackend:
                 list(prompt_ids),
                 sampling_params=sampling_params(self._api, params),
                 streaming=True,
+            ),
+            tag=tag,
+            timing=timing,
+        )
+
+    def _continue(
+        self,
+        request_id: str,
+        tokens: list[int],
+        params: SamplingParams,
+        done: int,
+        tag: str,
+        timing: RequestTiming | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """A request whose first ``done`` output tokens (the end of ``tokens``) were drawn
+        elsewhere: one request on all of ``tokens`` for the rest of ``max_tokens``."""
+        if params.max_tokens <= done:
+            return finished_at_first(request_id, len(tokens) - done)
+        rest = dataclasses.replace(params, max_tokens=params.max_tokens - done)
+        return self._requests.stream(
+            request_id,
+            tokens,
+            rest,
+            lambda: self._llm.generate_async(
+                tokens, sampling_params=sampling_params(self._api, rest), streaming=True
             ),
             tag=tag,
             timing=timing,
@@ -298,22 +355,8 @@ class TensorRTLLMBackend:
             return self._decode_native(request_id, prompt_ids, params, kv, tag, timing)
         if kv is not None:
             return refuse(InvalidArgumentError("kv.location", NO_BLOCK_ACCESS))
-        # Recompute: the prompt and the prefill's first token as one request, which then
-        # generates what is left of max_tokens.
-        extended = [*prompt_ids, first_token[0]]
-        rest = dataclasses.replace(params, max_tokens=max(1, params.max_tokens - 1))
-        if params.max_tokens <= 1:
-            return finished_at_first(request_id, len(prompt_ids))
-        return self._requests.stream(
-            request_id,
-            extended,
-            rest,
-            lambda: self._llm.generate_async(
-                extended, sampling_params=sampling_params(self._api, rest), streaming=True
-            ),
-            tag=tag,
-            timing=timing,
-        )
+        # Recompute: the prompt and the prefill's first token as one request.
+        return self._continue(request_id, [*prompt_ids, first_token[0]], params, 1, tag, timing)
 
     def _decode_native(
         self,
@@ -368,4 +411,6 @@ class TensorRTLLMBackend:
             running=load.running,
             waiting=load.waiting,
             tags=load.tags,
+            failed_requests=load.failed,
+            failed=self._fatal is not None,
         )

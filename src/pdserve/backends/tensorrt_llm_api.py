@@ -32,6 +32,9 @@ from pdserve.errors import (
 DEFAULT_BLOCK_SIZE = 32
 """TensorRT-LLM's default tokens per KV block (the layout's until the engine reports its own)."""
 
+TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI")
+"""The communication backends of TensorRT-LLM's cache transceiver (``CacheTransceiverConfig``)."""
+
 MISSING = (
     "the tensorrt-llm backend needs the tensorrt_llm package, which NVIDIA publishes on its "
     "own package index for CUDA machines with Python 3.10 or 3.12"
@@ -118,6 +121,8 @@ class TensorRTLLMConfig:
             raise InvalidArgumentError(
                 "free_gpu_memory_fraction", f"must be in (0, 1], got {fraction}"
             )
+        if self.transceiver not in TRANSCEIVER_BACKENDS:
+            raise InvalidArgumentError("transceiver", f"must be one of {TRANSCEIVER_BACKENDS}")
         if not self.stats_interval_s > 0:
             raise InvalidArgumentError("stats_interval_s", "must be > 0")
 

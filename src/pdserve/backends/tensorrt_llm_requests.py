@@ -37,6 +37,8 @@ class Load:
     running: int
     waiting: int
     tags: tuple[str, ...]
+    failed: int
+    """Requests that ended in an error of TensorRT-LLM so far."""
 
 
 class LiveRequests:
@@ -45,14 +47,19 @@ class LiveRequests:
     def __init__(self) -> None:
         self._live: dict[str, _Live] = {}
         self.closed = False
+        self.failed = 0
 
     def load(self) -> Load:
-        queued = [live for live in self._live.values() if not live.started]
+        """Readable from any thread (the metrics server's): one copy of the table is taken
+        at once, under the interpreter lock."""
+        lives = list(self._live.values())
+        queued = [live for live in lives if not live.started]
         return Load(
             queued_tokens=sum(live.prompt_tokens for live in queued),
-            running=len(self._live) - len(queued),
+            running=len(lives) - len(queued),
             waiting=len(queued),
-            tags=tuple(live.tag for live in self._live.values() if live.tag),
+            tags=tuple(live.tag for live in lives if live.tag),
+            failed=self.failed,
         )
 
     def abort(self, request_id: str) -> None:
@@ -124,6 +131,9 @@ class LiveRequests:
                 if finished:
                     return
             raise WorkerUnavailableError(f"tensorrt-llm ended {request_id!r} unfinished")
+        except Exception:
+            self.failed += 1  # counted for the metrics; the caller gets the error
+            raise
         finally:
             self._live.pop(request_id, None)
             if not finished:
