@@ -236,7 +236,8 @@ class EngineBackend(Protocol):
         ...
 
     def abort(self, request_id: str) -> None:
-        """Stop ``request_id`` (or free its held KV); nothing if it is unknown."""
+        """Free a held prefill's KV (``Handoff.HOLD``), or stop a request whose stream nobody
+        reads; nothing if it is unknown. A stream being read is stopped by closing it."""
         ...
 
     async def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:

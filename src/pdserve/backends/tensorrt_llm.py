@@ -19,6 +19,9 @@ layer hooks, ``export_kv`` and ``decode`` from a ``KVPayload`` are refused with
 ``InvalidArgumentError`` naming the field. Both sides of a hand-off must be tensorrt-llm
 workers of the same checkpoint, which the fingerprint (``tensorrt-llm/...``) enforces.
 
+``cache_salt`` is not passed on (not every release's ``generate_async`` takes one): tenants
+may share TensorRT-LLM's cached prompt blocks.
+
 Capacity comes from the engine's iteration statistics (``get_stats_async``, which needs
 ``enable_iter_perf_stats``), read by a tracked task every ``stats_interval_s``; the engine
 reports none before its first iteration, so ``start`` runs a one-token request and waits for
