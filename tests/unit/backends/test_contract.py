@@ -176,6 +176,23 @@ def test_decode_of_a_one_token_request_ends_at_once(
     run(body)
 
 
+def test_a_migrated_request_continues_after_its_tokens(
+    backend_kind: str, tiny_llama_dir: Path
+) -> None:
+    """``generated``: output tokens another engine drew (they count in ``max_tokens``); the
+    stream carries only the tokens after them, greedy ones as the whole request drew them."""
+    p = prompts(9, [14])[0]
+
+    async def body() -> None:
+        async with open_backend(backend_kind, tiny_llama_dir) as backend:
+            whole, _, _ = await collect(backend.generate("w", p, GREEDY))
+            rest, _, outs = await collect(backend.generate("m", p, GREEDY, generated=whole[:4]))
+            assert rest == whole[4:]
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+
+    run(body)
+
+
 def test_a_stop_token_ends_the_prefill(backend_kind: str, tiny_llama_dir: Path) -> None:
     """A first token that stops the request finishes it: nothing is left to hand over."""
     p = prompts(4, [12])[0]
