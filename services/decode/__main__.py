@@ -1,7 +1,7 @@
 """``python -m services.decode``: a decode worker, or with ``--role mixed`` a colocated one.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine thread -> Decode service, plus the worker's own KVStore endpoint into which prefill
+engine backend -> Decode service, plus the worker's own KVStore endpoint into which prefill
 workers stream ``direct`` hand-offs, assembled as they land (``services.decode.inbox``;
 ``--inbox-bytes`` of RAM, leases swept every second);
 role mixed: also Mixed, and Prefill when ``--kvstore`` is given -> serve with heartbeats until
@@ -26,7 +26,7 @@ from pdserve.telemetry.spans import SERVICE_DECODE
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
-from pdserve.worker.runtime import load_engine, prefill_worker, run_worker
+from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.traced import TracedDecodeWorker
 from services.decode.inbox import InboxServicer
 from services.decode.servicer import DecodeServicer, MixedServicer
@@ -34,7 +34,7 @@ from services.prefill.servicer import PrefillServicer
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
-    engine = load_engine(options)
+    engine = await open_backend(options)
     telemetry = WorkerTelemetry.start(
         SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint
     )

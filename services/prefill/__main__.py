@@ -1,7 +1,7 @@
 """``python -m services.prefill``: a prefill worker.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine thread -> KV store client -> Prefill service -> serve with heartbeats until SIGTERM.
+engine backend -> KV store client -> Prefill service -> serve with heartbeats until SIGTERM.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 The KV hand-off flags (``--transport``, ``--prefix-reuse``, ...) are in
 ``docs/kv-transfer.md``.
@@ -21,14 +21,14 @@ from pdserve.telemetry.spans import SERVICE_PREFILL
 from pdserve.v1 import prefill_pb2_grpc
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
-from pdserve.worker.runtime import load_engine, prefill_worker, run_worker
+from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from services.prefill.servicer import PrefillServicer
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
     if options.kvstore is None:  # options_from_args checks it; keeps the types honest
         raise SystemExit("--kvstore is required")
-    engine = load_engine(options)
+    engine = await open_backend(options)
     telemetry = WorkerTelemetry.start(
         SERVICE_PREFILL, options.role.value, engine, host=options.host, endpoint=endpoint
     )

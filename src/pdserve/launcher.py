@@ -43,6 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
+from pdserve.backends import BACKEND_NAMES, TORCH
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
@@ -107,7 +108,9 @@ class Cluster:
     """First ``/metrics`` port (one per service, in start order); 0: free ports."""
     host_lease: bool = True
     """The workers share this host's cores through a ``HostLease`` (one engine step at a
-    time, decode steps first) instead of oversubscribing them."""
+    time, decode steps first) instead of oversubscribing them (torch backend only)."""
+    backend: str = TORCH
+    """The workers' engine (``--backend``): torch or tensorrt-llm."""
     http_port: int | None = None
     """The OpenAI-compatible HTTP gateway's port (0: a free one); None: no gateway."""
     gateway_args: Sequence[str] = ()
@@ -131,6 +134,11 @@ class Cluster:
     _certs: ClusterCerts | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
+    @property
+    def lease_cores(self) -> bool:
+        """Whether the workers take turns on the cores (a GPU engine has its own device)."""
+        return self.host_lease and self.backend == TORCH
+
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
         if self.mode not in ("disaggregated", "colocated"):
@@ -139,6 +147,8 @@ class Cluster:
             )
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise InvalidArgumentError("num_prefill", "disaggregated mode needs a prefill worker")
+        if self.backend not in BACKEND_NAMES:
+            raise InvalidArgumentError("backend", f"must be one of {BACKEND_NAMES}")
         if self.num_decode < 1:
             raise InvalidArgumentError("num_decode", "needs at least one decode (or mixed) worker")
         if not 0 <= self.metrics_base_port <= 65535:
@@ -307,7 +317,8 @@ class Cluster:
         worker_common = [
             *internal, "--model", str(self.model_dir),
             "--namespace", self.namespace, "--kvstore", kvstore.address,
-            *(["--host-lease", str(self.log_dir / "host-lease")] if self.host_lease else []),
+            "--backend", self.backend,
+            *(["--host-lease", str(self.log_dir / "host-lease")] if self.lease_cores else []),
             *self.worker_args,
         ]  # fmt: skip
         roles = (

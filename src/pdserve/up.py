@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.backends import BACKEND_NAMES, TENSORRT_LLM, TORCH
 from pdserve.errors import InvalidArgumentError
 from pdserve.launcher import Cluster, default_model
 from pdserve.scheduling import redacted
@@ -29,6 +30,9 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers (mixed when colocated)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--backend", default=TORCH, choices=BACKEND_NAMES,
+                   help="the workers' engine: torch (pdserve's own) or tensorrt-llm (a GPU "
+                   "with TensorRT-LLM installed; see docs/backends.md)")  # fmt: skip
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
@@ -90,13 +94,15 @@ def main_up(argv: Sequence[str]) -> int:
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
         worker_args=args.worker_arg, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
-        host_lease=args.host_lease, supervise=args.restart,
+        host_lease=args.host_lease, backend=args.backend, supervise=args.restart,
         restart_policy=RestartPolicy(crash_loop_restarts=args.max_restarts),
         announce=lambda line: print(f"pdserve up: {line}", file=sys.stderr, flush=True),
         http_port=None if args.no_http else args.http_port,
         tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
+        # TensorRT-LLM compiles and loads each worker's engine at start: minutes, not seconds.
+        startup_timeout_s=900.0 if args.backend == TENSORRT_LLM else 180.0,
     )  # fmt: skip
-    print(f"starting pdserve ({args.mode}, model {model}) ...", flush=True)
+    print(f"starting pdserve ({args.mode}, {args.backend}, model {model}) ...", flush=True)
     with cluster:
         address = cluster.router_address
         telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)

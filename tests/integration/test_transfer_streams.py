@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.sampling_params import SamplingParams
@@ -102,9 +103,11 @@ async def pair(
         inbox_address = await _serve(stack, InboxServicer(inbox, expected_layout=engines[1].layout))
         client = KVStoreClient(address, timeout_s=5)
         stack.push_async_callback(client.close)
-        prefill = PrefillWorker(engines[0], client, host=HOST, options=options)
+        prefill = PrefillWorker(TorchBackend(engines[0]), client, host=HOST, options=options)
         stack.push_async_callback(prefill.close)
-        decode = DecodeWorker(engines[1], inbox=inbox, address=inbox_address, host=HOST)
+        decode = DecodeWorker(
+            TorchBackend(engines[1]), inbox=inbox, address=inbox_address, host=HOST
+        )
         stack.push_async_callback(decode.close)
         yield Pair(prefill, decode, store, inbox, inbox_address, (engines[0], engines[1]))
         # Nothing may be left behind, whatever the test did.

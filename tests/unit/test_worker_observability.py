@@ -13,11 +13,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.backends import Capacity
 from pdserve.compute import HostLease
-from pdserve.engine.engine import EngineStats
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.worker import observability as obs
-from pdserve.worker.engine_state import EngineSnapshot
 from pdserve.worker.timing import RequestTiming
 
 
@@ -180,11 +179,11 @@ class _Engine:
         self.gate = gate
         self.failed_steps, self.failed_requests = 0, 0
 
-    def stats(self) -> EngineStats:
-        return EngineStats(64, self.free, 16, 1, self.waiting, 0, 0, 0, 0, 0)
-
-    def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(self.stats(), (), 0, self.failed_steps, self.failed_requests)
+    def capacity(self) -> Capacity:
+        return Capacity(
+            64, self.free, 16, queued_tokens=0, running=1, waiting=self.waiting,
+            failed_steps=self.failed_steps, failed_requests=self.failed_requests,
+        )  # fmt: skip
 
 
 class _Heartbeat:

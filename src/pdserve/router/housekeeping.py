@@ -117,7 +117,7 @@ class Housekeeper:
         elif where == "direct":
             address, key = kv.direct.address, kv.direct.key
         else:
-            return  # shm / engine-native state is owned by the workers
+            return  # shm segments and native state are owned by the workers
         stub = kvstore_pb2_grpc.KVStoreStub(self.channels.get(address))
         try:
             await stub.Delete(kvstore_pb2.DeleteRequest(key=key), timeout=self.timeout_s)

@@ -94,6 +94,9 @@ class TransportKind(StrEnum):
     """A POSIX shared-memory segment; prefill and decode on the same host."""
     RECOMPUTE = "recompute"
     """Nothing moves: the decode worker prefills the prompt again."""
+    NATIVE = "native"
+    """The engines move it themselves (TensorRT-LLM's cache transceiver): pdserve carries only
+    the handle (``pdserve.backends.NativeKV``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +244,8 @@ class TransportRegistry:
     implementations: dict[TransportKind, Transport] = field(default_factory=dict)
 
     def register(self, kind: TransportKind, transport: Transport) -> None:
-        if kind is TransportKind.RECOMPUTE:
-            raise InvalidArgumentError("kind", "recompute moves no data; it has no transport")
+        if kind in (TransportKind.RECOMPUTE, TransportKind.NATIVE):
+            raise InvalidArgumentError("kind", f"{kind.value} moves no data through pdserve")
         if kind in self.implementations:
             raise InvalidArgumentError("kind", f"transport {kind.value!r} is already registered")
         self.implementations[kind] = transport

@@ -171,11 +171,19 @@ class ShmLocation(_message.Message):
     generation: int
     def __init__(self, host: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class EngineNativeLocation(_message.Message):
-    __slots__ = ("opaque_state",)
+class NativeLocation(_message.Message):
+    __slots__ = ("opaque_state", "backend", "ctx_request_id", "first_gen_tokens", "draft_tokens")
     OPAQUE_STATE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     opaque_state: bytes
-    def __init__(self, opaque_state: _Optional[bytes] = ...) -> None: ...
+    backend: str
+    ctx_request_id: int
+    first_gen_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, opaque_state: _Optional[bytes] = ..., backend: _Optional[str] = ..., ctx_request_id: _Optional[int] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecomputeLocation(_message.Message):
     __slots__ = ("reason",)
@@ -184,7 +192,7 @@ class RecomputeLocation(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "capability", "store", "direct", "shm", "engine_native", "recompute")
+    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "capability", "store", "direct", "shm", "native", "recompute")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -195,7 +203,7 @@ class KVHandle(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_NATIVE_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
@@ -207,6 +215,6 @@ class KVHandle(_message.Message):
     store: StoreLocation
     direct: DirectLocation
     shm: ShmLocation
-    engine_native: EngineNativeLocation
+    native: NativeLocation
     recompute: RecomputeLocation
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., engine_native: _Optional[_Union[EngineNativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., native: _Optional[_Union[NativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...

@@ -7,6 +7,8 @@
 * ``direct`` here: the prefill worker wrote the stream into this worker's own endpoint; read
   it in-process;
 * ``shm``: read the segment on this host (the reader unlinks it);
+* ``native``: the prefill worker's engine kept the KV; this worker's engine, of the same
+  backend, pulls it itself as the decode starts (TensorRT-LLM's generation-only request);
 * ``recompute``: nothing was moved; prefill the prompt here. With ``resumed`` tokens (a
   request migrating from a decode worker that died mid-stream) the prompt, the first token
   and those are prefilled together and the request continues after them
@@ -25,7 +27,9 @@ first token and the tokens after it stream out.
 
 Recompute runs the prompt with ``max_tokens=1`` and ``hold_kv``, exports the KV and imports it
 as if it had been transferred, so the tokens that follow are exactly those of a transfer (the
-prefill's first token is kept; seeded sampling draws by output position).
+prefill's first token is kept; seeded sampling draws by output position). A backend whose KV
+cannot leave its engine (``features.kv_payload`` false) recomputes inside its decode instead,
+and refuses store, direct and shm hand-offs (``kv.location``).
 
 ``generate`` (the Mixed service): prefill and decode in this worker's engine, which
 interleaves the prompt's chunks with the running decodes; the stream starts with the first
@@ -37,7 +41,6 @@ Closing a stream early (a cancelled RPC) aborts the request: its blocks are free
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
 import time
@@ -46,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from pdserve.backends import EngineBackend, Handoff, NativeKV
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
@@ -62,10 +66,8 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
 from pdserve.transfer.slots import SlotMappings
 from pdserve.worker import decode_prefix
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
 from pdserve.worker.migration import Resumed, resume
 from pdserve.worker.placement import LinkModel
@@ -90,14 +92,15 @@ class PrefetchOutcome:
 
 @dataclass(slots=True)
 class _Arrival:
-    payload: KVPayload
+    payload: KVPayload | NativeKV | None
+    """None: the backend computes the prompt itself (a recompute it does not export)."""
     record: TransferRecord
     transfer_ms: float
     recompute_ms: float
 
 
 class DecodeWorker:
-    """Streams decodes (and colocated generations) from one AsyncEngine.
+    """Streams decodes (and colocated generations) from one engine backend.
 
     ``inbox``: this worker's own KVStore endpoint, served on ``address``, into which prefill
     workers stream ``direct`` hand-offs. ``transfer_timeout_s``: bound on each receive (0: from
@@ -107,7 +110,7 @@ class DecodeWorker:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineBackend,
         *,
         store_timeout_s: float = 10.0,
         inbox: KVStore | None = None,
@@ -128,7 +131,7 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.security = security
         self.links = LinkModel(self.host)
-        self.fingerprint = kv_fingerprint(engine.layout)
+        self.fingerprint = engine.fingerprint
         self.prefetches = Prefetches()
         self._stores: dict[str, KVStoreClient] = {}
         # Checks the K half of shm layers beside the reading thread's V half.
@@ -160,8 +163,14 @@ class DecodeWorker:
     def _inbound(self, kv: KVLocation, *, follow: bool = False) -> Inbound | None:
         """The receiver of ``kv``; ``follow``: one that reads while the writer writes."""
         layout = self.engine.layout
-        if kv.kind is TransportKind.RECOMPUTE:
+        if kv.kind in (TransportKind.RECOMPUTE, TransportKind.NATIVE):
             return None
+        if not self.engine.features.kv_payload:
+            raise InvalidArgumentError(
+                "kv.location",
+                f"the {self.engine.name} backend's KV cannot enter its engine as bytes, so a "
+                f"{kv.kind} hand-off cannot reach it",
+            )
         if kv.kind is TransportKind.SHM:
             receiver = ShmReceiver(
                 expected_layout=layout,
@@ -258,13 +267,13 @@ class DecodeWorker:
                 await inbound.discard()  # a no-op once a read consumed it
 
         timing = RequestTiming()
-        stream = self.engine.generate(
+        stream = self.engine.decode(
             request_id,
             prompt_ids,
             params,
+            first_token,
+            arrival.payload,
             cache_salt=tenant,
-            kv=arrival.payload,
-            first_token=first_token,
             tag=reservation_id,
             timing=timing,
             coalesce=True,  # a stream that fell behind catches up in one chunk
@@ -299,6 +308,10 @@ class DecodeWorker:
     ) -> _Arrival:
         """The KV: received (or its prefetch waited for), or recomputed when nothing was sent
         or the receive failed."""
+        if kv.kind is TransportKind.NATIVE:  # the engine pulls the KV as the decode starts
+            if kv.native is None:
+                raise InvalidArgumentError("kv.native", "a native location needs its handle")
+            return _Arrival(kv.native, TransferRecord(TransportKind.NATIVE.value), 0.0, 0.0)
         reason = kv.reason or "nothing was sent"
         transfer_ms = 0.0
         if inbound is not None:
@@ -328,9 +341,11 @@ class DecodeWorker:
                 if prefetch is None:  # a prefetch's read is paced by the prefill, not the link
                     self.links.observe(peer, record)
                 return _Arrival(payload, record, waited, 0.0)
+        record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
+        if not self.engine.features.kv_payload:  # the backend recomputes as it decodes
+            return _Arrival(None, record, transfer_ms, 0.0)
         start = time.perf_counter()
         payload = await self._recompute(request_id, prompt_ids, params, tenant, reservation_id)
-        record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
         return _Arrival(payload, record, transfer_ms, (time.perf_counter() - start) * 1000.0)
 
     async def _recompute(
@@ -343,19 +358,17 @@ class DecodeWorker:
     ) -> KVPayload:
         """Prefill the prompt here and take its KV, as a transfer would have delivered it."""
         held = False
-        stream = self.engine.generate(
-            request_id,
-            prompt_ids,
-            dataclasses.replace(params, max_tokens=1),
-            hold_kv=True,
-            cache_salt=tenant,
-            tag=reservation_id,
-        )
         try:
-            async with aclosing(stream):
-                async for out in stream:
-                    held = out.finished
-            payload = await self.engine.export_and_release(request_id)
+            await self.engine.prefill(
+                request_id,
+                prompt_ids,
+                params,
+                handoff=Handoff.HOLD,
+                cache_salt=tenant,
+                tag=reservation_id,
+            )
+            held = True
+            payload = await self.engine.export_kv(request_id)
             held = False
             return payload
         finally:

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import PdServeError, UnknownRequestError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.heartbeat import kv_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ async def ask(
 class DecodePrefixOracle:
     """Answers ``blk/`` lookups from a decode worker's engine (``KVStore.route_lookups``)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineBackend) -> None:
         self.engine = engine
         layout = engine.layout
         self._head = f"{BLOCK_KEY_PREFIX}{kv_fingerprint(layout)}/{layout.block_size}/"
@@ -90,11 +90,11 @@ class DecodePrefixOracle:
         if not hashes:
             return 0
         # A hint: the blocks may be evicted before the hand-off lands (join_cached_prefix).
-        return await self.engine.call(lambda e: e.cached_prefix_blocks(hashes))
+        return await self.engine.cached_prefix_blocks(hashes)
 
 
 async def join_cached_prefix(
-    engine: AsyncEngine,
+    engine: EngineBackend,
     payload: KVPayload,
     prompt_ids: Sequence[int],
     prefix_tokens: int,
@@ -111,7 +111,7 @@ async def join_cached_prefix(
             f"make a prompt of {len(prompt_ids)} in blocks of {bs}"
         )
     hashes = chain_block_hashes(list(prompt_ids[:prefix_tokens]), bs, salt=tenant)
-    prefix = await engine.call(lambda e: e.export_cached_prefix(hashes))
+    prefix = await engine.export_cached_prefix(hashes)
     if prefix is None:
         raise UnknownRequestError(f"the cached prefix of {prefix_tokens} tokens was evicted")
     layout.check_compatible(payload.layout)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pdserve.backends import NativeKV
 from pdserve.transfer.base import TransferDescriptor, TransferStats, TransportKind
 
 STORE_KEY_PREFIX = "kv/"
@@ -54,6 +55,9 @@ class KVLocation:
     capability: bytes = field(default=b"", repr=False)
     """The hand-off's capability (module docstring); recompute: that of the hand-off that
     fell back, if one began (it lets the decode worker drop that hand-off's prefetch)."""
+    native: NativeKV | None = None
+    """native: the handle of the KV the prefill worker's engine keeps for its own transfer
+    (no capability: the engines' own transfer carries none of pdserve's)."""
 
     @classmethod
     def recompute(
@@ -69,6 +73,13 @@ class KVLocation:
             TransportKind.RECOMPUTE, request_id, num_tokens, 0, fingerprint, reason=reason,
             capability=capability,
         )  # fmt: skip
+
+    @classmethod
+    def of_native(
+        cls, request_id: str, num_tokens: int, fingerprint: str, native: NativeKV
+    ) -> KVLocation:
+        """The engine keeps the KV; the decode worker's engine pulls it (``native``)."""
+        return cls(TransportKind.NATIVE, request_id, num_tokens, 0, fingerprint, native=native)
 
     @classmethod
     def of(cls, d: TransferDescriptor, fingerprint: str) -> KVLocation:

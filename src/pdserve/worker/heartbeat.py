@@ -1,17 +1,16 @@
 """A worker's heartbeat: its identity plus its engine's load, written to Redis every interval.
 
-The load comes from ``AsyncEngine.snapshot()`` (published by the engine thread after each
-step), so building a heartbeat never waits for the engine.
+The load comes from ``EngineBackend.capacity()`` (the engine's latest published figures), so
+building a heartbeat never waits for the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.backends import Capacity, EngineBackend
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
-from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.engine_state import EngineSnapshot
 
 
 def kv_fingerprint(layout: KVLayout) -> str:
@@ -38,38 +37,37 @@ class WorkerIdentity:
 
 def worker_info(
     identity: WorkerIdentity,
-    snapshot: EngineSnapshot,
+    load: Capacity,
     *,
     draining: bool,
     interval_s: float = 0.0,
 ) -> WorkerInfo:
-    """One heartbeat from the worker's identity and an engine snapshot; ``interval_s``: the
+    """One heartbeat from the worker's identity and its engine's load; ``interval_s``: the
     time to the next one (a scheduler takes a worker two intervals late for gone)."""
-    stats = snapshot.stats
     return WorkerInfo(
         id=identity.id,
         role=identity.role,
         address=identity.address,
         host=identity.host,
         model_fingerprint=identity.model_fingerprint,
-        kv_blocks_total=stats.num_blocks_total,
-        kv_blocks_free=stats.num_blocks_free,
-        block_size=stats.block_size,
+        kv_blocks_total=load.blocks_total,
+        kv_blocks_free=load.blocks_free,
+        block_size=load.block_size,
         max_batch_tokens=identity.max_batch_tokens,
-        queued_tokens=stats.queued_tokens,
-        running_seqs=stats.num_running,
+        queued_tokens=load.queued_tokens,
+        running_seqs=load.running,
         draining=draining,
-        reservations=snapshot.tags,
+        reservations=load.tags,
         interval_s=interval_s,
     )
 
 
 class WorkerHeartbeat:
-    """Publishes ``worker_info`` of one AsyncEngine through a ``Heartbeater``.
+    """Publishes ``worker_info`` of one engine backend through a ``Heartbeater``.
 
     ``start()`` begins beating, ``mark_draining()`` flags the worker as taking no new work
     from the next beat on, ``stop()`` ends the beats and deletes the worker's key. A worker
-    whose engine failed for good (``EngineSnapshot.failed``) says ``draining`` too: the
+    whose engine failed for good (``Capacity.failed``) says ``draining`` too: the
     scheduler places nothing on it.
     """
 
@@ -77,7 +75,7 @@ class WorkerHeartbeat:
         self,
         registry: RedisWorkerRegistry,
         identity: WorkerIdentity,
-        engine: AsyncEngine,
+        engine: EngineBackend,
         *,
         interval_s: float = 1.0,
     ) -> None:
@@ -89,11 +87,11 @@ class WorkerHeartbeat:
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
-        snapshot = self.engine.snapshot()
+        load = self.engine.capacity()
         return worker_info(
             self.identity,
-            snapshot,
-            draining=self.draining or snapshot.failed,
+            load,
+            draining=self.draining or load.failed,
             interval_s=self.interval_s,
         )
 

@@ -16,10 +16,10 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from pdserve.backends import EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
 from pdserve.transfer.base import TransportKind
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.timing import RequestTiming
@@ -40,7 +40,7 @@ class Resumed:
 
 
 async def resume(
-    engine: AsyncEngine,
+    engine: EngineBackend,
     fingerprint: str,
     request: Resumed,
     *,

@@ -8,7 +8,7 @@ Each is a child of the RPC's SERVER span (pass the context captured in the servi
 ``parent``; without it, the current span).
 
 ``WorkerTelemetry`` owns the worker's ``WorkerMetrics``: queue depth and KV blocks are read
-from the engine's published snapshot at scrape time (no polling task), heartbeat Redis
+from the engine's published capacity at scrape time (no polling task), heartbeat Redis
 failures from the heartbeat's own counter, and transfers are observed as they finish.
 """
 
@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from pdserve.backends import EngineBackend
 from pdserve.compute import HostLease
 from pdserve.errors import InvalidArgumentError
 from pdserve.telemetry.metrics import WorkerMetrics
@@ -52,7 +53,6 @@ from pdserve.telemetry.spans import (
     PREFILL_QUEUE,
 )
 from pdserve.telemetry.tracing import perf_to_epoch_ns, record_span
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.heartbeat import WorkerHeartbeat
 from pdserve.worker.timing import RequestTiming
 
@@ -328,7 +328,7 @@ class WorkerTelemetry:
     """
 
     def __init__(
-        self, role: str, engine: AsyncEngine | None = None, *, process: bool = True
+        self, role: str, engine: EngineBackend | None = None, *, process: bool = True
     ) -> None:
         self.engine = engine
         self.service: ServiceTelemetry | None = None
@@ -347,7 +347,7 @@ class WorkerTelemetry:
         cls,
         service_name: str,
         role: str,
-        engine: AsyncEngine | None = None,
+        engine: EngineBackend | None = None,
         *,
         host: str = "127.0.0.1",
         endpoint: MetricsEndpoint | None = None,
@@ -382,10 +382,9 @@ class WorkerTelemetry:
         """Bring the gauges (and the heartbeat error count) up to date; runs at every scrape,
         on the metrics server's thread: it reads only snapshots the engine publishes."""
         if self.engine is not None:
-            snapshot = self.engine.snapshot()
-            stats = snapshot.stats
-            self.metrics.set_queue_depth(stats.num_waiting)
-            self.metrics.set_kv_blocks(stats.num_blocks_free, stats.num_blocks_total)
+            load = self.engine.capacity()
+            self.metrics.set_queue_depth(load.waiting)
+            self.metrics.set_kv_blocks(load.blocks_free, load.blocks_total)
             gate = self.engine.gate
             if isinstance(gate, HostLease):
                 lease = gate.stats
@@ -398,9 +397,9 @@ class WorkerTelemetry:
                     lent_s=lease.lent_s,
                 )
             steps, requests = self._failures_seen
-            self.metrics.count_engine_failures("step", snapshot.failed_steps - steps)
-            self.metrics.count_engine_failures("request", snapshot.failed_requests - requests)
-            self._failures_seen = (snapshot.failed_steps, snapshot.failed_requests)
+            self.metrics.count_engine_failures("step", load.failed_steps - steps)
+            self.metrics.count_engine_failures("request", load.failed_requests - requests)
+            self._failures_seen = (load.failed_steps, load.failed_requests)
         if self._heartbeat is not None:
             errors = self._heartbeat.errors
             for _ in range(errors - self._redis_errors_seen):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.backends import BACKEND_NAMES, TORCH
+from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
 from pdserve.engine.faults import EngineFaults
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
@@ -26,7 +28,7 @@ from pdserve.security.options import (
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.outbound import SendFaults
-from pdserve.worker.placement import TRANSPORT_CHOICES, TransferOptions
+from pdserve.worker.placement import AUTO, TRANSPORT_CHOICES, TransferOptions
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -37,6 +39,8 @@ class WorkerOptions:
 
     model: Path
     role: WorkerRole
+    backend: str = TORCH
+    """The engine: ``torch`` (pdserve's own) or ``tensorrt-llm`` (``pdserve.backends``)."""
     host: str = "127.0.0.1"
     """Address to bind."""
     port: int = 0
@@ -108,6 +112,10 @@ class WorkerOptions:
     """Fault injection for fault tests (``--fault``); empty in production."""
     security: SecurityOptions = INSECURE
     """TLS, the internal credential and reflection (``pdserve.security``)."""
+    trtllm_transceiver: str = "DEFAULT"
+    """tensorrt-llm: the cache transceiver's communication backend (its KV transfer)."""
+    trtllm_kv_fraction: float | None = None
+    """tensorrt-llm: the share of free GPU memory its KV cache takes (None: its default)."""
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -167,6 +175,11 @@ def worker_parser(
 
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", type=Path, default=d("model"), help="checkpoint directory (required)")
+    p.add_argument(
+        "--backend", choices=BACKEND_NAMES, default=d("backend", TORCH),
+        help="the engine: torch (pdserve's own, CPU or CUDA) or tensorrt-llm (TensorRT-LLM's "
+        "LLM API on a GPU; KV moves through its own transfer, transport native)",
+    )  # fmt: skip
     p.add_argument("--role", choices=[r.value for r in roles], default=d("role", roles[0].value))
     p.add_argument(
         "--host", default=d("host", "127.0.0.1"), help="address to bind (0.0.0.0 for all)"
@@ -298,6 +311,16 @@ def worker_parser(
     )
     t.add_argument("--janitor-interval-s", type=float, default=float(d("janitor_interval_s", 60.0)))
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
+    g = p.add_argument_group("the tensorrt-llm backend (see docs/backends.md)")
+    g.add_argument(
+        "--trtllm-transceiver", choices=TRANSCEIVER_BACKENDS,
+        default=d("trtllm_transceiver", "DEFAULT"),
+        help="communication backend of TensorRT-LLM's cache transceiver (the KV transfer)",
+    )  # fmt: skip
+    g.add_argument(
+        "--trtllm-kv-fraction", type=float, default=_float(d("trtllm_kv_fraction")),
+        help="share of free GPU memory for TensorRT-LLM's KV cache (default: its own)",
+    )  # fmt: skip
     # Fault injection, for fault tests only, repeatable: corrupt[@PREFIX] or stall:N[@PREFIX]
     # (hand-offs), nan[@PREFIX] or step[@PREFIX] (the engine).
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
@@ -358,6 +381,35 @@ def _int(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
+def _float(value: str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def check_backend(args: argparse.Namespace) -> None:
+    """Refuse flags the chosen backend cannot honour, naming the flag."""
+    if args.backend == TORCH:
+        if args.transport == TransportKind.NATIVE.value:
+            raise InvalidArgumentError("--transport", "native needs --backend tensorrt-llm")
+        return
+    if args.transport not in (AUTO, TransportKind.NATIVE.value, TransportKind.RECOMPUTE.value):
+        raise InvalidArgumentError(
+            "--transport",
+            "the tensorrt-llm backend's KV moves only through its own transfer: auto, native "
+            "or recompute",
+        )
+    if args.host_lease is not None:
+        raise InvalidArgumentError(
+            "--host-lease", "shares CPU cores between torch engines; tensorrt-llm runs on a GPU"
+        )
+    if args.prefix_reuse:
+        raise InvalidArgumentError(
+            "--prefix-reuse", "needs the torch backend: its KV leaves the engine as bytes"
+        )
+    fraction = args.trtllm_kv_fraction
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise InvalidArgumentError("--trtllm-kv-fraction", f"must be in (0, 1], got {fraction}")
+
+
 def options_from_args(
     args: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> WorkerOptions:
@@ -377,9 +429,11 @@ def options_from_args(
     if args.bulk_tokens < 0:
         raise InvalidArgumentError("--bulk-tokens", "must be >= 0")
     parse_faults(args.fault)  # refuse a bad spec at start
+    check_backend(args)
     return WorkerOptions(
         model=args.model,
         role=role,
+        backend=args.backend,
         host=args.host,
         port=args.port,
         port_file=args.port_file,
@@ -424,4 +478,6 @@ def options_from_args(
         janitor_max_age_s=args.janitor_max_age_s,
         faults=tuple(args.fault),
         security=security_from_args(args, env or {}),
+        trtllm_transceiver=args.trtllm_transceiver,
+        trtllm_kv_fraction=args.trtllm_kv_fraction,
     )

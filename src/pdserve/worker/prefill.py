@@ -21,6 +21,10 @@ Per request:
      decode worker then prefills the prompt itself, and the request still completes.
 
 Nothing outlives a request: every path that does not hand the KV over discards it.
+
+On a backend whose KV cannot leave its engine as bytes (TensorRT-LLM), steps 2-6 are the
+engine's own: it keeps the KV for its transfer and the answer carries its handle
+(``engine_handoff``).
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.backends import EngineBackend, Handoff
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
@@ -47,9 +51,8 @@ from pdserve.transfer.slots import SlotPool, slot_budget
 from pdserve.worker import decode_prefix
 from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.assignment import AssignedDecode
-from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.engine_handoff import finish_at_first, in_engine_kind, prefill_in_engine
 from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.heartbeat import kv_fingerprint
 from pdserve.worker.outbound import Outbound, ShmOutbound, StreamSender
 from pdserve.worker.outbound_wrappers import Deferred, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
@@ -60,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_request(
-    engine: AsyncEngine, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    engine: EngineBackend, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
 ) -> None:
     """Raise ``InvalidArgumentError`` naming the (proto) field the engine would refuse."""
     if not request_id:
@@ -107,11 +110,11 @@ class _Sent:
 
 
 class PrefillWorker:
-    """Runs prefills on one AsyncEngine and hands their KV over (see the module docstring)."""
+    """Runs prefills on one engine backend and hands their KV over (see the module docstring)."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineBackend,
         store: KVStoreClient,
         *,
         lease_s: float = 60.0,
@@ -133,7 +136,7 @@ class PrefillWorker:
         self.options = options or TransferOptions(lease_s=lease_s)
         self.chooser = TransportChooser(self.host, engine.layout, self.options)
         self.prefix = prefix
-        self.fingerprint = kv_fingerprint(engine.layout)
+        self.fingerprint = engine.fingerprint
         self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
         self.announcers = announcers
         self.assignments = assignments
@@ -225,6 +228,11 @@ class PrefillWorker:
                 )  # fmt: skip
                 decode_address = ""
         forced = parse_transport(transport)
+        in_engine = in_engine_kind(self.engine, forced or parse_transport(self.options.transport))
+        if in_engine is not None:
+            return await self._prefill_in_engine(
+                request_id, prompt_ids, params, in_engine, tenant, reservation_id
+            )
         kind = self.chooser.choose(
             len(prompt_ids),
             decode_address=decode_address,
@@ -314,21 +322,19 @@ class PrefillWorker:
             for h in hooks:  # each one never raises
                 h(layer, keys, values)
 
-        last: RequestOutput | None = None
-        stream = self.engine.generate(
+        done = await self.engine.prefill(
             request_id,
             prompt_ids,
-            dataclasses.replace(params, max_tokens=1),
+            params,
+            handoff=Handoff.RELEASE,
             cache_salt=tenant,
             tag=reservation_id,
             timing=timing,
             layer_hook=hook if hooks else None,
         )
-        async with aclosing(stream):
-            async for output in stream:
-                last = output
+        last = done.output
         compute_end_ns = time.monotonic_ns()
-        if last is None or not last.new_token_ids:
+        if not last.new_token_ids:
             raise KVTransferError(f"prefill of {request_id!r} produced no first token")
         if publisher is not None and self.prefix is not None:
             self.prefix.publish(publisher)
@@ -390,12 +396,36 @@ class PrefillWorker:
             location = dataclasses.replace(location, prefix_tokens=out.prefix_tokens)
         return _Sent(location, record)
 
+    async def _prefill_in_engine(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        kind: TransportKind,
+        tenant: str,
+        reservation_id: str,
+    ) -> PrefillResult:
+        done = await prefill_in_engine(
+            self.engine, request_id, prompt_ids, params, kind,
+            tenant=tenant, reservation_id=reservation_id,
+        )  # fmt: skip
+        out = done.output
+        return PrefillResult(
+            first_token_id=out.new_token_ids[0],
+            first_logprob=out.new_logprobs[0],
+            kv=done.location,
+            finish_reason=done.finish_reason,
+            queue_ms=done.timing.queue_ms,
+            compute_ms=done.timing.first_output_ms,
+            transfer_ms=0.0,
+            transfer_bytes=0,
+            num_cached_tokens=out.num_cached_tokens,
+            transfer=done.record,
+            timing=done.timing,
+        )
+
     def _finish_reason(
         self, out: RequestOutput, params: SamplingParams, prompt_len: int
     ) -> FinishReason | None:
         """Whether the first token ends the request under its real ``max_tokens``."""
-        if out.finish_reason is FinishReason.STOP:
-            return FinishReason.STOP
-        if params.max_tokens <= 1 or prompt_len + 1 >= self.engine.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return finish_at_first(out, params, prompt_len, self.engine.max_model_len)

@@ -36,12 +36,12 @@ from contextlib import aclosing
 
 import torch
 
+from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.heartbeat import kv_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class PrefixReuse:
         ]
 
     async def seed(
-        self, engine: AsyncEngine, request_id: str, prompt_ids: Sequence[int], tenant: str
+        self, engine: EngineBackend, request_id: str, prompt_ids: Sequence[int], tenant: str
     ) -> int:
         """Import the leading chunks the store holds into the engine; returns how many."""
         keys = self.keys(prompt_ids, tenant)
@@ -129,13 +129,13 @@ class PrefixReuse:
         # The throw-away request: its payload lands in the engine's blocks, it finishes on
         # import (max_tokens=1, its "first token" is the prompt's next one) and its blocks stay
         # cached under the prefix's hashes.
-        stream = engine.generate(
+        stream = engine.decode(
             f"{request_id}#prefix",
             list(prompt_ids[:n]),
             SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+            (int(prompt_ids[n]), 0.0),
+            payload,
             cache_salt=tenant,
-            kv=payload,
-            first_token=(int(prompt_ids[n]), 0.0),
         )
         async with aclosing(stream):
             async for _ in stream:

@@ -6,6 +6,7 @@ Sampling parameters and finish reasons use the project-wide ``pdserve.rpc.conver
 
 from __future__ import annotations
 
+from pdserve.backends import NativeKV
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.transfer.base import TransportKind
@@ -46,6 +47,17 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
                 offset=kv.offset,
                 length=kv.length,
                 generation=kv.generation,
+            )
+        )
+    elif kv.kind is TransportKind.NATIVE and kv.native is not None:
+        n = kv.native
+        handle.native.CopyFrom(
+            common_pb2.NativeLocation(
+                opaque_state=n.opaque_state,
+                backend=n.backend,
+                ctx_request_id=n.ctx_request_id,
+                first_gen_tokens=n.first_gen_tokens,
+                draft_tokens=n.draft_tokens,
             )
         )
     else:
@@ -91,9 +103,23 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
             TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason,
             capability=_capability(handle, False),
         )  # fmt: skip
+    if where == "native":
+        n = handle.native
+        if not n.backend:
+            raise InvalidArgumentError("kv.native.backend", "must name the backend that wrote it")
+        if not n.first_gen_tokens:
+            raise InvalidArgumentError("kv.native.first_gen_tokens", "must not be empty")
+        native = NativeKV(
+            backend=n.backend,
+            ctx_request_id=n.ctx_request_id,
+            first_gen_tokens=tuple(n.first_gen_tokens),
+            opaque_state=n.opaque_state,
+            draft_tokens=tuple(n.draft_tokens),
+        )
+        return KVLocation(TransportKind.NATIVE, *common, native=native)
     raise InvalidArgumentError(
         "kv.location",
-        f"must be store, direct, shm or recompute; this worker cannot read {where or 'none'}",
+        f"must be store, direct, shm, native or recompute; got {where or 'none'}",
     )
 
 

@@ -1,7 +1,8 @@
 """The life of a worker process, shared by the prefill and decode services.
 
-``load_engine`` loads the model, gates its steps with the host lease when one is configured,
-and starts the engine thread. ``run_worker`` then:
+``open_backend`` loads the model on the engine ``--backend`` names (the torch engine, its
+steps gated by the host lease when one is configured, or TensorRT-LLM) and starts it.
+``run_worker`` then:
 
 1. builds the gRPC server (the role's servicers + health + error mapping, behind the internal
    credential check and TLS of ``options.security``) and starts it; health says SERVING;
@@ -11,7 +12,7 @@ and starts the engine thread. ``run_worker`` then:
    file;
 3. on SIGTERM/SIGINT: health NOT_SERVING, the heartbeat says ``draining``, the server stops
    taking calls and lets in-flight ones finish for up to ``grace_s``. Should the engine fail
-   for good (``AsyncEngine.failed``), health turns NOT_SERVING and the heartbeat says
+   for good (``EngineBackend.failed``), health turns NOT_SERVING and the heartbeat says
    ``draining`` at once, so that nothing more is placed here; the process keeps answering
    (UNAVAILABLE) until it is stopped;
 4. stops the heartbeats and deletes the worker's Redis key, and stops the periodic tasks.
@@ -26,7 +27,11 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from pdserve.backends import TENSORRT_LLM, EngineBackend
+from pdserve.backends.pytorch import TorchBackend
+from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import HostLease
+from pdserve.engine.kv_payload import DTYPES
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import (
     AddServicerFn,
@@ -38,9 +43,8 @@ from pdserve.rpc.server import (
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.assignment import AssignedDecode
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode_stubs import DecodeStubs
-from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
+from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, parse_engine_faults
 from pdserve.worker.prefill import PrefillWorker
@@ -50,27 +54,59 @@ from pdserve.worker.traced import TracedPrefillWorker
 logger = logging.getLogger(__name__)
 
 
-def load_engine(options: WorkerOptions) -> AsyncEngine:
-    """Load the model (blocking: call before serving) and start the engine thread."""
-    engine = AsyncEngine.from_pretrained(
-        options.model,
-        batch_window_ms=options.max_wait_ms,
-        faults=parse_engine_faults(options.faults),
-        **options.engine_config(),
-    )
-    if options.host_lease is not None:  # take turns on the cores with the host's other engines
-        engine.engine.gate = HostLease(
-            options.host_lease,
-            interactive_period_s=options.interactive_period_ms / 1000.0,
-            bulk_tokens=options.bulk_tokens,
+async def open_backend(options: WorkerOptions) -> EngineBackend:
+    """Load the model on the engine ``options.backend`` names (blocking: call before serving)
+    and start it."""
+    backend: EngineBackend
+    if options.backend == TENSORRT_LLM:
+        from pdserve.backends.tensorrt_llm import TensorRTLLMBackend  # imports tensorrt_llm
+
+        backend = TensorRTLLMBackend.from_pretrained(options.model, trtllm_config(options))
+    else:
+        gate = None
+        if options.host_lease is not None:  # take turns on the cores with the host's engines
+            gate = HostLease(
+                options.host_lease,
+                interactive_period_s=options.interactive_period_ms / 1000.0,
+                bulk_tokens=options.bulk_tokens,
+            )
+        backend = TorchBackend.from_pretrained(
+            options.model,
+            batch_window_ms=options.max_wait_ms,
+            gate=gate,
+            faults=parse_engine_faults(options.faults),
+            **options.engine_config(),
         )
-    engine.start()
-    return engine
+    await backend.start()
+    return backend
+
+
+def trtllm_config(options: WorkerOptions) -> TensorRTLLMConfig:
+    """The tensorrt-llm backend's settings these options give: the engine flags it shares with
+    the torch backend (a KV budget in blocks or bytes becomes one in tokens) and its own."""
+    kv_tokens = None
+    block = options.block_size or DEFAULT_BLOCK_SIZE
+    if options.kv_blocks is not None:
+        kv_tokens = options.kv_blocks * block
+    elif options.kv_cache_bytes is not None:
+        shape = read_shape(options.model)
+        itemsize = DTYPES.get(options.dtype, DTYPES["bfloat16"]).itemsize
+        per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+        kv_tokens = max(block, options.kv_cache_bytes // per_token)
+    return TensorRTLLMConfig(
+        dtype=options.dtype,
+        max_num_batched_tokens=options.max_batch_tokens,
+        max_num_seqs=options.max_num_seqs,
+        block_size=options.block_size,
+        kv_max_tokens=kv_tokens,
+        free_gpu_memory_fraction=options.trtllm_kv_fraction,
+        transceiver=options.trtllm_transceiver,
+    )
 
 
 def prefill_worker(
     options: WorkerOptions,
-    engine: AsyncEngine,
+    engine: EngineBackend,
     store: KVStoreClient,
     telemetry: WorkerTelemetry | None = None,
 ) -> PrefillWorker:
@@ -124,9 +160,9 @@ async def _every(interval_s: float, work: Callable[[], Awaitable[None]], what: s
         await asyncio.sleep(interval_s)  # a timer, not synchronisation
 
 
-async def watch_engine(engine: AsyncEngine, health: ServiceHealth) -> None:
+async def watch_engine(engine: EngineBackend, health: ServiceHealth) -> None:
     """Once the engine has failed for good: health NOT_SERVING (the heartbeat says
-    ``draining`` by itself, from the engine's snapshot)."""
+    ``draining`` by itself, from the engine's capacity)."""
     err = await engine.failed()
     logger.error("the engine failed for good (%r): health NOT_SERVING, no more placements", err)
     await health.set_not_serving()
@@ -134,7 +170,7 @@ async def watch_engine(engine: AsyncEngine, health: ServiceHealth) -> None:
 
 async def run_worker(
     options: WorkerOptions,
-    engine: AsyncEngine,
+    engine: EngineBackend,
     servicers: Sequence[tuple[AddServicerFn, object]],
     *,
     on_bound: Callable[[str], None] | None = None,
@@ -164,7 +200,7 @@ async def run_worker(
         role=options.role,
         address=options.address(port),
         host=options.host_name,
-        model_fingerprint=kv_fingerprint(engine.layout),
+        model_fingerprint=engine.fingerprint,
         max_batch_tokens=engine.max_num_batched_tokens,
     )
     redis = connect(options.redis_url) if options.redis_url else None

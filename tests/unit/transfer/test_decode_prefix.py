@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.sampling_params import SamplingParams
@@ -112,12 +113,13 @@ def test_decode_worker_answers_and_joins(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         ae = AsyncEngine(load(tiny_llama_dir))
         ae.start()
+        backend = TorchBackend(ae)
         try:
             async for _ in ae.generate("warm", ids, ONE, cache_salt="t"):
                 pass  # the decode worker ran this prompt before: its blocks are cached
             store = KVStore(1 << 20)
             store.route_lookups(
-                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(ae)
+                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(backend)
             )
             keys = decode_prefix.block_keys(ae.layout, ids, "t")
             route = store.lookup_route(keys)
@@ -128,13 +130,17 @@ def test_decode_worker_answers_and_joins(tiny_llama_dir: Path) -> None:
             assert store.lookup_route(["pfx/x"]) is None
 
             joined = await decode_prefix.join_cached_prefix(
-                ae, cut(reference, 40, 41), ids, 40, "t"
+                backend, cut(reference, 40, 41), ids, 40, "t"
             )
             assert_same_payload(joined, reference)
             with pytest.raises(UnknownRequestError, match="evicted"):
-                await decode_prefix.join_cached_prefix(ae, cut(reference, 40, 41), ids, 40, "u")
+                await decode_prefix.join_cached_prefix(
+                    backend, cut(reference, 40, 41), ids, 40, "u"
+                )
             with pytest.raises(UnknownRequestError, match="does not make"):
-                await decode_prefix.join_cached_prefix(ae, cut(reference, 36, 41), ids, 36, "t")
+                await decode_prefix.join_cached_prefix(
+                    backend, cut(reference, 36, 41), ids, 36, "t"
+                )
         finally:
             await ae.close()
         ae.engine.check_no_leaks()

@@ -1,0 +1,251 @@
+"""``TorchBackend``: pdserve's own PyTorch engine (``AsyncEngine``) as an ``EngineBackend``.
+
+A thin adapter: every call maps onto one ``AsyncEngine`` call, so a worker on this backend
+behaves exactly as one driving the ``AsyncEngine`` directly. It supports every feature:
+KV leaves and enters as ``KVPayload`` bytes (pdserve's transports), layer hooks during the
+prefill, and the prefix cache; it has no native KV transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from pdserve.backends.base import (
+    TORCH,
+    BackendFeatures,
+    Capacity,
+    Handoff,
+    NativeKV,
+    Prefilled,
+    refuse,
+)
+from pdserve.engine.faults import EngineFaults
+from pdserve.engine.gate import ComputeGate
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import LayerHook
+from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.heartbeat import kv_fingerprint
+from pdserve.worker.timing import RequestTiming
+
+FEATURES = BackendFeatures(kv_payload=True, layer_hook=True, prefix_cache=True, native_kv=False)
+
+NO_NATIVE = (
+    "the torch backend has no native KV transfer: its KV moves through pdserve's transports "
+    "(store, direct, shm) or is recomputed"
+)
+
+
+class TorchBackend:
+    """An ``AsyncEngine`` behind the ``EngineBackend`` protocol (see the module docstring)."""
+
+    name = TORCH
+    features = FEATURES
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.layout: KVLayout = engine.layout
+        self.fingerprint: str = kv_fingerprint(engine.layout)
+        self.vocab_size: int = engine.vocab_size
+        self.max_model_len: int = engine.max_model_len
+        self.max_num_batched_tokens: int = engine.max_num_batched_tokens
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        batch_window_ms: float = 0.0,
+        gate: ComputeGate | None = None,
+        faults: EngineFaults | None = None,
+        **config: Any,
+    ) -> TorchBackend:
+        """Load a checkpoint (blocking); ``config`` holds ``EngineConfig`` fields, ``gate``
+        how the engine shares the host's cores, ``faults`` failures to inject (fault tests
+        only). Call ``start()`` next."""
+        engine = AsyncEngine.from_pretrained(
+            model_dir, batch_window_ms=batch_window_ms, faults=faults, **config
+        )
+        if gate is not None:
+            engine.engine.gate = gate
+        return cls(engine)
+
+    @property
+    def gate(self) -> ComputeGate:
+        return self.engine.gate
+
+    async def start(self) -> None:
+        if not self.engine.running:
+            self.engine.start()
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str = "",
+        tag: str = "",
+        timing: RequestTiming | None = None,
+        coalesce: bool = False,
+        generated: Sequence[int] = (),
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.generate(
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            tag=tag,
+            timing=timing,
+            coalesce=coalesce,
+            generated=generated,
+        )
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        handoff: Handoff,
+        cache_salt: str = "",
+        tag: str = "",
+        timing: RequestTiming | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> Prefilled:
+        if handoff is Handoff.NATIVE:
+            raise InvalidArgumentError("transport", NO_NATIVE)
+        last: RequestOutput | None = None
+        stream = self.engine.generate(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(params, max_tokens=1),
+            hold_kv=handoff is Handoff.HOLD,
+            cache_salt=cache_salt,
+            tag=tag,
+            timing=timing,
+            layer_hook=layer_hook,
+        )
+        async with aclosing(stream):
+            async for output in stream:
+                last = output
+        if last is None:  # the engine always ends a stream with a finished output or raises
+            raise WorkerUnavailableError(f"the prefill of {request_id!r} ended without output")
+        return Prefilled(last)
+
+    def decode(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        first_token: tuple[int, float],
+        kv: KVPayload | NativeKV | None,
+        *,
+        cache_salt: str = "",
+        tag: str = "",
+        timing: RequestTiming | None = None,
+        coalesce: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if isinstance(kv, NativeKV):
+            return refuse(InvalidArgumentError("kv.native", NO_NATIVE))
+        if kv is None:
+            return self._recompute_then_decode(
+                request_id, prompt_ids, params, first_token, cache_salt, tag, timing, coalesce
+            )
+        return self.engine.generate(
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            kv=kv,
+            first_token=first_token,
+            tag=tag,
+            timing=timing,
+            coalesce=coalesce,
+        )
+
+    async def _recompute_then_decode(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        first_token: tuple[int, float],
+        cache_salt: str,
+        tag: str,
+        timing: RequestTiming | None,
+        coalesce: bool,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Prefill here with the KV held, take it out, and decode from it as if it had been
+        handed over: the tokens are exactly a transfer's (the given first token is kept)."""
+        held = False
+        try:
+            await self.prefill(
+                request_id,
+                prompt_ids,
+                params,
+                handoff=Handoff.HOLD,
+                cache_salt=cache_salt,
+                tag=tag,
+            )
+            held = True
+            payload = await self.engine.export_and_release(request_id)
+            held = False
+        finally:
+            if held:
+                self.engine.abort(request_id)  # releases the held blocks
+        stream = self.engine.generate(
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            kv=payload,
+            first_token=first_token,
+            tag=tag,
+            timing=timing,
+            coalesce=coalesce,
+        )
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+
+    async def export_kv(self, request_id: str) -> KVPayload:
+        return await self.engine.export_and_release(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        hashes = list(block_hashes)
+        return await self.engine.call(lambda e: e.cached_prefix_blocks(hashes))
+
+    async def export_cached_prefix(self, block_hashes: Sequence[bytes]) -> KVPayload | None:
+        hashes = list(block_hashes)
+        return await self.engine.call(lambda e: e.export_cached_prefix(hashes))
+
+    def capacity(self) -> Capacity:
+        snapshot = self.engine.snapshot()
+        stats = snapshot.stats
+        return Capacity(
+            blocks_total=stats.num_blocks_total,
+            blocks_free=stats.num_blocks_free,
+            block_size=stats.block_size,
+            queued_tokens=stats.queued_tokens,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            tags=snapshot.tags,
+            failed_steps=snapshot.failed_steps,
+            failed_requests=snapshot.failed_requests,
+            failed=snapshot.failed,
+        )
+
+    async def failed(self) -> BaseException:
+        return await self.engine.failed()
+
+    async def close(self) -> None:
+        await self.engine.close()
