@@ -51,6 +51,23 @@ def test_preferred_build_is_loaded() -> None:
         assert cpu_attention.bf16_dot_head_dims() == {32, 64, 96, 128}
 
 
+@needs_native
+def test_kernels_share_torchs_openmp_runtime() -> None:
+    """The module binds to the OpenMP runtime torch loaded: the process maps one, not two."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps")
+    q = torch.randn(64, 8, 64)
+    kv = torch.randn(64, 4, 64)
+    cpu_attention.prefill(q, kv, kv, 0.125)  # runs a parallel region
+    runtimes = {
+        line.split()[-1]
+        for line in maps.read_text().splitlines()
+        if any(name in line.rsplit("/", 1)[-1] for name in ("libgomp", "libiomp", "libomp"))
+    }
+    assert len(runtimes) <= 1, runtimes
+
+
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """float64 causal GQA attention of the last n positions: q [n, nh, hd], k/v [ctx, kvh, hd]."""
     n, nh, _ = q.shape
