@@ -1,4 +1,5 @@
-"""Smoke test of ``pdserve bench engine`` on the tiny preset: structure, not speed."""
+"""Smoke tests of ``pdserve bench engine`` and ``bench attention`` on the tiny preset:
+structure, not speed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.attention_bench import AttentionWorkload
 from pdserve.bench.measure import Case, Workload, run_cases
 from pdserve.cli import main as cli_main
 from pdserve.errors import InvalidArgumentError
+from pdserve.models import cpu_attention
 from pdserve.models.demo import parameter_count
 
 
@@ -149,3 +152,40 @@ def test_bench_engine_cli_on_tiny_checkpoint(
     table = capsys.readouterr().out
     for label in ("prefill 64 tok", "decode batch 1", "decode batch 2", "decode b1 / roofline"):
         assert label in table
+
+
+@pytest.mark.skipif(not cpu_attention.NATIVE_MODULE, reason="native attention kernels not built")
+def test_bench_attention_cli_on_tiny_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pdserve bench attention`` times both engines on every case and prints the ratios."""
+    out = tmp_path / "attention.json"
+    argv = [
+        "bench", "attention", "--model", str(tiny_llama_dir), "--dtype", "float32",
+        "--threads", "1", "--prefill-lens", "40", "--decode-batches", "2",
+        "--short-prompt-len", "8", "--long-prompt-len", "50", "--decode-tokens", "4",
+        "--repeats", "2", "--json", str(out),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    doc = json.loads(out.read_text())
+    cases = ["prefill 40", "decode b2 short", "decode b2 mixed"]
+    for peer in ("torch", "native"):
+        assert list(doc["results"][peer]) == cases
+        for case in cases:
+            assert len(doc["results"][peer][case]["seconds"]) == 2
+    assert doc["results"]["native"]["decode b2 mixed"]["prompt_len"] == 50
+    printed = capsys.readouterr().out
+    assert all(case in printed for case in cases) and "speedup" in printed
+
+
+def test_attention_workload_cases() -> None:
+    w = AttentionWorkload(prefill_lens=(64,), decode_batches=(1, 3), long_prompt_len=100)
+    cases = w.cases(vocab_size=500)
+    assert [c.name for c in cases] == [
+        "prefill 64", "decode b1 short", "decode b1 mixed", "decode b3 short", "decode b3 mixed",
+    ]  # fmt: skip
+    mixed = cases[-1]
+    assert [len(p) for p in mixed.prompts] == [100, 32, 32]
+    assert w.token_budget() == 100 + 2 * 32 + 1
+    with pytest.raises(InvalidArgumentError, match="decode_tokens"):
+        AttentionWorkload(decode_tokens=1)

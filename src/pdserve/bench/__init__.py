@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 from pdserve.cli import Command
 
 SUBCOMMANDS: dict[str, Command] = {
+    "attention": Command(
+        "pdserve.bench.attention_bench", "main", "native CPU attention kernels against torch SDPA"
+    ),
     "engine": Command(
         "pdserve.bench.engine_bench", "main", "engine throughput beside HF transformers and vLLM"
     ),

@@ -190,20 +190,34 @@ def run_cases(
     log: Callable[[str], None] = lambda _msg: None,
 ) -> dict[str, dict[str, CaseResult]]:
     """Measure every case on every peer; returns ``{peer name: {case name: result}}``."""
+    return run_case_list(
+        peers, workload.cases(vocab_size), workload.repeats, workload.warmup_tokens, log
+    )
+
+
+def run_case_list(
+    peers: Sequence[Peer],
+    cases: Sequence[Case],
+    repeats: int,
+    warmup_tokens: int,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> dict[str, dict[str, CaseResult]]:
+    """``run_cases`` over given cases: each warmed up on every peer, then ``repeats`` rounds
+    of one repeat per peer (interleaved)."""
     results: dict[str, dict[str, CaseResult]] = {p.name: {} for p in peers}
-    for case in workload.cases(vocab_size):
+    for case in cases:
         tokens = case.prompt_len if case.kind == "prefill" else case.batch * (case.max_tokens - 1)
         for peer in peers:
             results[peer.name][case.name] = CaseResult(
                 case.name, case.kind, case.batch, case.prompt_len, tokens=tokens
             )
-            warm_up(peer, case, workload.warmup_tokens)
-        for r in range(workload.repeats):
+            warm_up(peer, case, warmup_tokens)
+        for r in range(repeats):
             for peer in peers:
                 seconds, t1 = measure_once(peer, case)
                 res = results[peer.name][case.name]
                 res.seconds.append(seconds)
                 if t1 is not None:
                     res.t1.append(t1)
-                log(f"{case.name} repeat {r + 1}/{workload.repeats} {peer.name}: {seconds:.3f} s")
+                log(f"{case.name} repeat {r + 1}/{repeats} {peer.name}: {seconds:.3f} s")
     return results

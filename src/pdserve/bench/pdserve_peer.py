@@ -14,15 +14,25 @@ from pdserve.models.linear import can_prepack
 class PdservePeer:
     """``Engine.generate`` timed end to end (scheduling, sampling and detokenising included)."""
 
-    name = "pdserve"
-
     def __init__(
-        self, model_dir: str | Path, workload: Workload, *, dtype: str, threads: int
+        self,
+        model_dir: str | Path,
+        workload: Workload,
+        *,
+        dtype: str,
+        threads: int,
+        name: str = "pdserve",
+        attention_kernels: bool = True,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         # The whole longest prompt fits one step's token budget (no chunking), as for vLLM;
         # prefix caching is off because repeats reuse the same prompts. Everything else is the
-        # engine's default, which is its fastest configuration (prepacked weights on CPU).
-        budget = max(workload.max_context, workload.max_batch * workload.decode_prompt_len)
+        # engine's default, which is its fastest configuration (prepacked weights and the
+        # native attention kernels on CPU); ``attention_kernels=False`` is for A/B runs.
+        self.name = name
+        budget = max_num_batched_tokens or max(
+            workload.max_context, workload.max_batch * workload.decode_prompt_len
+        )
         self.engine = Engine.from_pretrained(
             model_dir,
             dtype=dtype,
@@ -30,15 +40,22 @@ class PdservePeer:
             max_num_seqs=max(workload.max_batch, 1),
             max_num_batched_tokens=budget,
             enable_prefix_caching=False,
+            attention_kernels=attention_kernels,
         )
         config = self.engine.config
         packed = config.prepack_weights and can_prepack(
             self.engine.runner.device, self.engine.dtype
         )
         # How this engine is configured, printed with the results.
+        native = self.engine.runner.native
+        attention = (
+            f"attention: prefill {'native' if native.prefill else 'torch SDPA'}, "
+            f"decode {'native' if native.decode else 'torch SDPA'}"
+        )
         self.description = (
             f"eager PyTorch, {'oneDNN-prepacked' if packed else 'plain'} matmul weights, "
-            f"block size {config.block_size}, max_num_batched_tokens {budget}"
+            f"{attention}, block size {config.block_size}, "
+            f"max_num_batched_tokens {budget}"
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> float:

@@ -43,6 +43,11 @@ class EngineConfig:
     prepack_weights: bool = True
     """CPU: prepack the matmul weights into oneDNN's blocked layout at load time (about 1.8x
     faster decode matmuls; the plain weights are then freed). Ignored on CUDA."""
+    attention_kernels: bool = True
+    """CPU: attend with the native kernels (``pdserve.models.cpu_attention``: flash-style
+    prefill, decode over the paged blocks in place) where they are built and fit the model;
+    False keeps torch's ``scaled_dot_product_attention`` (for A/B runs and tests). Ignored on
+    CUDA, which always uses torch's."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "auto"):

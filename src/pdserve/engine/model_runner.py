@@ -13,15 +13,16 @@ from pdserve.engine.faults import EngineFaults
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.models.config import ModelConfig
-from pdserve.models.linear import can_prepack
-from pdserve.models.llama import (
+from pdserve.models import cpu_attention
+from pdserve.models.attention_metadata import (
     AttentionMetadata,
     DecodeGroup,
-    KVCache,
-    LlamaModel,
+    DecodeTables,
     PrefillSpan,
 )
+from pdserve.models.config import ModelConfig
+from pdserve.models.linear import can_prepack
+from pdserve.models.llama import KVCache, LlamaModel
 
 
 @dataclass(slots=True)
@@ -94,6 +95,18 @@ class ModelRunner:
         if config.prepack_weights and can_prepack(self.device, dtype):
             model.prepack()
         self.model = model.eval()
+        self.native = (
+            cpu_attention.kernels_for(
+                self.device,
+                dtype,
+                model_config.num_heads,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+            )
+            if config.attention_kernels
+            else cpu_attention.NONE
+        )
+        """Which attention passes run on the native CPU kernels (the rest on torch's SDPA)."""
         shape = (num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache: KVCache = [
             (
@@ -145,6 +158,8 @@ class ModelRunner:
             ctx = p0 + n
             if p0 == 0:
                 spans.append(PrefillSpan(start, n, ctx, None, None))
+            elif self.native.prefill:  # the kernel masks by position itself
+                spans.append(PrefillSpan(start, n, ctx, self._long(table[: -(-ctx // bs)]), None))
             else:
                 ar = self._arange
                 mask = ar[:ctx].unsqueeze(0) <= ar[p0:ctx].unsqueeze(1)  # [n, ctx] causal, offset
@@ -156,17 +171,39 @@ class ModelRunner:
                     hooked.append((seq, ctx))
 
         T, D = len(ids), len(out.decodes)
-        # One host->device copy for the per-token vectors: ids, positions, slots.
-        flat = self._long(ids + pos + slots)
-        meta = AttentionMetadata(
-            slot_mapping=flat[2 * T :],
-            num_decodes=D,
-            decode_groups=[
-                self._decode_group(decodes[a:b], ctx_lens[a:b], a)
-                for a, b in length_groups(ctx_lens)
-            ],
-            prefills=spans,
-        )
+        if self.native.decode:
+            # One host->device copy for the per-token vectors (ids, positions, slots) and the
+            # decode kernel's context lengths, table offsets and block tables (concatenated).
+            starts: list[int] = []
+            tables: list[int] = []
+            for chunk, c in zip(decodes, ctx_lens, strict=True):
+                starts.append(len(tables))
+                tables.extend(chunk.seq.block_table[: -(-c // bs)])
+            flat = self._long(ids + pos + slots + ctx_lens + starts + tables)
+            lens_at, starts_at = 3 * T, 3 * T + D
+            meta = AttentionMetadata(
+                slot_mapping=flat[2 * T : 3 * T],
+                num_decodes=D,
+                decode_groups=[],
+                prefills=spans,
+                decode_tables=DecodeTables(
+                    flat[starts_at + D :], flat[starts_at : starts_at + D], flat[lens_at:starts_at]
+                ),
+                native_prefill=self.native.prefill,
+            )
+        else:
+            # One host->device copy for the per-token vectors: ids, positions, slots.
+            flat = self._long(ids + pos + slots)
+            meta = AttentionMetadata(
+                slot_mapping=flat[2 * T :],
+                num_decodes=D,
+                decode_groups=[
+                    self._decode_group(decodes[a:b], ctx_lens[a:b], a)
+                    for a, b in length_groups(ctx_lens)
+                ],
+                prefills=spans,
+                native_prefill=self.native.prefill,
+            )
 
         # Logits rows: every row when the step is decode only (no gather needed).
         rows = None if len(sample_rows) == T else self._long(sample_rows)

@@ -22,63 +22,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ModelLoadError
+from pdserve.models import cpu_attention
+from pdserve.models.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-
-
-@dataclass(slots=True)
-class PrefillSpan:
-    """One sequence's prefill chunk inside the flat batch."""
-
-    start: int
-    """Offset of the chunk's first token in the flat batch."""
-    num_new: int
-    """Tokens computed now."""
-    context_len: int
-    """Tokens attended to by the chunk's last token (cached prefix + earlier chunks + new)."""
-    block_ids: torch.Tensor | None
-    """``[num_blocks]`` block table; None when the chunk is the whole context (no gather)."""
-    mask: torch.Tensor | None
-    """``[num_new, context_len]`` bool, True = attend; None for a plain causal chunk."""
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """Decode tokens ``start .. start + count`` of the flat batch, attending over contexts
-    padded to one length. Decoding sequences are grouped by context length so that one long
-    context does not make every short one in the step read (and gather) as many keys."""
-
-    start: int
-    count: int
-    block_ids: torch.Tensor
-    """``[count * max_blocks]`` the sequences' block tables, row after row, each padded with
-    block 0 to ``max_blocks`` (flat: one ``index_select`` gathers them all)."""
-    context_len: int
-    """Key positions read: the longest context of the group."""
-    mask: torch.Tensor | None
-    """``[count, 1, 1, context_len]`` additive mask in the model dtype (0 = attend, -inf =
-    padding); None when every sequence of the group has ``context_len`` tokens of context."""
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor
-    """``[T]`` flat cache slot (block * block_size + offset) each new token's K/V goes to."""
-    num_decodes: int
-    """The first ``num_decodes`` tokens are decode tokens, one per sequence."""
-    decode_groups: list[DecodeGroup]
-    """The decode tokens in groups that tile ``0 .. num_decodes``."""
-    prefills: list[PrefillSpan]
 
 
 # --- rotary embeddings ---------------------------------------------------------------------
@@ -179,22 +135,28 @@ class Attention(nn.Module):
             return self.o_proj.forward(self._decode(q, k_cache, v_cache, meta))
         if D == 0 and len(meta.prefills) == 1:  # one prompt chunk: the common prefill
             span = meta.prefills[0]
-            o = self._prefill(q, k, v, k_cache, v_cache, span)
+            o = self._prefill(q, k, v, k_cache, v_cache, span, meta.native_prefill)
             return self.o_proj.forward(o.reshape(T, nh * hd))
         out = torch.empty(T, nh * hd, dtype=x.dtype, device=x.device)
         if D:
             out[:D] = self._decode(q[:D], k_cache, v_cache, meta)
         for span in meta.prefills:
             s, e = span.start, span.start + span.num_new
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span).reshape(
-                e - s, nh * hd
-            )
+            o = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, meta.native_prefill)
+            out[s:e] = o.reshape(e - s, nh * hd)
         return self.o_proj.forward(out)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q ``[D, nh, hd]`` (one token per sequence) -> ``[D, nh * hd]``."""
+        tables = meta.decode_tables
+        if tables is not None:  # the native kernel reads every sequence's blocks in place
+            o = cpu_attention.decode(
+                q, k_cache, v_cache, tables.block_tables, tables.table_starts,
+                tables.context_lens, self.scale,
+            )  # fmt: skip
+            return o.view(q.shape[0], self.nh * self.hd)
         groups = meta.decode_groups
         if not groups:
             raise RuntimeError("decode tokens scheduled without decode block tables")
@@ -237,8 +199,16 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         span: PrefillSpan,
+        native: bool,
     ) -> torch.Tensor:
-        """-> ``[n, nh, hd]``."""
+        """-> ``[n, nh, hd]``; ``native``: with the native kernel, which reads cached context
+        in place and masks by position (no ``span.mask``)."""
+        if native:
+            if span.block_ids is None:
+                return cpu_attention.prefill(q, k, v, self.scale)
+            return cpu_attention.prefill_paged(
+                q, k_cache, v_cache, span.block_ids, span.context_len, self.scale
+            )
         if span.block_ids is not None:  # earlier context lives in the cache: read it back
             k = k_cache.index_select(0, span.block_ids).view(-1, self.kvh, self.hd)
             v = v_cache.index_select(0, span.block_ids).view(-1, self.kvh, self.hd)

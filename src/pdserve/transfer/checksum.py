@@ -34,20 +34,12 @@ import numpy as np
 import torch
 import xxhash
 
+from pdserve.cpuinfo import cpu_flags
+
 Buffer = bytes | bytearray | memoryview
 
 HashCopy = Callable[[np.ndarray, np.ndarray, int], int]
 Hash = Callable[[Buffer], int]
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            line = next((x for x in info if x.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
 
 
 def _load_native() -> tuple[HashCopy | None, Hash | None, str]:

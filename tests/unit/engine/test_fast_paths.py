@@ -1,8 +1,8 @@
 """The engine's fast paths against slower, independent ones.
 
 ``test_parity.py`` checks the default engine (prepacked weights on CPU) against HF; this file
-checks what that does not reach: the plain-weight path, the unmasked decode attention used when
-every decoding sequence has the same context length, and the prepacked linear itself.
+checks what that does not reach: the plain-weight path, torch's unmasked decode attention used
+when every decoding sequence has the same context length, and the prepacked linear itself.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ needs_prepack = pytest.mark.skipif(
 
 
 def test_plain_weights_match_hf(tiny_qwen2_dir: Path) -> None:
-    """``prepack_weights=False`` (the path CUDA takes) keeps HF parity, biases included."""
+    """Plain weights and torch's attention (the path CUDA takes) keep HF parity, biases
+    included."""
     engine = Engine.from_pretrained(
-        tiny_qwen2_dir, dtype="float32", return_logits=True, prepack_weights=False
+        tiny_qwen2_dir,
+        dtype="float32",
+        return_logits=True,
+        prepack_weights=False,
+        attention_kernels=False,
     )
     ref = HFReference(tiny_qwen2_dir)
     prompts = prompts_of(engine, [1, 17, 40])
@@ -37,8 +42,11 @@ def test_plain_weights_match_hf(tiny_qwen2_dir: Path) -> None:
 
 
 def test_equal_length_batch_matches_hf(tiny_llama_dir: Path) -> None:
-    """Sequences of one length decode together with no padding mask; still HF's tokens."""
-    engine = Engine.from_pretrained(tiny_llama_dir, dtype="float32", return_logits=True)
+    """Sequences of one length decode together with no padding mask (torch's attention);
+    still HF's tokens."""
+    engine = Engine.from_pretrained(
+        tiny_llama_dir, dtype="float32", return_logits=True, attention_kernels=False
+    )
     ref = HFReference(tiny_llama_dir)
     prompts = prompts_of(engine, [20, 20, 20, 20], seed=3)
     got = run_collect(engine, prompts)

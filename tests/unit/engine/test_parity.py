@@ -72,6 +72,12 @@ LENGTHS = [1, 5, 16, 17, 40, 77]
             id="unchunked-small-budget",
         ),
         pytest.param({"num_kv_blocks": 14, "block_size": 8}, id="preemption"),
+        # torch's SDPA path (the CUDA path, and the CPU fallback without the native kernels):
+        # masked chunks after cached context, decode in length groups.
+        pytest.param(
+            {"max_num_batched_tokens": 24, "max_num_seqs": 8, "attention_kernels": False},
+            id="chunked-torch-attention",
+        ),
     ],
 )
 def test_batched_greedy_matches_hf(
@@ -183,11 +189,15 @@ def test_cuda_matches_cpu(tiny_llama_dir: Path) -> None:
         assert_matches_hf(ref, p, *b[f"r{i}"])
 
 
-def test_decode_groups_match_hf(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-groups", "native"])
+def test_decode_groups_match_hf(tiny_llama_dir: Path, kernels: bool) -> None:
     """Short contexts decoding beside a long one run as separate length groups (the long
-    one's padding is not every row's) and still match HF token for token."""
+    one's padding is not every row's) and still match HF token for token; the native kernel
+    reads each sequence's own blocks."""
     ref = HFReference(tiny_llama_dir)
-    engine = Engine.from_pretrained(tiny_llama_dir, dtype="float32", return_logits=True)
+    engine = Engine.from_pretrained(
+        tiny_llama_dir, dtype="float32", return_logits=True, attention_kernels=kernels
+    )
     prompts = prompts_of(engine, [3, 9, 400, 420], seed=2)
     assert len(length_groups([3 + 1, 9 + 1, 400 + 1, 420 + 1])) == 2
     got = run_collect(engine, prompts)
