@@ -59,6 +59,16 @@ class EngineStats:
     prefix_cache_hits: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computed."""
+
+    prefill_tokens: int = 0
+    """Prompt tokens (prefill chunks, recomputes after preemption)."""
+    decodes: int = 0
+    """Sequences that decoded one token."""
+
+
 @dataclass(slots=True)
 class _Request:
     seq: Sequence
@@ -118,6 +128,8 @@ class Engine:
         self._imports: deque[tuple[Sequence, KVPayload]] = deque()
         self._arrivals = 0
         self._rng = random.Random(0)
+        self.last_step = StepShape()
+        """The shape of the latest ``step`` (for step-time models)."""
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **config: Any) -> Engine:
@@ -317,9 +329,10 @@ class Engine:
         """Schedule -> execute -> update. Returns deltas of requests that progressed."""
         outputs = self._admit_imports()
         sched = self.scheduler.schedule()
+        prefill_tokens = sched.num_tokens - len(sched.decodes)
+        self.last_step = StepShape(prefill_tokens, len(sched.decodes))
         if sched.is_empty:
             return outputs
-        prefill_tokens = sched.num_tokens - len(sched.decodes)
         with self.gate.hold(prefill_tokens):
             result = self.runner.execute(sched, self.gate.checkpoint if prefill_tokens else None)
         for seq in self.scheduler.update(sched, result.sampled):

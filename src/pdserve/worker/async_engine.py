@@ -31,10 +31,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.engine.block_manager import BlockEvents
 from pdserve.engine.engine import Engine, EngineStats
 from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
@@ -54,6 +55,7 @@ from pdserve.worker.engine_commands import (
     fail_queued,
     post_outputs,
 )
+from pdserve.worker.meter import StepMeter, StepModel
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class EngineSnapshot:
     """Tags (scheduler reservation ids) of the requests the engine has admitted."""
     num_steps: int
     """Engine steps run so far."""
+    steps: StepModel = field(default_factory=StepModel)
+    """The live step-time model (``meter.StepMeter``)."""
 
 
 class AsyncEngine:
@@ -96,10 +100,13 @@ class AsyncEngine:
         # abort from that stream still releases them: its consumer left before it saw the end).
         self._held: dict[str, RequestStream] = {}
         self._num_steps = 0
+        self._meter = StepMeter()  # engine thread
         self._snapshot = EngineSnapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._failure: BaseException | None = None
+        self.block_events: BlockEvents | None = None
+        """The engine's prefix-cache change log, once one is installed (``kv_events``)."""
 
     @classmethod
     def from_pretrained(
@@ -366,6 +373,8 @@ class AsyncEngine:
         outputs = self._engine.step()
         ended = time.perf_counter()
         self._num_steps += 1
+        shape = self._engine.last_step
+        self._meter.observe(shape.prefill_tokens, shape.decodes, started, ended)
         # Grouped by event loop: one wake-up per loop per step, whatever the batch size.
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
@@ -386,7 +395,8 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         tags = tuple(s.tag for s in self._streams.values() if s.tag)
-        self._snapshot = EngineSnapshot(self._engine.stats(), tags, self._num_steps)
+        stats, steps = self._engine.stats(), self._meter.reading()
+        self._snapshot = EngineSnapshot(stats, tags, self._num_steps, steps)
 
     def _shutdown(self) -> None:
         """Abort everything, fail every waiter, publish the final (empty) state."""

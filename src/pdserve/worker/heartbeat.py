@@ -1,16 +1,23 @@
 """A worker's heartbeat: its identity plus its engine's load, written to Redis every interval.
 
-The load comes from ``AsyncEngine.snapshot()`` (published by the engine thread after each
-step), so building a heartbeat never waits for the engine.
+The load and the step-time model come from ``AsyncEngine.snapshot()`` (published by the
+engine thread after each step), so building a heartbeat never waits for the engine. Each beat
+also reads the duty a planner set for the worker (``duty.Duty``) in the same round trip.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
 from pdserve.worker.async_engine import AsyncEngine, EngineSnapshot
+from pdserve.worker.duty import Duty
+
+Links = Callable[[], tuple[tuple[str, str, float], ...]]
+"""The measured KV links of a worker: ``(peer host, transport, bytes/s)``."""
 
 
 def kv_fingerprint(layout: KVLayout) -> str:
@@ -33,13 +40,28 @@ class WorkerIdentity:
     host: str
     model_fingerprint: str
     max_batch_tokens: int
+    lane: str = "any"
+    kv_bytes_per_token: int = 0
 
 
 def worker_info(
-    identity: WorkerIdentity, snapshot: EngineSnapshot, *, draining: bool
+    identity: WorkerIdentity,
+    snapshot: EngineSnapshot,
+    *,
+    draining: bool,
+    duty: Duty | None = None,
+    links: tuple[tuple[str, str, float], ...] = (),
+    now: float | None = None,
 ) -> WorkerInfo:
-    """One heartbeat from the worker's identity and an engine snapshot."""
+    """One heartbeat from the worker's identity and an engine snapshot; ``now``
+    (``perf_counter``) ages the busy share over an idle stretch."""
     stats = snapshot.stats
+    serves: tuple[str, ...] = ()
+    duty_name, switching = "", False
+    if duty is not None:
+        idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_held == 0
+        serves, duty_name, switching = duty.state(idle=idle)
+    steps = snapshot.steps
     return WorkerInfo(
         id=identity.id,
         role=identity.role,
@@ -54,6 +76,16 @@ def worker_info(
         running_seqs=stats.num_running,
         draining=draining,
         reservations=snapshot.tags,
+        serves=serves,
+        lane=identity.lane,
+        duty=duty_name,
+        switching=switching,
+        step_overhead_s=steps.overhead_s,
+        decode_seq_s=steps.decode_seq_s,
+        prefill_token_s=steps.prefill_token_s,
+        busy=steps.busy_at(time.perf_counter() if now is None else now),
+        links=links,
+        kv_bytes_per_token=identity.kv_bytes_per_token,
     )
 
 
@@ -71,15 +103,33 @@ class WorkerHeartbeat:
         engine: AsyncEngine,
         *,
         interval_s: float = 1.0,
+        duty: Duty | None = None,
+        links: Links | None = None,
     ) -> None:
+        """``duty``: follow a planner's orders (mixed workers); ``links``: the prefill
+        side's measured KV links."""
         self.identity = identity
         self.engine = engine
         self.draining = False
-        self._heartbeater = Heartbeater(registry, self.current, interval_s=interval_s)
+        self.duty = duty
+        self.links = links
+        self._heartbeater = Heartbeater(
+            registry,
+            self.current,
+            interval_s=interval_s,
+            read_key=registry.keys.duty(identity.id) if duty is not None else None,
+            on_read=duty.order if duty is not None else None,
+        )
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
-        return worker_info(self.identity, self.engine.snapshot(), draining=self.draining)
+        return worker_info(
+            self.identity,
+            self.engine.snapshot(),
+            draining=self.draining,
+            duty=self.duty,
+            links=self.links() if self.links is not None else (),
+        )
 
     @property
     def errors(self) -> int:

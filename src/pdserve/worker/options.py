@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,11 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.outbound import SendFaults
 from pdserve.worker.placement import TRANSPORT_CHOICES, TransferOptions
+from pdserve.worker.scheduling_options import (
+    SchedulingOptions,
+    add_scheduling_args,
+    scheduling_options,
+)
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -99,6 +104,8 @@ class WorkerOptions:
     """A sealed shm segment nobody read for this long is unlinked (its owner alive)."""
     faults: tuple[str, ...] = ()
     """Fault injection for fault tests (``--fault``); empty in production."""
+    scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
+    """Lane, waiting order, KV events (``scheduling_options``)."""
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -130,7 +137,10 @@ class WorkerOptions:
             "kv_cache_bytes": self.kv_cache_bytes,
             "num_threads": self.threads,
         }
-        return {k: v for k, v in fields.items() if v is not None}
+        return {
+            **{k: v for k, v in fields.items() if v is not None},
+            **self.scheduling.engine_config(),
+        }
 
     def address(self, port: int) -> str:
         """host:port that other components use to reach this worker."""
@@ -291,6 +301,7 @@ def worker_parser(
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
     # Fault injection, for fault tests only: corrupt[@PREFIX] or stall:N[@PREFIX], repeatable.
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
+    add_scheduling_args(p, d)
     return p
 
 
@@ -382,4 +393,5 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         janitor_interval_s=args.janitor_interval_s,
         janitor_max_age_s=args.janitor_max_age_s,
         faults=tuple(args.fault),
+        scheduling=scheduling_options(args),
     )

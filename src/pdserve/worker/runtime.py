@@ -1,11 +1,13 @@
 """The life of a worker process, shared by the prefill and decode services.
 
 ``load_engine`` loads the model, gates its steps with the host lease when one is configured,
-and starts the engine thread. ``run_worker`` then:
+makes the engine log its prefix-cache changes when they are to be published, and starts the
+engine thread. ``run_worker`` then:
 
 1. builds the gRPC server (the role's servicers + health + reflection + error mapping) and
    starts it; health says SERVING;
-2. starts heartbeats into Redis (when a Redis URL is configured), the shm janitor (once at
+2. starts heartbeats into Redis (when a Redis URL is configured; a mixed worker's follow a
+   planner's duty, ``duty``), the KV event publisher (``kv_events``), the shm janitor (once at
    once, then every ``janitor_interval_s``: segments of dead writers, or older than
    ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
    file;
@@ -26,11 +28,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pdserve.compute import HostLease
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.server import AddServicerFn, build_server, serve_until_signal, write_port_file
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
+from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode_stubs import DecodeStubs
-from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, kv_fingerprint
+from pdserve.worker.duty import Duty, capabilities
+from pdserve.worker.heartbeat import Links, WorkerHeartbeat, WorkerIdentity, kv_fingerprint
+from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
 from pdserve.worker.prefill import PrefillWorker
@@ -51,6 +55,8 @@ def load_engine(options: WorkerOptions) -> AsyncEngine:
             interactive_period_s=options.interactive_period_ms / 1000.0,
             bulk_tokens=options.bulk_tokens,
         )
+    if options.scheduling.kv_events and options.redis_url:
+        install_events(engine)
     engine.start()
     return engine
 
@@ -114,12 +120,14 @@ async def run_worker(
     sweeps: Sequence[tuple[str, Callable[[], Awaitable[None]]]] = (),
     sweep_interval_s: float = 1.0,
     telemetry: WorkerTelemetry | None = None,
+    links: Links | None = None,
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
     ``on_bound`` receives the worker's advertised address once the port is bound, before it
     serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
-    ``telemetry`` (started) calls are traced and failed heartbeats counted.
+    ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
+    KV links the worker's prefill side measured, for its heartbeats.
     """
     server, port, health = build_server(
         servicers,
@@ -136,14 +144,20 @@ async def run_worker(
         host=options.host_name,
         model_fingerprint=kv_fingerprint(engine.layout),
         max_batch_tokens=engine.max_num_batched_tokens,
+        lane=options.scheduling.lane,
+        kv_bytes_per_token=engine.layout.num_layers * engine.layout.bytes_per_token_per_layer,
     )
+    keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
+    can = capabilities(options.role, can_prefill=options.kvstore is not None)
     heartbeat = (
         WorkerHeartbeat(
-            RedisWorkerRegistry(redis, keys=KeySpace(options.namespace)),
+            RedisWorkerRegistry(redis, keys=keys),
             identity,
             engine,
             interval_s=options.heartbeat_interval_s,
+            duty=Duty(options.role, can) if options.role is WorkerRole.MIXED else None,
+            links=links,
         )
         if redis is not None
         else None
@@ -167,6 +181,9 @@ async def run_worker(
             for name, work in sweeps
         ),
     ]
+    if redis is not None and engine.block_events is not None:
+        publisher = KVEventPublisher(redis, keys, identity.id, engine, engine.block_events)
+        tasks.append(asyncio.create_task(publisher.run(), name="kv-events"))
     try:
         await server.start()
         await health.set_serving()
