@@ -1,9 +1,10 @@
 """``python -m services.router``: the Router gRPC service, the cluster's public entry point.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> tokenizer and model
-limits (no weights) -> RequestFlow -> gRPC server (+ health, reflection) -> serve until
-SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once
-the server is serving (``--metrics-port-file`` the metrics port, before it).
+limits (no weights) -> the rollout split from Redis (``--redis-url``) -> RequestFlow -> gRPC
+server (+ health, reflection) -> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port;
+``--port-file`` receives the bound port once the server is serving (``--metrics-port-file``
+the metrics port, before it).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import os
 from pathlib import Path
 
 from pdserve.router import ChannelPool, FlowConfig, ModelLimits, RequestFlow
+from pdserve.router.rollout import RolloutFollower, following
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.scheduling import KeySpace, connect
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -40,7 +43,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     p.add_argument("--scheduler", required=True, help="host:port of the Scheduler service")
     p.add_argument("--model", type=Path, required=True, help="checkpoint dir (tokenizer + config)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument(
+        "--mode",
+        default="conditional",
+        choices=["conditional", "disaggregated", "colocated"],
+        help="mode asked of the scheduler when no rollout split applies (conditional: the "
+        "scheduler decides per request)",
+    )
+    p.add_argument(
+        "--redis-url",
+        help="follow the rollout split (pdserve rollout) kept in this Redis; unset: --mode only",
+    )
+    p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
@@ -57,6 +71,13 @@ async def serve(args: argparse.Namespace) -> None:
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)  # last: flushes the spans of the final requests
+        arms = None
+        if args.redis_url:
+            redis = connect(args.redis_url)
+            stack.push_async_callback(redis.aclose)
+            arms = await stack.enter_async_context(
+                following(RolloutFollower(redis, KeySpace(args.namespace)))
+            )
         flow = RequestFlow(
             scheduler_address=args.scheduler,
             tokenizer=tokenizer,
@@ -64,6 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
                 max_size=args.max_channels, interceptors=telemetry.client_interceptors()
             ),
             config=FlowConfig(mode=mode_from_name(args.mode)),
+            arms=arms,
         )
         stack.push_async_callback(flow.close)
         servicer = RouterServicer(

@@ -1,7 +1,8 @@
 """``python -m services.scheduler``: the Scheduler gRPC service.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> Redis client ->
-ClusterScheduler -> gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT.
+ClusterScheduler (its view kept fresh, the KV event index following the workers' stream) ->
+gRPC server (+ health, reflection) -> serve until SIGTERM/SIGINT.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once the server is
 serving, so a launcher can wait for that file (``--metrics-port-file`` is written before it).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -19,11 +21,14 @@ from pdserve.scheduling import (
     POLICIES,
     CapacityLimits,
     ClusterScheduler,
+    CostModel,
     KeySpace,
     Mode,
+    PrefixIndex,
     connect,
     kept_fresh,
 )
+from pdserve.scheduling.prefix_index import following
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.service import (
     MetricsEndpoint,
@@ -44,9 +49,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
-    p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES))
     p.add_argument(
-        "--default-mode", default=Mode.DISAGGREGATED.value, choices=[m.value for m in Mode]
+        "--default-mode",
+        default=Mode.CONDITIONAL.value,
+        choices=[m.value for m in Mode],
+        help="mode of requests that name none (conditional: decided per request)",
+    )
+    s = p.add_argument_group("SLOs and lanes (docs/scheduling.md)")
+    s.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=0.0,
+        help="refuse (RESOURCE_EXHAUSTED) a request whose predicted time to first token "
+        "exceeds this many seconds on every worker; 0: admit whatever fits",
+    )
+    s.add_argument(
+        "--itl-slo",
+        type=float,
+        default=0.150,
+        help="seconds between tokens a prefill may not push running streams past",
+    )
+    s.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=0,
+        help="prompts longer than this go to long-lane prefill workers; 0: from the cost model",
+    )
+    s.add_argument(
+        "--no-kv-index",
+        dest="kv_index",
+        action="store_false",
+        help="do not follow the workers' KV events (no prefix-aware placement)",
     )
     p.add_argument("--refresh-interval-s", type=float, default=0.25)
     p.add_argument("--reservation-ttl-s", type=float, default=120.0)
@@ -77,6 +111,10 @@ async def serve(args: argparse.Namespace) -> None:
             max_retries=args.max_retries,
             limits=CapacityLimits(prefill_queue_batches=args.prefill_queue_batches),
             default_mode=Mode(args.default_mode),
+            model=CostModel(itl_slo_s=args.itl_slo),
+            long_prompt_tokens=args.long_prompt_tokens,
+            ttft_slo_s=args.ttft_slo,
+            prefix_index=PrefixIndex() if args.kv_index else None,
         )
         server, port, health = build_server(
             [
@@ -98,7 +136,12 @@ async def serve(args: argparse.Namespace) -> None:
         )  # fmt: skip
         if args.port_file is not None:
             write_port_file(args.port_file, port)
-        async with kept_fresh(scheduler):  # assign finds the view fresh
+        async with contextlib.AsyncExitStack() as running:
+            await running.enter_async_context(kept_fresh(scheduler))  # assign finds it fresh
+            if scheduler.prefix_index is not None:
+                await running.enter_async_context(
+                    following(scheduler.prefix_index, redis, scheduler.keys)
+                )
             await serve_until_signal(server, health, args.grace_s)
     finally:
         await redis.aclose()

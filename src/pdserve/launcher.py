@@ -5,7 +5,8 @@ port (``--port 0 --port-file F``)::
 
     Redis (embedded, unless a URL is given)
       -> KVStore, Scheduler
-      -> N prefill + M decode workers (colocated: M mixed workers), Router
+      -> N prefill + M decode workers (colocated: M mixed workers; conditional: N prefill +
+         M mixed workers, the scheduler choosing per request), Router
 
 and returns once every service's gRPC health check says SERVING and every worker's heartbeat
 is in Redis. ``stop()`` stops them in reverse order: SIGTERM, a grace period, then SIGKILL.
@@ -41,6 +42,8 @@ from pdserve.telemetry.service import describe_telemetry
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
+MODES = ("disaggregated", "colocated", "conditional")
+"""Cluster kinds: prefill + decode workers, mixed workers only, or prefill + mixed workers."""
 _POLL_S = 0.05
 """Interval of readiness polls (port files, health, heartbeats): child processes offer nothing
 to block on."""
@@ -80,6 +83,8 @@ class Cluster:
     worker_args: Sequence[str] = ()
     scheduler_args: Sequence[str] = ()
     """Extra flags for the scheduler (``["--policy", "round_robin"]``)."""
+    router_args: Sequence[str] = ()
+    """Extra flags for the router."""
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -102,10 +107,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
-        if self.mode not in ("disaggregated", "colocated"):
-            raise InvalidArgumentError(
-                "mode", f"must be disaggregated or colocated, got {self.mode!r}"
-            )
+        if self.mode not in MODES:
+            raise InvalidArgumentError("mode", f"must be one of {MODES}, got {self.mode!r}")
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise InvalidArgumentError("num_prefill", "disaggregated mode needs a prefill worker")
         if self.num_decode < 1:
@@ -205,12 +208,11 @@ class Cluster:
             *(["--host-lease", str(self.log_dir / "host-lease")] if self.host_lease else []),
             *self.worker_args,
         ]  # fmt: skip
-        roles = (
-            [("mixed", i) for i in range(self.num_decode)]
-            if self.mode == "colocated"
-            else [("prefill", i) for i in range(self.num_prefill)]
-            + [("decode", i) for i in range(self.num_decode)]
+        prefills = (
+            [] if self.mode == "colocated" else [("prefill", i) for i in range(self.num_prefill)]
         )
+        second = "decode" if self.mode == "disaggregated" else "mixed"
+        roles = prefills + [(second, i) for i in range(self.num_decode)]
         late = [
             self._add(
                 f"{role}-{i}",
@@ -223,7 +225,8 @@ class Cluster:
         router = self._add(
             "router", "services.router",
             [*common, "--scheduler", scheduler.address, "--model", str(self.model_dir),
-             "--mode", self.mode],
+             "--mode", self.mode, "--redis-url", redis_url, "--namespace", self.namespace,
+             *self.router_args],
         )  # fmt: skip
         if self.router_port:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
@@ -357,8 +360,11 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=["tiny", "small", "base"],
                    help="demo model size when --model is not given")  # fmt: skip
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (mixed when colocated)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--decode", type=int, default=1,
+                   help="decode workers (mixed unless --mode disaggregated)")  # fmt: skip
+    p.add_argument("--mode", default="conditional", choices=MODES,
+                   help="conditional: prefill + mixed workers, the scheduler choosing colocated "
+                   "or disaggregated per request")  # fmt: skip
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")

@@ -7,7 +7,8 @@ its cached view to pick candidates, and once more under WATCH on fresh data befo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pdserve.errors import InvalidArgumentError
@@ -58,6 +59,8 @@ class Demand:
     prompt_tokens: int
     max_tokens: int
     phase: Phase
+    cached_tokens: Callable[[str], int] | None = field(default=None, compare=False)
+    """Worker id -> prompt tokens its prefix cache holds (``prefix_index``); None: unknown."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
@@ -65,6 +68,11 @@ class Demand:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "phase", Phase(self.phase))
+
+    def uncached(self, worker_id: str) -> int:
+        """Prompt tokens the worker would compute (all but the last one may be cached)."""
+        cached = self.cached_tokens(worker_id) if self.cached_tokens is not None else 0
+        return max(1, self.prompt_tokens - cached)
 
     def claim(self, block_size: int) -> Claim:
         """What this phase reserves on a worker with ``block_size`` tokens per KV block.
@@ -147,8 +155,10 @@ def shortfall(view: WorkerView, claim: Claim, limits: CapacityLimits) -> str | N
 
 def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None) -> str | None:
     """Why ``view`` must not serve ``phase`` regardless of load, or None."""
-    if view.info.role is not phase.role:
-        return f"role is {view.info.role.value}, {phase.role.value} needed"
+    if phase.value not in view.info.phases:
+        serves = ", ".join(view.info.phases) or "nothing"
+        switching = " (changing duty)" if view.info.switching else ""
+        return f"role {view.info.role.value} serves {serves}{switching}, not {phase.value}"
     if view.info.draining:
         return "draining"
     if model_fingerprint is not None and view.info.model_fingerprint != model_fingerprint:

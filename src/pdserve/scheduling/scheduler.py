@@ -5,12 +5,14 @@ Lifecycle of one ``assign()``:
 1. Decide from the cache. The scheduler keeps a view of every live worker (heartbeat plus
    reserved amounts) that is at most ``refresh_interval_s`` old, so a decision costs no Redis
    round trip to *choose* (the service refreshes it in the background, ``refresher``; without
-   that, the decision that finds it too old refreshes it first). It drops workers that are
-   draining, of the wrong role, excluded earlier in this call, or too full on that view, and
-   lets the placement policy order the rest: a decode worker (the scarce KV blocks) first, then
-   a prefill worker with the same model fingerprint; or a single mixed worker in colocated
-   mode. If nothing fits, the view is refreshed once before refusing, so a refusal is never
-   based on data older than the call.
+   that, the decision that finds it too old refreshes it first). ``placement.Placer`` drops
+   workers that are draining, that do not serve the phase, of another model, excluded earlier
+   in this call, or too full on that view; orders the rest by the placement policy; decides
+   the mode (``conditional``: colocated or disaggregated by the cost model) and, with a TTFT
+   SLO, refuses a request that would miss it everywhere. The request's prompt blocks are
+   looked up in the KV event index (``prefix_index``), when one is kept. If nothing fits, the
+   view is refreshed once before refusing, so a refusal is never based on data older than the
+   call.
 2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
    assigns queue instead of invalidating each other), then WATCH the chosen workers'
    heartbeat keys and reservation sets.
@@ -47,7 +49,6 @@ import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -64,8 +65,11 @@ from pdserve.scheduling.capacity import (
     ineligibility,
     shortfall,
 )
+from pdserve.scheduling.costmodel import CostModel
 from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.placement import Mode, ModeDecision, Placement, Placer, Refusal
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
+from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks
 from pdserve.scheduling.registry import RedisWorkerRegistry
 from pdserve.scheduling.reservations import (
     RecheckFailedError,
@@ -86,11 +90,15 @@ def _redis_reachable() -> Iterator[None]:
         raise WorkerUnavailableError(f"Redis unreachable: {err}") from err
 
 
-class Mode(StrEnum):
-    """How a request is served."""
+class SloRefusalError(CapacityError):
+    """Admission refused the request: its predicted TTFT misses the SLO on every worker."""
 
-    DISAGGREGATED = "disaggregated"
-    COLOCATED = "colocated"
+
+_PHASES = {
+    Mode.COLOCATED: (Phase.COLOCATED,),
+    Mode.DISAGGREGATED: (Phase.PREFILL, Phase.DECODE),
+    Mode.CONDITIONAL: (Phase.COLOCATED, Phase.PREFILL, Phase.DECODE),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,8 @@ class Assignment:
     """Retries after a conflict or failed re-check; 0 when the first try committed."""
     policy: str
     ttl_s: float
+    decision: ModeDecision | None = None
+    """The mode chosen and its inputs (predicted TTFTs, cached tokens, ...)."""
 
 
 class ClusterScheduler:
@@ -122,7 +132,15 @@ class ClusterScheduler:
         max_retries: int = 8,
         limits: CapacityLimits | None = None,
         default_mode: Mode = Mode.DISAGGREGATED,
+        model: CostModel | None = None,
+        long_prompt_tokens: int = 0,
+        ttft_slo_s: float = 0.0,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
+        """``model``: predictions for ``kv_aware``, ``conditional`` and admission;
+        ``long_prompt_tokens`` (0: from the model) splits prompts between lanes;
+        ``ttft_slo_s`` > 0 refuses requests predicted to miss it everywhere;
+        ``prefix_index``: the KV event index (kept current by ``prefix_index.following``)."""
         if not refresh_interval_s >= 0:
             raise InvalidArgumentError(
                 "refresh_interval_s", f"must be >= 0, got {refresh_interval_s}"
@@ -134,11 +152,26 @@ class ClusterScheduler:
         self.keys = keys or KeySpace()
         self.registry = RedisWorkerRegistry(redis, keys=self.keys)
         self.ledger = ReservationLedger(redis, self.keys, ttl_s=reservation_ttl_s)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        if long_prompt_tokens < 0:
+            raise InvalidArgumentError(
+                "long_prompt_tokens", f"must be >= 0, got {long_prompt_tokens}"
+            )
+        if not ttft_slo_s >= 0:
+            raise InvalidArgumentError("ttft_slo_s", f"must be >= 0, got {ttft_slo_s}")
+        self.model = model or CostModel()
+        self.policy = make_policy(policy, self.model) if isinstance(policy, str) else policy
         self.refresh_interval_s = refresh_interval_s
         self.max_retries = max_retries
         self.limits = limits or CapacityLimits()
         self.default_mode = Mode(default_mode)
+        self.placer = Placer(
+            self.policy,
+            self.model,
+            self.limits,
+            long_prompt_tokens=long_prompt_tokens,
+            ttft_slo_s=ttft_slo_s,
+        )
+        self.prefix_index = prefix_index
         # Plain counters; the metrics module exports them.
         self.decisions = 0
         """Assignments committed."""
@@ -150,6 +183,10 @@ class ClusterScheduler:
         """Attempts after the first, for any reason."""
         self.refreshes = 0
         """Cache refreshes from Redis."""
+        self.refusals = 0
+        """Requests refused by admission (predicted to miss the TTFT SLO everywhere)."""
+        self.modes: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Assignments by (mode, reason)."""
         self._views: dict[str, WorkerView] = {}
         self._refreshed_at = -float("inf")  # time.monotonic() when the refresh started
         self._refresh_lock = asyncio.Lock()
@@ -186,6 +223,8 @@ class ClusterScheduler:
             self._views = {
                 i.id: WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos
             }
+            if self.prefix_index is not None:
+                self.prefix_index.forget(list(self._views))
             self._refreshed_at = started
             self.refreshes += 1
 
@@ -205,23 +244,28 @@ class ClusterScheduler:
         *,
         mode: Mode | None = None,
         tenant: str = "",
+        prompt_token_ids: Sequence[int] = (),
     ) -> Assignment:
         """Choose workers for a request and reserve capacity on them (see module docstring).
 
-        ``mode`` None takes ``default_mode``. ``tenant`` is accepted for per-tenant placement
-        and quotas; no policy uses it yet.
+        ``mode`` None takes ``default_mode``. ``tenant`` salts the prompt's block hashes (as
+        the engines' prefix caches do); ``prompt_token_ids`` (optional) let the KV event index
+        count the prompt blocks each worker caches.
         """
+        lookup = None
+        if prompt_token_ids and self.prefix_index is not None:
+            blocks = PromptBlocks(prompt_token_ids, tenant)
+            lookup = functools.partial(blocks.cached_tokens, self.prefix_index)
+        chosen_mode = self.default_mode if mode is None else Mode(mode)
+        demands = {ph: Demand(prompt_tokens, max_tokens, ph, lookup) for ph in _PHASES[chosen_mode]}
         with _redis_reachable():
-            return await self._assign(request_id, prompt_tokens, max_tokens, mode)
+            return await self._assign(request_id, demands, chosen_mode)
 
     async def _assign(
-        self, request_id: str, prompt_tokens: int, max_tokens: int, mode: Mode | None
+        self, request_id: str, demands: Mapping[Phase, Demand], chosen_mode: Mode
     ) -> Assignment:
-        chosen_mode = self.default_mode if mode is None else Mode(mode)
-        phases = (
-            (Phase.COLOCATED,) if chosen_mode is Mode.COLOCATED else (Phase.PREFILL, Phase.DECODE)
-        )
-        demands = {ph: Demand(prompt_tokens, max_tokens, ph) for ph in phases}
+        any_demand = next(iter(demands.values()))
+        prompt_tokens, max_tokens = any_demand.prompt_tokens, any_demand.max_tokens
         excluded: dict[str, str] = {}  # worker id -> why it failed the re-check in this call
         called_at = time.monotonic()
         for attempt in range(self.max_retries + 1):
@@ -230,17 +274,26 @@ class ClusterScheduler:
             # A retry means our view was wrong somewhere: decide on data newer than the failure.
             not_before = time.monotonic() - (0.0 if attempt else self.refresh_interval_s)
             await self._refresh(not_before=not_before)
-            pick = self._pick(demands, excluded)
-            if isinstance(pick, str) and self._refreshed_at < called_at:
+            placed = self._place(demands, chosen_mode, excluded)
+            if not isinstance(placed, Placement) and self._refreshed_at < called_at:
                 # Refuse only on data newer than the call: capacity may have just been freed.
                 await self._refresh(not_before=called_at)
-                pick = self._pick(demands, excluded)
-            if isinstance(pick, str):
+                placed = self._place(demands, chosen_mode, excluded)
+            if isinstance(placed, Refusal):
                 self.rejections += 1
-                raise self._no_capacity(request_id, prompt_tokens, max_tokens, pick, excluded)
+                self.refusals += 1
+                raise SloRefusalError(
+                    f"request {request_id!r} (prompt {prompt_tokens}) refused: predicted time to "
+                    f"first token {placed.best_ttft_s:.2f} s on every worker exceeds the "
+                    f"{placed.slo_s:g} s SLO (best: {placed.details})"
+                )
+            if isinstance(placed, str):
+                self.rejections += 1
+                raise self._no_capacity(request_id, prompt_tokens, max_tokens, placed, excluded)
+            plan = placed.plan
             parts = [
                 ReservationPart(view.id, ph, demands[ph].claim(view.info.block_size))
-                for ph, view in zip(phases, pick, strict=True)
+                for ph, view in zip(plan.phases, plan.workers, strict=True)
             ]
             try:
                 async with contextlib.AsyncExitStack() as held:
@@ -260,16 +313,18 @@ class ClusterScheduler:
             for part in parts:
                 self._account(part.worker_id, part.claim)
             self.decisions += 1
+            self.modes[(plan.mode.value, placed.decision.reason.value)] += 1
             prefill = committed.workers[parts[0].worker_id]
             decode = committed.workers[parts[-1].worker_id]
             return Assignment(
                 committed.reservation_id,
                 prefill,
                 decode,
-                chosen_mode,
+                plan.mode,
                 attempt,
                 self.policy.name,
                 committed.ttl_s,
+                placed.decision,
             )
         self.rejections += 1
         reason = "; ".join(f"{w}: {r}" for w, r in excluded.items()) or "conflicts only"
@@ -279,32 +334,12 @@ class ClusterScheduler:
             f"last refusals: {reason}"
         )
 
-    def _pick(
-        self, demands: Mapping[Phase, Demand], excluded: Mapping[str, str]
-    ) -> tuple[WorkerView, ...] | str:
-        """Workers for each phase (in ``demands`` order), or why there are none."""
+    def _place(
+        self, demands: Mapping[Phase, Demand], mode: Mode, excluded: Mapping[str, str]
+    ) -> Placement | Refusal | str:
+        """The placement on the cached view (``placement.Placer``)."""
         views = [v for v in self._views.values() if v.id not in excluded]
-        if Phase.COLOCATED in demands:
-            best = self._ranked(views, demands[Phase.COLOCATED], None)
-            return (best[0],) if best else Phase.COLOCATED.value
-        decodes = self._ranked(views, demands[Phase.DECODE], None)
-        for decode in decodes:
-            fingerprint = decode.info.model_fingerprint
-            prefills = self._ranked(views, demands[Phase.PREFILL], fingerprint)
-            if prefills:
-                return prefills[0], decode
-        return (Phase.PREFILL if decodes else Phase.DECODE).value
-
-    def _ranked(
-        self, views: Sequence[WorkerView], demand: Demand, fingerprint: str | None
-    ) -> list[WorkerView]:
-        fitting = [
-            v
-            for v in views
-            if ineligibility(v, demand.phase, fingerprint) is None
-            and shortfall(v, demand.claim(v.info.block_size), self.limits) is None
-        ]
-        return self.policy.choose(fitting, demand) if fitting else []
+        return self.placer.place(views, demands, mode)
 
     def _recheck(
         self, parts: Sequence[ReservationPart], fresh: Mapping[str, WorkerView | None]
@@ -332,13 +367,13 @@ class ClusterScheduler:
         phase: str,
         excluded: Mapping[str, str],
     ) -> CapacityError | WorkerUnavailableError:
-        role = Phase(phase).role
         alive = [
             v
             for v in self._views.values()
-            if v.info.role is role and not v.info.draining and excluded.get(v.id) != _EXPIRED
+            if phase in v.info.phases and not v.info.draining and excluded.get(v.id) != _EXPIRED
         ]
         what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
+        role = Phase(phase).role
         if not alive:
             return WorkerUnavailableError(f"{what}: no live, non-draining {role.value} worker")
         details = "; ".join(
