@@ -32,6 +32,9 @@ COMMANDS: dict[str, Command] = {
     "up": Command("pdserve.launcher", "main_up", "start a local cluster (Redis + all services)"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
     "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
+    "rollout": Command(
+        "pdserve.router.rollout_cli", "main_rollout", "traffic split between serving modes"
+    ),
     "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),
 }
 
