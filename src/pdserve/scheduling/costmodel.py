@@ -91,6 +91,11 @@ class CostModel:
         """What one step carrying (a chunk of) a ``tokens``-token prefill adds to a decode step."""
         return min(tokens, max(1, info.max_batch_tokens)) * self.token_s(info)
 
+    def stall_on(self, view: WorkerView, tokens: int) -> float:
+        """What prefilling ``tokens`` here adds to the step of the worker's decoding streams
+        (0 when none decode there)."""
+        return self.stall_s(view.info, tokens) if decoding(view) else 0.0
+
     def itl_budget_s(self, view: WorkerView) -> float:
         """What a decode step of the worker leaves of the ITL SLO for prefill work."""
         return self.itl_slo_s - self.decode_step_s(view.info, decoding(view) + 1)

@@ -13,10 +13,14 @@
    and ``any`` workers, and by an idle ``long`` one.
 2. **Mode.** ``disaggregated`` and ``colocated`` take their own best placement. ``conditional``
    compares the two with the cost model (``costmodel``): a placement whose prefill would stall
-   decoding streams past the ITL SLO loses to one that would not; otherwise the lower
-   predicted TTFT wins, colocated on a tie (one call, no KV moved). So short prompts run
-   colocated next to the decodes, long ones go to a prefill worker, a colocated worker with
-   the prompt's prefix cached keeps its turn, and a slow link tips the balance to colocated.
+   decoding streams past the ITL SLO loses to one that would not; otherwise the lower *cost*
+   wins, colocated on a tie. A placement's cost is its predicted TTFT plus the work it adds
+   to the cluster beyond computing the prompt (``extra_s``): a disaggregated one pays a
+   prefill step's fixed cost, the KV transfer and the extra call; a colocated one rides on a
+   decode step that runs anyway (or pays a step's fixed cost on an idle worker). So short
+   prompts run colocated next to the decodes, long ones go to a prefill worker once streams
+   decode there, a colocated worker with the prompt's prefix cached keeps its turn, and a
+   slow link or a long prefill queue tips the balance to colocated.
 3. **Admission.** With a TTFT SLO, a request whose predicted TTFT exceeds it on every
    candidate that could compute its prefill is refused (``Refusal``): it would be late
    wherever it went, and taking it would make the requests behind it late too. Candidates
@@ -66,8 +70,9 @@ class Reason(StrEnum):
     """Conditional, but no colocated placement had room."""
     ITL = "itl"
     """The other mode's prefill would stall decoding streams past the ITL SLO."""
-    TTFT = "ttft"
-    """Both fit the ITL SLO (or neither did); this one has the lower predicted TTFT."""
+    COST = "cost"
+    """Both fit the ITL SLO (or neither did); this one has the lower predicted TTFT plus
+    added work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +86,14 @@ class Plan:
     cached_tokens: int
     """Prompt tokens the prefill-side worker caches (by the KV event index)."""
     stall_s: float
-    """What the prefill adds to a decode step of the prefill-side worker."""
+    """What the prefill adds to the decode steps of the prefill-side worker (0: none there)."""
     harms_itl: bool
+    extra_s: float = 0.0
+    """Work the placement adds to the cluster beyond computing the prompt."""
+
+    @property
+    def cost_s(self) -> float:
+        return self.ttft_s + self.extra_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +210,16 @@ class Placer:
             return None
         view = ranked[0]
         uncached = demand.uncached(view.id)
+        m = self.model
         return Plan(
             Mode.COLOCATED,
             (Phase.COLOCATED,),
             (view,),
-            self.model.colocated_ttft_s(view, uncached),
+            m.colocated_ttft_s(view, uncached),
             demand.prompt_tokens - uncached,
-            self.model.stall_s(view.info, uncached),
-            self.model.harms_itl(view, uncached),
+            m.stall_on(view, uncached),
+            m.harms_itl(view, uncached),
+            0.0 if decoding(view) else m.overhead_s(view.info),
         )
 
     def _disaggregated(
@@ -231,7 +244,7 @@ class Placer:
                 break
         if not pairs:
             return Phase.PREFILL.value
-        return min(pairs, key=lambda p: (p.harms_itl, p.ttft_s))
+        return min(pairs, key=lambda p: (p.harms_itl, p.cost_s))
 
     def _pair(
         self, prefill: WorkerView, decode: WorkerView, demands: Mapping[Phase, Demand]
@@ -239,14 +252,16 @@ class Placer:
         demand = demands[Phase.PREFILL]
         uncached = demand.uncached(prefill.id)
         moved = demands[Phase.DECODE].uncached(decode.id)
+        m = self.model
         return Plan(
             Mode.DISAGGREGATED,
             (Phase.PREFILL, Phase.DECODE),
             (prefill, decode),
-            self.model.disaggregated_ttft_s(prefill, decode, uncached, moved),
+            m.disaggregated_ttft_s(prefill, decode, uncached, moved),
             demand.prompt_tokens - uncached,
-            self.model.stall_s(prefill.info, uncached),
-            self.model.harms_itl(prefill, uncached),
+            m.stall_on(prefill, uncached),
+            m.harms_itl(prefill, uncached),
+            m.overhead_s(prefill.info) + m.transfer_s(prefill.info, decode.info, moved) + m.hop_s,
         )
 
     def _affine(
@@ -282,9 +297,9 @@ class Placer:
             return disaggregated, Reason.ONLY_DISAGGREGATED
         if colocated.harms_itl != disaggregated.harms_itl:
             return (disaggregated if colocated.harms_itl else colocated), Reason.ITL
-        if colocated.ttft_s <= disaggregated.ttft_s:
-            return colocated, Reason.TTFT
-        return disaggregated, Reason.TTFT
+        if colocated.cost_s <= disaggregated.cost_s:
+            return colocated, Reason.COST
+        return disaggregated, Reason.COST
 
     def _admission(
         self, views: Sequence[WorkerView], demands: Mapping[Phase, Demand], long: bool, mode: Mode

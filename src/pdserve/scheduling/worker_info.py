@@ -90,7 +90,8 @@ class WorkerInfo:
     reservations: tuple[str, ...] = ()
     """Reservation ids already admitted, i.e. already counted in kv_blocks_free/queued_tokens."""
     serves: tuple[str, ...] = ()
-    """Phases (``PHASE_NAMES``) the worker accepts new work for now; empty: those of its role."""
+    """Phases (``PHASE_NAMES``) the worker accepts new work for now; empty: those of its role
+    (unless ``switching``: then none)."""
     lane: str = "any"
     """Prompt lengths whose prefill it takes (``LANES``)."""
     duty: str = ""
@@ -172,8 +173,11 @@ class WorkerInfo:
 
     @property
     def phases(self) -> tuple[str, ...]:
-        """The phases it accepts new work for: ``serves``, else those of its role."""
-        return self.serves or _PHASES_OF_ROLE[self.role]
+        """The phases it accepts new work for: ``serves``, else those of its role; none while
+        it drains towards a new duty with nothing in common with the old one."""
+        if self.serves or self.switching:
+            return self.serves
+        return _PHASES_OF_ROLE[self.role]
 
     def to_json(self) -> str:
         """Compact JSON with every field; ``from_json`` reads it back equal."""
