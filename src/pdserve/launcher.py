@@ -85,6 +85,12 @@ class Cluster:
     """Extra flags for the scheduler (``["--policy", "round_robin"]``)."""
     router_args: Sequence[str] = ()
     """Extra flags for the router."""
+    planner: bool = False
+    """Start the P:D planner (``services.planner``), which moves mixed workers between
+    prefill and decode duty."""
+    planner_args: Sequence[str] = ()
+    duties: Sequence[str] = ()
+    """Initial duty of each mixed worker, in order (``--duty``); missing: everything."""
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -213,15 +219,29 @@ class Cluster:
         )
         second = "decode" if self.mode == "disaggregated" else "mixed"
         roles = prefills + [(second, i) for i in range(self.num_decode)]
+        duties = list(self.duties)
+
+        def role_args(role: str, i: int) -> list[str]:
+            if role != "mixed":
+                return []
+            duty = duties[i] if i < len(duties) and duties[i] else None
+            return ["--role", "mixed", *(["--duty", duty] if duty else [])]
+
         late = [
             self._add(
                 f"{role}-{i}",
                 f"services.{'decode' if role == 'mixed' else role}",
-                [*worker_common, *(["--role", "mixed"] if role == "mixed" else [])],
+                [*worker_common, *role_args(role, i)],
                 role=role,
             )
             for role, i in roles
         ]
+        if self.planner:
+            late.append(self._add(
+                "planner", "services.planner",
+                [*common, "--redis-url", redis_url, "--namespace", self.namespace,
+                 *self.planner_args],
+            ))  # fmt: skip
         router = self._add(
             "router", "services.router",
             [*common, "--scheduler", scheduler.address, "--model", str(self.model_dir),
@@ -305,7 +325,7 @@ class Cluster:
 
         A temporary log dir is deleted unless ``keep_logs``."""
         tiers = [
-            [s for s in self.services if s.name == "router"],
+            [s for s in self.services if s.name in ("router", "planner")],
             self.workers(),
             [s for s in self.services if s.name in ("scheduler", "kvstore")],
         ]

@@ -96,6 +96,8 @@ class WorkerInfo:
     """Prompt lengths whose prefill it takes (``LANES``)."""
     duty: str = ""
     """The duty a planner gave it (``DUTIES``); ``serves`` follows it once drained."""
+    capabilities: tuple[str, ...] = ()
+    """Phases it could serve under some duty; empty: those of its role."""
     switching: bool = False
     """Draining the work of its old duty before it takes that of ``duty``."""
     step_overhead_s: float = 0.0
@@ -147,10 +149,11 @@ class WorkerInfo:
         self._check_scheduling_fields()
 
     def _check_scheduling_fields(self) -> None:
-        object.__setattr__(self, "serves", tuple(self.serves))
-        bad = [p for p in self.serves if p not in PHASE_NAMES]
-        if bad:
-            raise InvalidArgumentError("serves", f"unknown phases {bad}; known: {PHASE_NAMES}")
+        for name in ("serves", "capabilities"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            bad = [p for p in getattr(self, name) if p not in PHASE_NAMES]
+            if bad:
+                raise InvalidArgumentError(name, f"unknown phases {bad}; known: {PHASE_NAMES}")
         if self.lane not in LANES:
             raise InvalidArgumentError("lane", f"must be one of {LANES}, got {self.lane!r}")
         if self.duty not in DUTIES:
@@ -179,12 +182,19 @@ class WorkerInfo:
             return self.serves
         return _PHASES_OF_ROLE[self.role]
 
+    @property
+    def switchable(self) -> bool:
+        """A planner can move it between prefill and decode duty."""
+        can = self.capabilities or self.phases
+        return self.role is WorkerRole.MIXED and "prefill" in can and "decode" in can
+
     def to_json(self) -> str:
         """Compact JSON with every field; ``from_json`` reads it back equal."""
         data = asdict(self)
         data["role"] = self.role.value
         data["reservations"] = list(self.reservations)
         data["serves"] = list(self.serves)
+        data["capabilities"] = list(self.capabilities)
         data["links"] = [list(link) for link in self.links]
         return json.dumps(data, separators=(",", ":"))
 
@@ -207,7 +217,7 @@ class WorkerInfo:
         if not isinstance(kwargs.get("reservations", []), list):
             raise InvalidArgumentError("reservations", "must be a JSON list of reservation ids")
         kwargs["reservations"] = tuple(kwargs.get("reservations", ()))
-        for name in ("serves", "links"):
+        for name in ("serves", "capabilities", "links"):
             if not isinstance(kwargs.get(name, []), list):
                 raise InvalidArgumentError(name, "must be a JSON list")
             kwargs[name] = tuple(kwargs.get(name, ()))

@@ -37,6 +37,9 @@ SCHEDULER_MODES = "pdserve_scheduler_mode_decisions"  # Counter: ..._total
 ARM_REQUESTS = "pdserve_arm_requests"  # Counter: ..._total
 ARM_TTFT_SECONDS = "pdserve_arm_ttft_seconds"
 ARM_ITL_SECONDS = "pdserve_arm_inter_token_latency_seconds"
+PLANNER_MOVES = "pdserve_planner_moves"  # Counter: ..._total
+PLANNER_PRESSURE = "pdserve_planner_pressure"
+PLANNER_LEADER = "pdserve_planner_leader"
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
 CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
 CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
@@ -48,6 +51,7 @@ METRICS: tuple[str, ...] = (
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, SCHEDULER_DECISIONS,
     SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
     CORE_LENT_SECONDS, SCHEDULER_MODES, ARM_REQUESTS, ARM_TTFT_SECONDS, ARM_ITL_SECONDS,
+    PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -270,6 +274,33 @@ class SchedulerMetrics:
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
+
+
+class PlannerMetrics:
+    """The P:D planner: the pressures it sees, the moves it orders, whether it leads."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._moves = Counter(
+            PLANNER_MOVES, "Duty moves ordered, by new duty and reason.", ["duty", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self._pressure = Gauge(
+            PLANNER_PRESSURE, "Load against the SLOs per side (1: at the SLO).", ["side"],
+            registry=r,
+        )  # fmt: skip
+        self._leader = Gauge(PLANNER_LEADER, "1 while this replica leads.", registry=r)
+
+    def count_move(self, duty: str, reason: str) -> None:
+        self._moves.labels(duty=_label("duty", duty), reason=_label("reason", reason)).inc()
+
+    def set_pressure(self, prefill: float, decode: float) -> None:
+        self._pressure.labels(side="prefill").set(_non_negative("prefill", prefill))
+        self._pressure.labels(side="decode").set(_non_negative("decode", decode))
+
+    def set_leader(self, leading: bool) -> None:
+        self._leader.set(1 if leading else 0)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ SERVICE_SCHEDULER = "pdserve-scheduler"
 SERVICE_PREFILL = "pdserve-prefill"
 SERVICE_DECODE = "pdserve-decode"
 SERVICE_KVSTORE = "pdserve-kvstore"
+SERVICE_PLANNER = "pdserve-planner"
 
 # --- span names, in request-path order ----------------------------------------------------
 

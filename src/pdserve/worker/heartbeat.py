@@ -77,6 +77,7 @@ def worker_info(
         draining=draining,
         reservations=snapshot.tags,
         serves=serves,
+        capabilities=duty.capabilities if duty is not None else (),
         lane=identity.lane,
         duty=duty_name,
         switching=switching,

@@ -156,7 +156,11 @@ async def run_worker(
             identity,
             engine,
             interval_s=options.heartbeat_interval_s,
-            duty=Duty(options.role, can) if options.role is WorkerRole.MIXED else None,
+            duty=(
+                Duty(options.role, can, options.scheduling.duty)
+                if options.role is WorkerRole.MIXED
+                else None
+            ),
             links=links,
         )
         if redis is not None

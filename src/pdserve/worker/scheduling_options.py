@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling.worker_info import LANES
+from pdserve.scheduling.worker_info import DUTIES, LANES
 
 WAITING_ORDERS = ("fcfs", "short_first")
 
@@ -28,6 +28,8 @@ class SchedulingOptions:
     aging_tokens_per_s: float = 2000.0
     kv_events: bool = True
     """Publish prefix-cache changes for the scheduler's KV-aware placement."""
+    duty: str = ""
+    """A mixed worker's duty until a planner orders another (``worker.duty``)."""
 
     def __post_init__(self) -> None:
         if self.lane not in LANES:
@@ -38,6 +40,8 @@ class SchedulingOptions:
             )
         if not self.aging_tokens_per_s > 0:
             raise InvalidArgumentError("--aging-tokens-per-s", "must be > 0")
+        if self.duty not in DUTIES:
+            raise InvalidArgumentError("--duty", f"must be one of {DUTIES}, got {self.duty!r}")
 
     def engine_config(self) -> dict[str, Any]:
         return {"waiting_order": self.waiting_order, "aging_tokens_per_s": self.aging_tokens_per_s}
@@ -67,6 +71,13 @@ def add_scheduling_args(p: argparse.ArgumentParser, d: Callable[[str, Any], Any]
         help="short_first: a waiting prompt counts this many tokens fewer per second waited",
     )
     g.add_argument(
+        "--duty",
+        choices=[d for d in DUTIES if d],
+        default=d("duty", None),
+        help="mixed worker: start on prefill or decode duty (default: everything it can); "
+        "a planner may move it later",
+    )
+    g.add_argument(
         "--no-kv-events",
         dest="kv_events",
         action="store_false",
@@ -81,4 +92,5 @@ def scheduling_options(args: argparse.Namespace) -> SchedulingOptions:
         waiting_order=args.waiting_order,
         aging_tokens_per_s=args.aging_tokens_per_s,
         kv_events=args.kv_events,
+        duty=args.duty or "",
     )

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,11 @@ class TargetArg:
     """``router``, ``config`` or ``openai_url``."""
     value: str
     label: str | None = None
+    scheduler_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    workers: tuple[int, int] | None = None
+    """``--workers P:D`` of this cluster (else ``--prefill``/``--decode``)."""
 
 
 class _AddTarget(argparse.Action):
@@ -49,6 +54,23 @@ class _Label(argparse.Action):
         if ns.targets[-1].label is not None:
             parser.error(f"{ns.targets[-1].value} has two labels")
         ns.targets[-1].label = str(values)
+
+
+class _ClusterOption(argparse.Action):
+    """An option of the ``--config`` cluster given just before it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        if not ns.targets or ns.targets[-1].kind != "config":
+            parser.error(f"{option_string} applies to the --config given before it: put it after")
+        target = ns.targets[-1]
+        if self.dest == "workers":
+            p, sep, d = str(values).partition(":")
+            if not (sep and p.isdigit() and d.isdigit() and int(d) >= 1):
+                parser.error(f"--workers expects PREFILL:DECODE, e.g. 1:2, got {values!r}")
+            target.workers = (int(p), int(d))
+        else:
+            getattr(target, self.dest).append(str(values))
 
 
 def _duration(default_unit: str) -> Any:
@@ -101,8 +123,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--config",
         action=_AddTarget,
-        choices=["disaggregated", "colocated"],
-        help="start a local pdserve cluster of this kind",
+        choices=["disaggregated", "colocated", "conditional"],
+        help="start a local pdserve cluster of this kind (conditional: prefill + mixed "
+        "workers, the scheduler choosing per request)",
     )
     t.add_argument(
         "--openai-url",
@@ -132,6 +155,20 @@ def parser() -> argparse.ArgumentParser:
         help="extra worker flag, repeatable: --worker-arg=--max-num-seqs=64",
     )
     c.add_argument("--log-dir", type=Path, help="keep the clusters' logs here")
+    o = p.add_argument_group("options of the --config cluster given just before them")
+    o.add_argument("--workers", action=_ClusterOption, metavar="P:D",
+                   help="this cluster's prefill and decode (or mixed) workers")  # fmt: skip
+    o.add_argument(
+        "--scheduler-arg",
+        dest="scheduler_args",
+        action=_ClusterOption,
+        metavar="FLAG",
+        help="extra scheduler flag (--scheduler-arg=--ttft-slo=3)",
+    )
+    o.add_argument("--router-arg", dest="router_args", action=_ClusterOption, metavar="FLAG",
+                   help="extra router flag")  # fmt: skip
+    o.add_argument("--target-worker-arg", dest="worker_args", action=_ClusterOption,
+                   metavar="FLAG", help="extra flag for this cluster's workers only")  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--mix", default="long-prompt-heavy", choices=sorted(MIXES))
     w.add_argument("--trace", type=Path, help="JSONL trace instead of a mix (see docs)")
@@ -196,11 +233,12 @@ def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log
         elif arg.kind == "openai_url":
             targets.append(OpenAITarget(arg.value, label, model=args.openai_model))
         else:
-            spec = cluster_spec(args, arg.value)
+            spec = cluster_spec(args, arg.value, arg)
             log(f"starting {label} ...")
             cluster = Cluster(
                 spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
                 worker_args=spec.worker_args, startup_timeout_s=600.0,
+                scheduler_args=spec.scheduler_args, router_args=spec.router_args,
                 log_dir=args.log_dir / label if args.log_dir is not None else None,
             )  # fmt: skip
             stack.enter_context(cluster)
@@ -220,19 +258,27 @@ def labels(args: argparse.Namespace) -> list[str]:
         elif arg.kind == "openai_url":
             out.append("openai-" + arg.value.split("//", 1)[-1].split("/", 1)[0])
         else:
-            out.append(cluster_spec(args, arg.value).default_label)
+            out.append(cluster_spec(args, arg.value, arg).default_label)
     return out
 
 
-def cluster_spec(args: argparse.Namespace, mode: str) -> ClusterSpec:
-    """The cluster ``--config mode`` asks for (the demo model is made on first use)."""
+def cluster_spec(
+    args: argparse.Namespace, mode: str, target: TargetArg | None = None
+) -> ClusterSpec:
+    """The cluster ``--config mode`` asks for (the demo model is made on first use), with the
+    options given after it (``target``)."""
     from pdserve.launcher import default_model
 
-    workers = args.colocated_workers or args.prefill + args.decode
+    prefill, decode = target.workers if target and target.workers else (args.prefill, args.decode)
     extra = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
     model = args.model or default_model(args.preset)
-    decode = workers if mode == "colocated" else args.decode
-    return ClusterSpec(mode, model, args.prefill, decode, (*extra, *args.worker_arg))
+    if mode == "colocated" and not (target and target.workers):
+        decode = args.colocated_workers or prefill + decode
+    own = target or TargetArg("config", mode)
+    return ClusterSpec(
+        mode, model, prefill, decode, (*extra, *args.worker_arg, *own.worker_args),
+        tuple(own.scheduler_args), tuple(own.router_args),
+    )  # fmt: skip
 
 
 def check_command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
