@@ -97,7 +97,7 @@ def _assignment(a: Assignment) -> scheduler_pb2.Assignment:
     )
 
 
-def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
+def _worker_status(view: WorkerView, indexed_blocks: int = 0) -> scheduler_pb2.WorkerStatus:
     info = view.info
     return scheduler_pb2.WorkerStatus(
         id=info.id,
@@ -124,6 +124,7 @@ def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
         decode_seq_s=info.decode_seq_s,
         prefill_token_s=info.prefill_token_s,
         busy=info.busy,
+        indexed_blocks=indexed_blocks,
     )
 
 
@@ -267,6 +268,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         role = _ROLE_FROM_PROTO.get(request.role)
         with self._redis_errors("list_workers"):
             views = await self.scheduler.snapshot()
+        index = self.scheduler.prefix_index
         return scheduler_pb2.ListWorkersResponse(
-            workers=[_worker_status(v) for v in views if role is None or v.info.role is role]
+            workers=[
+                _worker_status(v, index.size(v.id) if index is not None else 0)
+                for v in views
+                if role is None or v.info.role is role
+            ]
         )

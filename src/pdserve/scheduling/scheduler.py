@@ -228,6 +228,11 @@ class ClusterScheduler:
             self._refreshed_at = started
             self.refreshes += 1
 
+    def _unaccount(self, worker_id: str, claim: Claim) -> None:
+        view = self._views.get(worker_id)
+        if view is not None:
+            self._views[worker_id] = view.with_reserved(view.reserved - claim)
+
     def _account(self, worker_id: str, claim: Claim) -> None:
         """Add our own commit to the cache so that the next decisions see it at once."""
         view = self._views.get(worker_id)
@@ -395,10 +400,13 @@ class ClusterScheduler:
     async def release(self, reservation_id: str, *, prefill_only: bool = False) -> bool:
         """Give the reserved capacity back; False if it was already released or expired.
 
-        The cache is corrected by the next refresh (at most ``refresh_interval_s`` later).
+        This replica's cache forgets the claim at once (a follow-up request finds the worker
+        as free as it is); the other replicas' at their next refresh.
         """
         with _redis_reachable():
-            return await self.ledger.release(reservation_id, prefill_only=prefill_only)
+            return await self.ledger.release(
+                reservation_id, prefill_only=prefill_only, on_released=self._unaccount
+            )
 
     async def renew(self, reservation_id: str) -> float:
         """Extend the reservation to ``reservation_ttl_s`` from now; returns that TTL.
