@@ -23,7 +23,7 @@ def run_steps(meter: StepMeter, steps: list[tuple[int, int]], *, gap_s: float = 
 
 def test_the_fit_recovers_the_step_model() -> None:
     meter = StepMeter(busy_window_s=0.1)
-    steps = [(0, n) for n in (1, 4, 8, 2, 16, 6) * 5] + [(p, 3) for p in (100, 2000, 400) * 3]
+    steps = [(0, n) for n in (1, 4, 8, 2, 16, 6) * 5] + [(p, 3) for p in (300, 2000, 400) * 3]
     run_steps(meter, steps)
     m = meter.reading()
     assert m.overhead_s == pytest.approx(0.005, rel=1e-6)
@@ -46,6 +46,14 @@ def test_busy_falls_with_idle_gaps_and_while_idle() -> None:
     m = meter.reading()
     assert m.busy == pytest.approx(0.25, abs=0.05)
     assert m.busy_at(end + 2.0) == pytest.approx(m.busy * math.exp(-2.0), rel=0.05)
+
+
+def test_short_prefills_do_not_set_the_per_token_cost() -> None:
+    meter = StepMeter(min_prefill_tokens=256)
+    run_steps(meter, [(0, 2), (0, 6)] * 5 + [(64, 2)] * 10)
+    assert meter.reading().prefill_token_s == 0.0
+    run_steps(meter, [(1024, 2)])
+    assert meter.reading().prefill_token_s == pytest.approx(0.0002)
 
 
 def test_empty_or_zero_length_steps_are_ignored() -> None:

@@ -5,6 +5,8 @@ Every figure comes from a heartbeat (``WorkerInfo``): the worker's live step-tim
 (prompt tokens queued or reserved), its running sequences, and the bandwidth of the KV links
 its prefill side has measured. A term a worker has not measured yet takes a prior, so a cold
 cluster still places requests; admission never refuses on priors alone (``measured``).
+``calibrated`` replaces the priors by what the workers of the cluster measured (their median):
+a worker that has not prefilled a long prompt yet is assumed to be as fast as its peers.
 
 What the model predicts for one request with ``u`` prompt tokens to compute (its prompt minus
 what the worker's prefix cache holds, ``prefix_index``):
@@ -18,13 +20,18 @@ what the worker's prefix cache holds, ``prefix_index``):
   ``d`` (bytes over the link's measured bandwidth; the prefill answers once it is moved) + the
   cost of the extra call (``hop_s``);
 * **stall**: what one step carrying the prefill adds to the inter-token gap of the
-  sequences decoding on the same engine; a placement *harms ITL* when a worker that decodes
-  would stall its streams past the ITL SLO (what a decode step leaves of it).
+  sequences decoding on the same engine; a placement *harms ITL* when a worker that decodes,
+  or has been busy lately (streams come and go faster than heartbeats), would stall its
+  streams past the ITL SLO (what a decode step leaves of it). A decode worker whose queued
+  prefill work would do that harms the ITL of a stream sent there too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import InvalidArgumentError
@@ -32,6 +39,8 @@ from pdserve.scheduling.capacity import WorkerView
 from pdserve.scheduling.worker_info import WorkerInfo
 
 SHM = "shm"
+IDLE_BUSY = 0.1
+"""A worker busy less than this share of the recent past counts as idle."""
 DEFAULT_BANDWIDTH = {"shm": 4.0e9, "direct": 1.0e9, "store": 0.5e9}
 """Assumed bytes/s of a link no hand-off has measured yet, per transport."""
 
@@ -56,6 +65,20 @@ class CostModel:
         for name in ("prior_decode_seq_s", "hop_s"):
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
+
+    def calibrated(self, views: Sequence[WorkerView]) -> CostModel:
+        """This model with its priors set to the median of what ``views`` measured."""
+
+        def median(name: str, prior: float) -> float:
+            values = [getattr(v.info, name) for v in views if getattr(v.info, name) > 0]
+            return statistics.median(values) if values else prior
+
+        return dataclasses.replace(
+            self,
+            prior_prefill_token_s=median("prefill_token_s", self.prior_prefill_token_s),
+            prior_step_overhead_s=median("step_overhead_s", self.prior_step_overhead_s),
+            prior_decode_seq_s=median("decode_seq_s", self.prior_decode_seq_s),
+        )
 
     # -- per worker ----------------------------------------------------------------------------
 
@@ -102,8 +125,10 @@ class CostModel:
 
     def harms_itl(self, view: WorkerView, tokens: int) -> bool:
         """Prefilling ``tokens`` here would push the worker's decoding streams past the ITL SLO."""
-        if decoding(view) == 0:
+        if not {"decode", "colocated"} & set(view.info.phases):
             return False
+        if decoding(view) == 0 and view.info.busy < IDLE_BUSY:
+            return False  # an idle worker: no stream to stall
         return self.stall_s(view.info, tokens) > self.itl_budget_s(view)
 
     # -- between workers -----------------------------------------------------------------------

@@ -140,7 +140,9 @@ class Placer:
     ) -> None:
         """``long_prompt_tokens`` 0: from the cost model; ``ttft_slo_s`` 0: no admission."""
         self.policy = policy
+        self.base_model = model
         self.model = model
+        """``base_model`` calibrated on the views of the current decision."""
         self.limits = limits
         self.long_prompt_tokens = long_prompt_tokens
         self.ttft_slo_s = ttft_slo_s
@@ -151,6 +153,10 @@ class Placer:
         """The placement of a request (``demands`` has a Demand per phase), a Refusal, or
         the phase for which no worker had room (``Phase`` value)."""
         demand = next(iter(demands.values()))
+        # Priors from what this cluster measured, for this decision (no await in between).
+        self.model = self.base_model.calibrated(views)
+        if isinstance(self.policy, KvAware):
+            self.policy.model = self.model
         threshold = self.long_prompt_tokens or self.model.long_prompt_tokens(
             [v for v in views if {"prefill", "colocated"} & set(v.info.phases)]
         )

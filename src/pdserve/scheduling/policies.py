@@ -83,7 +83,8 @@ class KvAware:
 
     * prefill / colocated: no stall of its decoding streams past the ITL SLO first, then the
       least predicted time to the first token (queue wait + computing the uncached tokens);
-    * decode: the shortest predicted decode step with one more sequence, then the most free
+    * decode: no queued prefill work that would stall a new stream past the ITL SLO first,
+      then the shortest predicted decode step with one more sequence, then the most free
       blocks.
 
     Like the KV routers of Dynamo and llm-d (cached blocks against load), but both sides of
@@ -98,10 +99,12 @@ class KvAware:
     def choose(self, candidates: Sequence[WorkerView], demand: Demand) -> list[WorkerView]:
         m = self.model
         if demand.phase is Phase.DECODE:
-            return sorted(
-                candidates,
-                key=lambda v: (m.decode_step_s(v.info, decoding(v) + 1), -v.free_blocks, v.id),
-            )
+
+            def decode_key(v: WorkerView) -> tuple[bool, float, int, str]:
+                stalled = m.stall_s(v.info, v.pending_tokens) > m.itl_budget_s(v)
+                return (stalled, m.decode_step_s(v.info, decoding(v) + 1), -v.free_blocks, v.id)
+
+            return sorted(candidates, key=decode_key)
 
         def key(v: WorkerView) -> tuple[bool, float, int, str]:
             uncached = demand.uncached(v.id)

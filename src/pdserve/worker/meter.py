@@ -9,8 +9,11 @@ fitted online in two parts, each an exponentially weighted least-squares fit (re
 count most, so the model follows the host's load):
 
 * steps that only decode give ``overhead`` and ``decode_seq`` (time against batch size);
-* steps that compute prompt tokens give ``prefill_token``: what the step took beyond the
-  decode part the first fit predicts, per prompt token.
+* steps that compute at least ``min_prefill_tokens`` prompt tokens give ``prefill_token``:
+  what the step took beyond the decode part the first fit predicts, per prompt token. Short
+  prefills are left out: a step of a few dozen prompt tokens costs little more than a decode
+  step (it reads the same weights), so their per-token figure would make a long prompt look
+  several times cheaper than it is, and long prompts are what the figure must predict.
 
 A step's time is its wall time on the engine thread, waits for a shared host's cores
 included: what the next request will see, not what the hardware could do alone. ``busy`` is
@@ -54,7 +57,10 @@ class StepMeter:
     weighs half. ``busy_window_s`` is the time constant of ``busy``.
     """
 
-    def __init__(self, *, half_life: float = 64.0, busy_window_s: float = 5.0) -> None:
+    def __init__(
+        self, *, half_life: float = 64.0, busy_window_s: float = 5.0, min_prefill_tokens: int = 256
+    ) -> None:
+        self.min_prefill_tokens = min_prefill_tokens
         if not half_life > 0:
             raise InvalidArgumentError("half_life", f"must be > 0, got {half_life}")
         if not busy_window_s > 0:
@@ -82,7 +88,7 @@ class StepMeter:
             self._st = k * self._st + seconds
             self._snn = k * self._snn + n * n
             self._snt = k * self._snt + n * seconds
-        else:
+        elif prefill_tokens >= self.min_prefill_tokens:
             a, b = self._decode_fit()
             extra = max(seconds - a - b * decodes, seconds * 0.1)
             self._pw = k * self._pw + 1.0

@@ -112,6 +112,29 @@ def test_at_low_load_even_a_long_prompt_runs_colocated() -> None:
     assert p.plan.mode is Mode.COLOCATED and p.decision.reason is Reason.COST
 
 
+def test_a_recently_busy_worker_is_not_taken_for_idle() -> None:
+    # No stream in its last heartbeat, but busy lately: streams come and go between beats.
+    p = place([prefill("p"), mixed("m", busy=0.5)], 2000)
+    assert p.plan.mode is Mode.DISAGGREGATED and p.decision.reason is Reason.ITL
+
+
+def test_unmeasured_workers_are_assumed_as_fast_as_their_peers() -> None:
+    # "m" has not prefilled a long prompt yet (no per-token figure); its peer has.
+    # A prior of 1 us per token would let its 2000 tokens ride on a decode step; the peer's
+    # 0.3 ms per token says they would stall the streams for 0.6 s.
+    unmeasured = mixed("m", running_seqs=4, prefill_token_s=0.0)
+    optimist = CostModel(prior_prefill_token_s=1e-6)
+    placer = Placer(make_policy("kv_aware", optimist), optimist, CapacityLimits())
+    p = placer.place([prefill("p"), unmeasured], demands(2000, Mode.CONDITIONAL), Mode.CONDITIONAL)
+    assert isinstance(p, Placement)
+    assert p.plan.mode is Mode.DISAGGREGATED and p.decision.reason is Reason.ITL
+
+
+def test_kv_aware_avoids_a_decode_worker_stuck_behind_a_long_prefill() -> None:
+    views = [prefill("p"), mixed("m1", queued_tokens=2000), mixed("m2", running_seqs=5)]
+    assert worker_ids(place(views, 2000, Mode.DISAGGREGATED))[1] == "m2"
+
+
 def test_a_busy_prefill_queue_sends_a_short_prompt_colocated_and_a_slow_link_too() -> None:
     busy = prefill("p", queued_tokens=6000)
     assert place([busy, mixed("m", running_seqs=3)], 300).plan.mode is Mode.COLOCATED
