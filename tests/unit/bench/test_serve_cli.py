@@ -118,7 +118,7 @@ def test_whole_run_writes_table_json_png_and_html(
 
 
 def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None:
-    from pdserve.bench.serve.cli import cluster_spec, labels
+    from pdserve.bench.serve.cli_targets import cluster_spec, labels
 
     model = tmp_path / "m"
     args = parser().parse_args(
@@ -136,6 +136,14 @@ def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None
     plain = cluster_spec(args, second.value, second)
     assert (plain.prefill, plain.decode, plain.scheduler_args) == (1, 1, ())
     assert labels(args) == ["a", "pdserve-disaggregated-1p1d"]
+    planned = parser().parse_args(
+        ["--config", "conditional", "--workers", "0:3", "--duties", "prefill,any,decode",
+         "--planner", "--planner=--cooldown-s=5"]
+    )  # fmt: skip
+    spec = cluster_spec(planned, "conditional", planned.targets[0])
+    assert spec.duties == ("prefill", "", "decode")
+    assert spec.planner_args == ("--cooldown-s=5",)
+    assert cluster_spec(args, second.value, second).planner_args is None
 
 
 @pytest.mark.parametrize(
@@ -145,6 +153,7 @@ def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None
         ["--router", "r:1", "--workers", "1:1"],  # after a router, not a cluster
         ["--config", "conditional", "--workers", "1:0"],
         ["--config", "conditional", "--workers", "two"],
+        ["--config", "conditional", "--duties", "prefill,cook"],
     ],
 )
 def test_misplaced_cluster_options_are_refused(

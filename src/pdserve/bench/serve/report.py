@@ -155,6 +155,10 @@ def _describe(t: Target) -> str:
         )  # fmt: skip
         extra = " ".join([*c["worker_args"], *c.get("scheduler_args", []),
                           *c.get("router_args", [])])  # fmt: skip
+        if any(c.get("duties", [])):
+            extra += " duties " + ",".join(d or "any" for d in c["duties"])
+        if c.get("planner_args") is not None:
+            extra += " + planner " + " ".join(c["planner_args"])
         return f"pdserve {c['mode']} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
     if d.get("kind") == "openai":
         return f"OpenAI-compatible {d['url']} (model {d['model']})"

@@ -106,6 +106,10 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    duties: tuple[str, ...] = ()
+    """Initial duty of each mixed worker ("" for everything it can)."""
+    planner_args: tuple[str, ...] | None = None
+    """Start the P:D planner with these flags; None: no planner."""
 
     @property
     def default_label(self) -> str:
@@ -124,6 +128,8 @@ class ClusterSpec:
             "worker_args": list(self.worker_args),
             "scheduler_args": list(self.scheduler_args),
             "router_args": list(self.router_args),
+            "duties": list(self.duties),
+            "planner_args": None if self.planner_args is None else list(self.planner_args),
         }
 
 
