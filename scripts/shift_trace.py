@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.requests):
             t += rng.expovariate(args.rate)
             cls = mix.draw_class(rng)
-            lines.append({"prompt_tokens": cls.prompt.draw(rng),
-                          "output_tokens": cls.output.draw(rng), "arrival_s": round(t, 4)})  # fmt: skip
+            prompt, output = cls.prompt.draw(rng), cls.output.draw(rng)
+            lines.append({"prompt_tokens": prompt, "output_tokens": output, "arrival_s": t})
     args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     print(f"wrote {len(lines)} requests over {t:.1f} s to {args.out}", file=sys.stderr)
     return 0
