@@ -20,10 +20,12 @@ what the worker's prefix cache holds, ``prefix_index``):
   ``d`` (bytes over the link's measured bandwidth; the prefill answers once it is moved) + the
   cost of the extra call (``hop_s``);
 * **stall**: what one step carrying the prefill adds to the inter-token gap of the
-  sequences decoding on the same engine; a placement *harms ITL* when a worker that decodes,
-  or has been busy lately (streams come and go faster than heartbeats), would stall its
-  streams past the ITL SLO (what a decode step leaves of it). A decode worker whose queued
-  prefill work would do that harms the ITL of a stream sent there too.
+  sequences decoding on the same engine; a placement *harms ITL* when a worker that decodes
+  would stall its streams past the ITL SLO (what a decode step leaves of it). Where nothing
+  decodes yet, the streams at risk are those of the requests expected to arrive while the
+  prefill runs (the arrival rate times the stall): at low load a long prompt may run
+  colocated, under load it may not. A decode worker whose queued prefill work would stall a
+  stream harms the ITL of a stream sent there too.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from pdserve.scheduling.capacity import WorkerView
 from pdserve.scheduling.worker_info import WorkerInfo
 
 SHM = "shm"
-IDLE_BUSY = 0.1
-"""A worker busy less than this share of the recent past counts as idle."""
+EXPECTED_STREAMS = 0.5
+"""A prefill on a worker where nothing decodes harms ITL when at least this many requests
+are expected to arrive while it runs (their streams would wait behind it)."""
 DEFAULT_BANDWIDTH = {"shm": 4.0e9, "direct": 1.0e9, "store": 0.5e9}
 """Assumed bytes/s of a link no hand-off has measured yet, per transport."""
 
@@ -57,6 +60,8 @@ class CostModel:
     hop_s: float = 0.003
     """What a disaggregated request pays beyond a colocated one besides the KV transfer: a
     second call, the hand-off's bookkeeping."""
+    arrivals_per_s: float = 0.0
+    """Requests arriving per second, as the scheduler sees them (``calibrated``)."""
 
     def __post_init__(self) -> None:
         for name in ("itl_slo_s", "prior_prefill_token_s", "prior_step_overhead_s"):
@@ -66,8 +71,9 @@ class CostModel:
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
 
-    def calibrated(self, views: Sequence[WorkerView]) -> CostModel:
-        """This model with its priors set to the median of what ``views`` measured."""
+    def calibrated(self, views: Sequence[WorkerView], arrivals_per_s: float = 0.0) -> CostModel:
+        """This model with its priors set to the median of what ``views`` measured, and the
+        current arrival rate."""
 
         def median(name: str, prior: float) -> float:
             values = [getattr(v.info, name) for v in views if getattr(v.info, name) > 0]
@@ -78,6 +84,7 @@ class CostModel:
             prior_prefill_token_s=median("prefill_token_s", self.prior_prefill_token_s),
             prior_step_overhead_s=median("step_overhead_s", self.prior_step_overhead_s),
             prior_decode_seq_s=median("decode_seq_s", self.prior_decode_seq_s),
+            arrivals_per_s=arrivals_per_s,
         )
 
     # -- per worker ----------------------------------------------------------------------------
@@ -127,9 +134,13 @@ class CostModel:
         """Prefilling ``tokens`` here would push the worker's decoding streams past the ITL SLO."""
         if not {"decode", "colocated"} & set(view.info.phases):
             return False
-        if decoding(view) == 0 and view.info.busy < IDLE_BUSY:
-            return False  # an idle worker: no stream to stall
-        return self.stall_s(view.info, tokens) > self.itl_budget_s(view)
+        stall = self.stall_s(view.info, tokens)
+        if stall <= self.itl_budget_s(view):
+            return False
+        if decoding(view) > 0:
+            return True
+        # Nothing decodes there now: the streams at risk are those that would start meanwhile.
+        return self.arrivals_per_s * stall >= EXPECTED_STREAMS
 
     # -- between workers -----------------------------------------------------------------------
 

@@ -148,13 +148,19 @@ class Placer:
         self.ttft_slo_s = ttft_slo_s
 
     def place(
-        self, views: Sequence[WorkerView], demands: Mapping[Phase, Demand], mode: Mode
+        self,
+        views: Sequence[WorkerView],
+        demands: Mapping[Phase, Demand],
+        mode: Mode,
+        *,
+        arrivals_per_s: float = 0.0,
     ) -> Placement | Refusal | str:
         """The placement of a request (``demands`` has a Demand per phase), a Refusal, or
-        the phase for which no worker had room (``Phase`` value)."""
+        the phase for which no worker had room (``Phase`` value). ``arrivals_per_s``: the
+        request rate the scheduler sees."""
         demand = next(iter(demands.values()))
         # Priors from what this cluster measured, for this decision (no await in between).
-        self.model = self.base_model.calibrated(views)
+        self.model = self.base_model.calibrated(views, arrivals_per_s)
         if isinstance(self.policy, KvAware):
             self.policy.model = self.model
         threshold = self.long_prompt_tokens or self.model.long_prompt_tokens(

@@ -45,6 +45,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -79,6 +80,11 @@ from pdserve.scheduling.reservations import (
 from pdserve.scheduling.worker_info import WorkerInfo
 
 _EXPIRED = "heartbeat expired"
+logger = logging.getLogger(__name__)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
 
 
 @contextlib.contextmanager
@@ -88,6 +94,29 @@ def _redis_reachable() -> Iterator[None]:
         yield
     except (RedisConnectionError, RedisTimeoutError) as err:
         raise WorkerUnavailableError(f"Redis unreachable: {err}") from err
+
+
+class ArrivalRate:
+    """Requests per second: the inverse of an exponentially weighted mean gap between
+    arrivals; an idle stretch longer than that mean counts as the gap so far."""
+
+    def __init__(self, *, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self._last: float | None = None
+        self._gap: float | None = None
+
+    def arrived(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is not None:
+            gap = now - self._last
+            self._gap = gap if self._gap is None else self._gap + self.alpha * (gap - self._gap)
+        self._last = now
+
+    def rate(self, now: float | None = None) -> float:
+        if self._gap is None or self._last is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return 1.0 / max(self._gap, now - self._last, 1e-6)
 
 
 class SloRefusalError(CapacityError):
@@ -195,6 +224,8 @@ class ClusterScheduler:
         # still arbitrates between replicas.
         self._commit_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._jitter = random.Random()
+        self.arrivals = ArrivalRate()
+        """Requests per second reaching ``assign`` (for the cost model)."""
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -261,6 +292,7 @@ class ClusterScheduler:
         if prompt_token_ids and self.prefix_index is not None:
             blocks = PromptBlocks(prompt_token_ids, tenant)
             lookup = functools.partial(blocks.cached_tokens, self.prefix_index)
+        self.arrivals.arrived()
         chosen_mode = self.default_mode if mode is None else Mode(mode)
         demands = {ph: Demand(prompt_tokens, max_tokens, ph, lookup) for ph in _PHASES[chosen_mode]}
         with _redis_reachable():
@@ -319,6 +351,13 @@ class ClusterScheduler:
                 self._account(part.worker_id, part.claim)
             self.decisions += 1
             self.modes[(plan.mode.value, placed.decision.reason.value)] += 1
+            d = placed.decision
+            logger.debug(
+                "%s: %s (%s) on %s; prompt %d, cached %d, predicted TTFT colocated %s, "
+                "disaggregated %s, stall %.3f s", request_id, plan.mode.value, d.reason.value,
+                "+".join(v.id for v in plan.workers), d.prompt_tokens, d.cached_tokens,
+                _seconds(d.colocated_ttft_s), _seconds(d.disaggregated_ttft_s), d.stall_s,
+            )  # fmt: skip
             prefill = committed.workers[parts[0].worker_id]
             decode = committed.workers[parts[-1].worker_id]
             return Assignment(
@@ -344,7 +383,7 @@ class ClusterScheduler:
     ) -> Placement | Refusal | str:
         """The placement on the cached view (``placement.Placer``)."""
         views = [v for v in self._views.values() if v.id not in excluded]
-        return self.placer.place(views, demands, mode)
+        return self.placer.place(views, demands, mode, arrivals_per_s=self.arrivals.rate())
 
     def _recheck(
         self, parts: Sequence[ReservationPart], fresh: Mapping[str, WorkerView | None]

@@ -58,7 +58,9 @@ def test_a_long_prefill_harms_the_streams_of_a_worker_that_decodes() -> None:
     assert MODEL.harms_itl(busy, 2000)  # 0.6 s of prefill in one step
     assert not MODEL.harms_itl(busy, 100)  # 30 ms fits the 150 ms SLO
     idle = view("m2", WorkerRole.MIXED, prefill_token_s=0.0003)
-    assert not MODEL.harms_itl(idle, 2000)  # nobody decodes there
+    assert not MODEL.harms_itl(idle, 2000)  # nobody decodes there, nobody arrives
+    busy_cluster = MODEL.calibrated([idle], arrivals_per_s=4.0)
+    assert busy_cluster.harms_itl(idle, 2000)  # streams would start during its 0.6 s
     prefill_only = view("p", WorkerRole.PREFILL, running_seqs=8, prefill_token_s=0.0003)
     assert decoding(prefill_only) == 0 and not MODEL.harms_itl(prefill_only, 2000)
 
@@ -83,6 +85,17 @@ def test_long_prompt_threshold_follows_the_median_worker() -> None:
     views = [view(f"w{i}", WorkerRole.PREFILL, prefill_token_s=t)
              for i, t in enumerate((0.0001, 0.0005, 0.001))]  # fmt: skip
     assert MODEL.long_prompt_tokens(views) == int(0.075 / 0.0005)
+
+
+def test_arrival_rate_follows_the_gaps_and_decays_when_idle() -> None:
+    from pdserve.scheduling.scheduler import ArrivalRate
+
+    rate = ArrivalRate(alpha=0.5)
+    assert rate.rate(0.0) == 0.0
+    for t in (0.0, 0.5, 1.0, 1.5):
+        rate.arrived(t)
+    assert rate.rate(1.5) == pytest.approx(2.0)
+    assert rate.rate(11.5) == pytest.approx(0.1)  # 10 s without a request
 
 
 @pytest.mark.parametrize("field", ["itl_slo_s", "prior_prefill_token_s"])

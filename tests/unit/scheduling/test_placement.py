@@ -72,8 +72,9 @@ def place(
     cached: Mapping[str, int] | None = None,
     **placer: Any,
 ) -> Placement:
+    rate = placer.pop("arrivals_per_s", 0.0)
     out = Placer(make_policy(policy, MODEL), MODEL, CapacityLimits(), **placer).place(
-        views, demands(prompt, mode, cached), mode
+        views, demands(prompt, mode, cached), mode, arrivals_per_s=rate
     )
     assert isinstance(out, Placement), out
     return out
@@ -112,10 +113,13 @@ def test_at_low_load_even_a_long_prompt_runs_colocated() -> None:
     assert p.plan.mode is Mode.COLOCATED and p.decision.reason is Reason.COST
 
 
-def test_a_recently_busy_worker_is_not_taken_for_idle() -> None:
-    # No stream in its last heartbeat, but busy lately: streams come and go between beats.
-    p = place([prefill("p"), mixed("m", busy=0.5)], 2000)
+def test_under_load_a_long_prompt_stays_off_an_idle_mixed_worker() -> None:
+    # Nothing decodes there now, but at 2 requests/s about one stream would start during its
+    # 0.6 s prefill and wait behind it.
+    views = [prefill("p"), mixed("m")]
+    p = place(views, 2000, arrivals_per_s=2.0)
     assert p.plan.mode is Mode.DISAGGREGATED and p.decision.reason is Reason.ITL
+    assert place(views, 2000, arrivals_per_s=0.2).plan.mode is Mode.COLOCATED
 
 
 def test_unmeasured_workers_are_assumed_as_fast_as_their_peers() -> None:
