@@ -263,3 +263,25 @@ def test_one_planner_leads_and_orders_a_move(redis_url: str) -> None:
             await redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_planner_service_moves_a_worker_and_requests_keep_flowing(model_dir: Path) -> None:
+    # Both mixed workers start on decode duty; the planner's bounds ask for one prefill worker.
+    with Cluster(
+        model_dir, mode="conditional", num_prefill=0, num_decode=2, worker_args=WORKER_ARGS,
+        duties=("decode", "decode"), planner=True,
+        planner_args=("--min-prefill", "1", "--interval-s", "0.2", "--cooldown-s", "1"),
+    ) as c:  # fmt: skip
+        url = c.redis_url or ""
+        planner_metrics = c.metrics_urls()["planner"]
+        moved = poll(lambda: [w for w in read_heartbeats(url, c.namespace)
+                              if w.duty == "prefill" and not w.switching],
+                     "the planner's move to take effect")  # fmt: skip
+        assert moved[0].phases == ("prefill",)
+        assert metric(planner_metrics, "pdserve_planner_leader") == 1
+        assert metric(planner_metrics, "pdserve_planner_moves_total", duty="prefill") == 1
+        with Client(c.router_address, timeout=60) as client:
+            for n in (20, 300):
+                done = client.generate(list(range(16, 16 + n)), max_tokens=6, temperature=0,
+                                       ignore_eos=True)  # fmt: skip
+                assert done.usage.completion_tokens == 6
