@@ -91,6 +91,8 @@ class Cluster:
     planner_args: Sequence[str] = ()
     duties: Sequence[str] = ()
     """Initial duty of each mixed worker, in order (``--duty``); missing: everything."""
+    lanes: Sequence[str] = ()
+    """Prefill lane of each prefill worker, in order (``--lane``); missing: any."""
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -222,6 +224,9 @@ class Cluster:
         duties = list(self.duties)
 
         def role_args(role: str, i: int) -> list[str]:
+            if role == "prefill":
+                lane = self.lanes[i] if i < len(self.lanes) else ""
+                return ["--lane", lane] if lane else []
             if role != "mixed":
                 return []
             duty = duties[i] if i < len(duties) and duties[i] else None

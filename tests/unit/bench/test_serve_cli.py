@@ -137,11 +137,11 @@ def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None
     assert (plain.prefill, plain.decode, plain.scheduler_args) == (1, 1, ())
     assert labels(args) == ["a", "pdserve-disaggregated-1p1d"]
     planned = parser().parse_args(
-        ["--config", "conditional", "--workers", "0:3", "--duties", "prefill,any,decode",
-         "--planner", "--planner=--cooldown-s=5"]
+        ["--config", "conditional", "--workers", "2:3", "--duties", "prefill,any,decode",
+         "--lanes", "long,any", "--planner", "--planner=--cooldown-s=5"]
     )  # fmt: skip
     spec = cluster_spec(planned, "conditional", planned.targets[0])
-    assert spec.duties == ("prefill", "", "decode")
+    assert spec.duties == ("prefill", "", "decode") and spec.lanes == ("long", "")
     assert spec.planner_args == ("--cooldown-s=5",)
     assert cluster_spec(args, second.value, second).planner_args is None
 

@@ -30,6 +30,7 @@ class TargetArg:
     workers: tuple[int, int] | None = None
     """``--workers P:D`` of this cluster (else ``--prefill``/``--decode``)."""
     duties: list[str] = field(default_factory=list)
+    lanes: list[str] = field(default_factory=list)
     planner_args: list[str] | None = None
 
 
@@ -67,6 +68,11 @@ class _ClusterOption(argparse.Action):
             if any(d not in ("prefill", "decode", "any") for d in duties):
                 parser.error(f"--duties expects prefill, decode or any per worker, got {values!r}")
             target.duties = ["" if d == "any" else d for d in duties]
+        elif self.dest == "lanes":
+            lanes = str(values).split(",")
+            if any(lane not in ("long", "short", "any") for lane in lanes):
+                parser.error(f"--lanes expects long, short or any per worker, got {values!r}")
+            target.lanes = ["" if lane == "any" else lane for lane in lanes]
         elif self.dest == "planner_args":
             target.planner_args = [
                 *(target.planner_args or []),
@@ -131,6 +137,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    metavar="FLAG", help="extra flag for this cluster's workers only")  # fmt: skip
     o.add_argument("--duties", action=_ClusterOption, metavar="D,D,...",
                    help="initial duty of each mixed worker: prefill, decode or any")  # fmt: skip
+    o.add_argument("--lanes", action=_ClusterOption, metavar="L,L,...",
+                   help="lane of each prefill worker: long, short or any")  # fmt: skip
     o.add_argument(
         "--planner",
         dest="planner_args",
@@ -159,7 +167,7 @@ def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log
                 spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
                 worker_args=spec.worker_args, startup_timeout_s=600.0,
                 scheduler_args=spec.scheduler_args, router_args=spec.router_args,
-                duties=spec.duties, planner=spec.planner_args is not None,
+                duties=spec.duties, lanes=spec.lanes, planner=spec.planner_args is not None,
                 planner_args=spec.planner_args or (),
                 log_dir=args.log_dir / label if args.log_dir is not None else None,
             )  # fmt: skip
@@ -200,5 +208,5 @@ def cluster_spec(
     return ClusterSpec(
         mode, model, prefill, decode, (*extra, *args.worker_arg, *own.worker_args),
         tuple(own.scheduler_args), tuple(own.router_args), tuple(own.duties),
-        None if own.planner_args is None else tuple(own.planner_args),
+        None if own.planner_args is None else tuple(own.planner_args), tuple(own.lanes),
     )  # fmt: skip

@@ -157,6 +157,8 @@ def _describe(t: Target) -> str:
                           *c.get("router_args", [])])  # fmt: skip
         if any(c.get("duties", [])):
             extra += " duties " + ",".join(d or "any" for d in c["duties"])
+        if any(c.get("lanes", [])):
+            extra += " lanes " + ",".join(lane or "any" for lane in c["lanes"])
         if c.get("planner_args") is not None:
             extra += " + planner " + " ".join(c["planner_args"])
         return f"pdserve {c['mode']} ({workers}{', ' + extra if extra else ''}) at {d['address']}"

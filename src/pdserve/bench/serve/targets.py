@@ -110,6 +110,8 @@ class ClusterSpec:
     """Initial duty of each mixed worker ("" for everything it can)."""
     planner_args: tuple[str, ...] | None = None
     """Start the P:D planner with these flags; None: no planner."""
+    lanes: tuple[str, ...] = ()
+    """Lane of each prefill worker ("" for any)."""
 
     @property
     def default_label(self) -> str:
@@ -130,6 +132,7 @@ class ClusterSpec:
             "router_args": list(self.router_args),
             "duties": list(self.duties),
             "planner_args": None if self.planner_args is None else list(self.planner_args),
+            "lanes": list(self.lanes),
         }
 
 
