@@ -20,7 +20,11 @@
    decode step that runs anyway (or pays a step's fixed cost on an idle worker). So short
    prompts run colocated next to the decodes, long ones go to a prefill worker once streams
    decode there, a colocated worker with the prompt's prefix cached keeps its turn, and a
-   slow link or a long prefill queue tips the balance to colocated.
+   slow link or a long prefill queue tips the balance to colocated. When only one mode has
+   room, its placement would stall streams past the ITL SLO, and the other mode has workers
+   (only full ones), the request is refused (RESOURCE_EXHAUSTED, the full workers named)
+   rather than admitted to break everyone's stream; a configured mode takes what it asked
+   for.
 3. **Admission.** With a TTFT SLO, a request whose predicted TTFT exceeds it on every
    candidate that could compute its prefill is refused (``Refusal``): it would be late
    wherever it went, and taking it would make the requests behind it late too. Candidates
@@ -73,6 +77,9 @@ class Reason(StrEnum):
     COST = "cost"
     """Both fit the ITL SLO (or neither did); this one has the lower predicted TTFT plus
     added work."""
+
+
+_FALLBACKS = (Reason.ONLY_COLOCATED, Reason.ONLY_DISAGGREGATED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,21 +175,28 @@ class Placer:
         )
         long = demand.prompt_tokens > threshold
         colocated = disaggregated = None
-        failed = Phase.COLOCATED.value
+        failed_pair = Phase.PREFILL.value  # the phase a disaggregated pair found no room for
         if mode in (Mode.COLOCATED, Mode.CONDITIONAL):
             colocated = self._colocated(views, demands[Phase.COLOCATED], long)
         if mode in (Mode.DISAGGREGATED, Mode.CONDITIONAL):
             found = self._disaggregated(views, demands, long)
             if isinstance(found, str):
-                failed = found if colocated is None else failed
+                failed_pair = found
             else:
                 disaggregated = found
         if colocated is None and disaggregated is None:
-            return failed
+            return Phase.COLOCATED.value if mode is Mode.COLOCATED else failed_pair
         refusal = self._admission(views, demands, long, mode)
         if refusal is not None:
             return refusal
         plan, reason = self._decide(mode, colocated, disaggregated)
+        if mode is Mode.CONDITIONAL and plan.harms_itl and reason in _FALLBACKS:
+            # The mode that would not stall anyone exists but is full: wait for it rather than
+            # stall every stream on the other (a configured mode takes what it asked for).
+            if colocated is None and _serving(views, Phase.COLOCATED):
+                return Phase.COLOCATED.value
+            if disaggregated is None and _pairable(views):
+                return failed_pair
         decision = ModeDecision(
             plan.mode,
             reason,
@@ -334,6 +348,17 @@ class Placer:
         if best is None:
             return None
         return Refusal(best[0], self.ttft_slo_s, best[1])
+
+
+def _serving(views: Sequence[WorkerView], phase: Phase) -> list[WorkerView]:
+    """The live workers that serve ``phase``, whatever their load."""
+    return [v for v in views if phase.value in v.info.phases and not v.info.draining]
+
+
+def _pairable(views: Sequence[WorkerView]) -> bool:
+    """Two different live workers could prefill and decode, whatever their load."""
+    decodes = {v.id for v in _serving(views, Phase.DECODE)}
+    return any(decodes - {p.id} for p in _serving(views, Phase.PREFILL))
 
 
 def _in_lane(views: list[WorkerView], long: bool) -> list[WorkerView]:

@@ -157,6 +157,21 @@ def test_conditional_falls_back_to_the_only_mode_with_room() -> None:
     assert only_pd.decision.reason is Reason.ONLY_DISAGGREGATED
 
 
+def test_a_fallback_that_would_stall_streams_is_refused() -> None:
+    # The prefill worker's queue is full; colocating 2000 tokens next to 6 streams would
+    # stall them for 0.6 s: refused as "prefill full", not admitted to break every stream.
+    full = prefill("p", queued_tokens=7000)
+    placer = Placer(make_policy("kv_aware", MODEL), MODEL, CapacityLimits())
+    views = [full, mixed("m", running_seqs=6)]
+    assert placer.place(views, demands(2000, Mode.CONDITIONAL), Mode.CONDITIONAL) == "prefill"
+    # A short prompt rides along fine; asked for colocated, a long one gets it.
+    assert place(views, 80).plan.mode is Mode.COLOCATED
+    assert place(views, 2000, Mode.COLOCATED).plan.mode is Mode.COLOCATED
+    # A lone mixed worker that could prefill has no pair at all: the fallback is all there is.
+    alone = mixed("m", running_seqs=6, serves=("prefill", "decode", "colocated"))
+    assert place([alone], 2000).decision.reason is Reason.ONLY_COLOCATED
+
+
 def test_configured_modes_are_kept() -> None:
     views = [prefill("p"), mixed("m")]
     assert place(views, 80, Mode.DISAGGREGATED).decision.reason is Reason.CONFIGURED
