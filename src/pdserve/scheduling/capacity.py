@@ -7,11 +7,11 @@ its cached view to pick candidates, and once more under WATCH on fresh data befo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pdserve.errors import InvalidArgumentError
+from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 
@@ -166,3 +166,40 @@ def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None)
             f"model fingerprint {view.info.model_fingerprint!r} differs from {model_fingerprint!r}"
         )
     return None
+
+
+def capacity_error(
+    views: Iterable[WorkerView],
+    excluded: Mapping[str, str],
+    expired: str,
+    limits: CapacityLimits,
+    request_id: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    phase: str,
+) -> CapacityError | WorkerUnavailableError:
+    """Why no worker took ``phase`` of a request: RESOURCE_EXHAUSTED naming each live worker
+    of that phase and what it lacks, or UNAVAILABLE when none is alive. ``excluded``: workers
+    that failed the re-check in this call and why (``expired`` for a vanished heartbeat)."""
+    alive = [
+        v
+        for v in views
+        if phase in v.info.phases and not v.info.draining and excluded.get(v.id) != expired
+    ]
+    what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
+    role = Phase(phase).role
+    if not alive:
+        return WorkerUnavailableError(f"{what}: no live, non-draining {role.value} worker")
+
+    def why_not(view: WorkerView) -> str:
+        claim = Demand(prompt_tokens, max_tokens, Phase(phase)).claim(view.info.block_size)
+        if phase == Phase.PREFILL:
+            fallback = "its model differs from every decode worker with room"
+        else:
+            fallback = "no prefill worker with its model has room"
+        return shortfall(view, claim, limits) or fallback
+
+    details = "; ".join(
+        f"{v.id}: {excluded.get(v.id) or why_not(v)}" for v in sorted(alive, key=lambda v: v.id)
+    )
+    return CapacityError(f"{what}: every {role.value} worker is full ({details})")

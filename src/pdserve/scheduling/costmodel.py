@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,3 +192,26 @@ def decoding(view: WorkerView) -> int:
         return 0
     incoming = 1 if view.reserved.blocks > 0 else 0
     return view.info.running_seqs + incoming
+
+
+class ArrivalRate:
+    """Requests per second: the inverse of an exponentially weighted mean gap between
+    arrivals; an idle stretch longer than that mean counts as the gap so far."""
+
+    def __init__(self, *, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self._last: float | None = None
+        self._gap: float | None = None
+
+    def arrived(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is not None:
+            gap = now - self._last
+            self._gap = gap if self._gap is None else self._gap + self.alpha * (gap - self._gap)
+        self._last = now
+
+    def rate(self, now: float | None = None) -> float:
+        if self._gap is None or self._last is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return 1.0 / max(self._gap, now - self._last, 1e-6)

@@ -63,10 +63,11 @@ from pdserve.scheduling.capacity import (
     Demand,
     Phase,
     WorkerView,
+    capacity_error,
     ineligibility,
     shortfall,
 )
-from pdserve.scheduling.costmodel import CostModel
+from pdserve.scheduling.costmodel import ArrivalRate, CostModel
 from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.placement import Mode, ModeDecision, Placement, Placer, Refusal
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
@@ -94,29 +95,6 @@ def _redis_reachable() -> Iterator[None]:
         yield
     except (RedisConnectionError, RedisTimeoutError) as err:
         raise WorkerUnavailableError(f"Redis unreachable: {err}") from err
-
-
-class ArrivalRate:
-    """Requests per second: the inverse of an exponentially weighted mean gap between
-    arrivals; an idle stretch longer than that mean counts as the gap so far."""
-
-    def __init__(self, *, alpha: float = 0.1) -> None:
-        self.alpha = alpha
-        self._last: float | None = None
-        self._gap: float | None = None
-
-    def arrived(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if self._last is not None:
-            gap = now - self._last
-            self._gap = gap if self._gap is None else self._gap + self.alpha * (gap - self._gap)
-        self._last = now
-
-    def rate(self, now: float | None = None) -> float:
-        if self._gap is None or self._last is None:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        return 1.0 / max(self._gap, now - self._last, 1e-6)
 
 
 class SloRefusalError(CapacityError):
@@ -326,7 +304,10 @@ class ClusterScheduler:
                 )
             if isinstance(placed, str):
                 self.rejections += 1
-                raise self._no_capacity(request_id, prompt_tokens, max_tokens, placed, excluded)
+                raise capacity_error(
+                    self._views.values(), excluded, _EXPIRED, self.limits,
+                    request_id, prompt_tokens, max_tokens, placed,
+                )  # fmt: skip
             plan = placed.plan
             parts = [
                 ReservationPart(view.id, ph, demands[ph].claim(view.info.block_size))
@@ -402,37 +383,6 @@ class ClusterScheduler:
             fingerprint = view.info.model_fingerprint
             # Refresh the cache entry with what we just read: it is newer than the cache.
             self._views[part.worker_id] = view
-
-    def _no_capacity(
-        self,
-        request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        phase: str,
-        excluded: Mapping[str, str],
-    ) -> CapacityError | WorkerUnavailableError:
-        alive = [
-            v
-            for v in self._views.values()
-            if phase in v.info.phases and not v.info.draining and excluded.get(v.id) != _EXPIRED
-        ]
-        what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
-        role = Phase(phase).role
-        if not alive:
-            return WorkerUnavailableError(f"{what}: no live, non-draining {role.value} worker")
-        details = "; ".join(
-            f"{v.id}: {excluded.get(v.id) or self._why_not(v, phase, prompt_tokens, max_tokens)}"
-            for v in sorted(alive, key=lambda v: v.id)
-        )
-        return CapacityError(f"{what}: every {role.value} worker is full ({details})")
-
-    def _why_not(self, view: WorkerView, phase: str, prompt_tokens: int, max_tokens: int) -> str:
-        claim = Demand(prompt_tokens, max_tokens, Phase(phase)).claim(view.info.block_size)
-        if phase == Phase.PREFILL:
-            fallback = "its model differs from every decode worker with room"
-        else:
-            fallback = "no prefill worker with its model has room"
-        return shortfall(view, claim, self.limits) or fallback
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ def test_long_prompt_threshold_follows_the_median_worker() -> None:
 
 
 def test_arrival_rate_follows_the_gaps_and_decays_when_idle() -> None:
-    from pdserve.scheduling.scheduler import ArrivalRate
+    from pdserve.scheduling.costmodel import ArrivalRate
 
     rate = ArrivalRate(alpha=0.5)
     assert rate.rate(0.0) == 0.0
