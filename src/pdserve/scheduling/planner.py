@@ -4,14 +4,15 @@ Inputs, every ``interval_s``, from the workers' heartbeats and the live reservat
 offline profile): through the cost model (``costmodel``),
 
 * **prefill pressure**: the predicted wait of a new prompt on the prefill side (the least
-  loaded prefill-duty worker's queue, reservations included) over the TTFT SLO, and the busy
-  share of the prefill-duty workers;
+  loaded prefill-duty worker's queue, reservations included) over the TTFT SLO;
 * **decode pressure**: the predicted decode step of the busiest decode-duty worker over the
-  ITL SLO, its KV blocks in use, and the busy share of the decode-duty workers.
+  ITL SLO, or the share of its KV blocks in use, whichever is larger.
 
-Each pressure is the largest of its terms, so 1 means "at the SLO" (or "fully busy"). When
-one side is above ``high`` and the other below ``low``, one switchable worker (a mixed worker
-with a KV store: ``WorkerInfo.switchable``) moves over: the least loaded of the relaxed side.
+So 1 means "at the SLO" (or "KV full"). The engines' busy shares are not terms: on a host
+whose engines share the cores, every engine looks busy while it waits for them. When one
+side is above ``high`` and the other below ``high`` and either below ``low`` or at most half
+as loaded, one switchable worker (a mixed worker with a KV store: ``WorkerInfo.switchable``)
+moves over: the least loaded of the relaxed side.
 Counts stay within ``min_*``/``max_*`` (a time-of-day ``Profile`` may set them per hour);
 after a move the planner waits ``cooldown_s`` and for every worker to finish switching.
 
@@ -141,17 +142,22 @@ def pressure(views: Sequence[WorkerView], model: CostModel, config: PlannerConfi
     decodes = [v for v in views if "decode" in v.info.phases or v.info.duty == DECODE]
     p = 0.0
     if prefills:
-        wait = min(model.queue_s(v) for v in prefills)
-        busy = sum(v.info.busy for v in prefills) / len(prefills)
-        p = max(wait / config.ttft_slo_s, busy)
+        p = min(model.queue_s(v) for v in prefills) / config.ttft_slo_s
     d = 0.0
     if decodes:
         steps = [model.decode_step_s(v.info, decoding(v)) for v in decodes if decoding(v)]
-        step = max(steps, default=0.0)
         used = max(1 - v.free_blocks / max(1, v.info.kv_blocks_total) for v in decodes)
-        busy = sum(v.info.busy for v in decodes) / len(decodes)
-        d = max(step / config.itl_slo_s, used, busy)
+        d = max(max(steps, default=0.0) / config.itl_slo_s, used)
     return Pressure(p, d, len(prefills), len(decodes))
+
+
+def _relaxed(asking: float, giving: float, config: PlannerConfig) -> bool:
+    """The ``giving`` side can spare a worker to the ``asking`` side."""
+    return (
+        asking > config.high
+        and giving < config.high
+        and (giving < config.low or asking >= 2 * giving)
+    )
 
 
 def decide(
@@ -176,10 +182,10 @@ def decide(
         return Move(_least_busy(on[PREFILL]).id, DECODE, "bounds")
     pr = pressure(views, model, config)
     can_give_decode = n_d > bounds.min_decode and n_p < bounds.max_prefill and on[DECODE]
-    if pr.prefill > config.high and pr.decode < config.low and can_give_decode:
+    if can_give_decode and _relaxed(pr.prefill, pr.decode, config):
         return Move(_least_busy(on[DECODE]).id, PREFILL, "prefill pressure")
     can_give_prefill = n_p > bounds.min_prefill and n_d < bounds.max_decode and on[PREFILL]
-    if pr.decode > config.high and pr.prefill < config.low and can_give_prefill:
+    if can_give_prefill and _relaxed(pr.decode, pr.prefill, config):
         return Move(_least_busy(on[PREFILL]).id, DECODE, "decode pressure")
     return None
 

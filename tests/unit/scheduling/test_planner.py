@@ -57,6 +57,20 @@ def test_decode_pressure_takes_an_idle_prefill_worker() -> None:
     assert move is not None and (move.worker_id, move.duty) == ("p2", "decode")
 
 
+def test_a_side_at_most_half_as_loaded_gives_a_worker() -> None:
+    # Decode steps of 60 ms (0.4 of the ITL SLO) are not idle, but the prefill queue is at
+    # twice that pressure.
+    views = [
+        on_prefill("p", queued_tokens=7000),  # about 3.5 s of queue: pressure ~1.2
+        on_decode("d1", running_seqs=50),  # 10 + 50 ms steps: pressure 0.4
+        on_decode("d2", running_seqs=50),
+    ]
+    pr = pressure(views, MODEL, CONFIG)
+    assert pr.decode > CONFIG.low and pr.prefill >= 2 * pr.decode
+    move = decide(views, MODEL, CONFIG, hour=12)
+    assert move is not None and move.duty == "prefill"
+
+
 def test_no_move_when_both_sides_are_busy_or_both_idle() -> None:
     both = [on_prefill("p", queued_tokens=6000), on_decode("d", running_seqs=150)]
     assert decide(both, MODEL, CONFIG, hour=12) is None
