@@ -25,10 +25,11 @@
    (only full ones), the request is refused (RESOURCE_EXHAUSTED, the full workers named)
    rather than admitted to break everyone's stream; a configured mode takes what it asked
    for.
-3. **Admission.** With a TTFT SLO, a request whose predicted TTFT exceeds it on every
-   candidate that could compute its prefill is refused (``Refusal``): it would be late
-   wherever it went, and taking it would make the requests behind it late too. Candidates
-   that have not timed a prefill yet are never grounds for a refusal.
+3. **Admission.** With a TTFT SLO, a request whose predicted TTFT exceeds it on the best
+   placement of every mode the decision could take (placements that would stall streams
+   count only when all would) is refused (``Refusal``): it would be late wherever it went,
+   and taking it would make the requests behind it late too. A worker that has not timed a
+   prefill of its own is never grounds for a refusal.
 
 Everything returned carries its inputs (``ModeDecision``) for spans and metrics.
 """
@@ -186,7 +187,7 @@ class Placer:
                 disaggregated = found
         if colocated is None and disaggregated is None:
             return Phase.COLOCATED.value if mode is Mode.COLOCATED else failed_pair
-        refusal = self._admission(views, demands, long, mode)
+        refusal = self._admission(colocated, disaggregated)
         if refusal is not None:
             return refusal
         plan, reason = self._decide(mode, colocated, disaggregated)
@@ -327,27 +328,22 @@ class Placer:
             return colocated, Reason.COST
         return disaggregated, Reason.COST
 
-    def _admission(
-        self, views: Sequence[WorkerView], demands: Mapping[Phase, Demand], long: bool, mode: Mode
-    ) -> Refusal | None:
+    def _admission(self, colocated: Plan | None, disaggregated: Plan | None) -> Refusal | None:
+        """Refuse when every placement the decision could take (those that stall no stream,
+        if there are any) is predicted to miss the TTFT SLO on a worker that timed its own
+        prefills."""
         if not self.ttft_slo_s > 0:
             return None
-        m = self.model
-        phases = [p for p in (Phase.COLOCATED, Phase.PREFILL) if p in demands]
-        best: tuple[float, str] | None = None
-        for phase in phases:
-            for v in self.ranked(views, demands[phase], None, long):
-                uncached = demands[phase].uncached(v.id)
-                ttft = m.queue_s(v) + m.prefill_s(v.info, uncached, decodes=decoding(v))
-                if not m.measured(v.info) or ttft <= self.ttft_slo_s:
-                    return None
-                if best is None or ttft < best[0]:
-                    rate = 1 / m.token_s(v.info)
-                    why = f"{v.pending_tokens} prompt tokens queued ahead, {uncached} to compute"
-                    best = (ttft, f"{v.id}: {why} at {rate:.0f} tokens/s")
-        if best is None:
+        plans = [p for p in (colocated, disaggregated) if p is not None]
+        calm = [p for p in plans if not p.harms_itl] or plans
+        best = min(calm, key=lambda p: p.ttft_s)
+        worker = best.workers[0]
+        if best.ttft_s <= self.ttft_slo_s or not self.model.measured(worker.info):
             return None
-        return Refusal(best[0], self.ttft_slo_s, best[1])
+        rate = 1 / self.model.token_s(worker.info)
+        queued = worker.pending_tokens
+        why = f"{queued} prompt tokens queued ahead at {rate:.0f} tokens/s"
+        return Refusal(best.ttft_s, self.ttft_slo_s, f"{best.mode.value} on {worker.id}: {why}")
 
 
 def _serving(views: Sequence[WorkerView], phase: Phase) -> list[WorkerView]:

@@ -291,6 +291,18 @@ def test_admission_admits_when_one_candidate_is_on_time() -> None:
     assert isinstance(out, Placement)
 
 
+def test_admission_ignores_a_placement_that_would_stall_streams() -> None:
+    # Colocated on "m" would be on time but stall its 6 streams; the prefill worker, the
+    # placement the decision takes, is 4 s behind: refused.
+    views = [prefill("p", prefill_token_s=0.0005, queued_tokens=6000), mixed("m", running_seqs=6)]
+    placer = Placer(make_policy("kv_aware", MODEL), MODEL, CapacityLimits(), ttft_slo_s=3.0)
+    out = placer.place(views, demands(2000, Mode.CONDITIONAL), Mode.CONDITIONAL)
+    assert isinstance(out, Refusal) and "disaggregated on p" in out.details
+    # A short prompt colocates on time: admitted.
+    assert isinstance(placer.place(views, demands(80, Mode.CONDITIONAL), Mode.CONDITIONAL),
+                      Placement)  # fmt: skip
+
+
 def test_admission_never_refuses_on_priors() -> None:
     unmeasured = {"prefill_token_s": 0.0, "step_overhead_s": 0.0}
     views = [prefill("p", queued_tokens=6000, **unmeasured), decode("d")]  # 1.5 s by the prior
