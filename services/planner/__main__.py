@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--itl-slo", type=float, default=0.150, help="seconds")
     p.add_argument("--high", type=float, default=0.6, help="pressure that asks for a worker")
     p.add_argument("--low", type=float, default=0.3, help="pressure below which a side gives one")
-    p.add_argument("--min-prefill", type=int, default=0)
+    p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=1 << 30)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=1 << 30)

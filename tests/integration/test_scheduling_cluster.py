@@ -248,8 +248,10 @@ def test_one_planner_leads_and_orders_a_move(redis_url: str) -> None:
                 await registry.heartbeat(_mixed(name, serves=("decode", "colocated"),
                                                 duty="decode"), ttl_s=60)  # fmt: skip
             config = PlannerConfig(cooldown_s=60.0)
-            a = PlannerLoop(redis, keys, config, holder="a")
-            b = PlannerLoop(redis, keys, config, holder="b")
+            a = PlannerLoop(redis, keys, config, holder="a", settle_passes=2)
+            b = PlannerLoop(redis, keys, config, holder="b", settle_passes=0)
+            # The view must settle (the same workers twice in a row) before a move.
+            assert [(await a.run_once()).move for _ in range(2)] == [None, None]
             first = await a.run_once()
             second = await b.run_once()
             assert first.leading and not second.leading

@@ -13,8 +13,11 @@ whose engines share the cores, every engine looks busy while it waits for them. 
 side is above ``high`` and the other below ``high`` and either below ``low`` or at most half
 as loaded, one switchable worker (a mixed worker with a KV store: ``WorkerInfo.switchable``)
 moves over: the least loaded of the relaxed side.
-Counts stay within ``min_*``/``max_*`` (a time-of-day ``Profile`` may set them per hour);
-after a move the planner waits ``cooldown_s`` and for every worker to finish switching.
+Counts stay within ``min_*``/``max_*`` (by default at least one worker on each side; a
+time-of-day ``Profile`` may set them per hour); after a move the planner waits ``cooldown_s``
+and for every worker to finish switching. It acts only on a settled view: the same workers
+for a few passes in a row (at start-up, or while a worker joins or leaves, the view is
+partial).
 
 A move is an order in Redis (``{ns}:duty:{worker_id}``) that the worker reads with its next
 heartbeat; it drains its old duty's work before it takes the new one (``worker.duty``), so
@@ -40,9 +43,10 @@ PREFILL, DECODE = "prefill", "decode"
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """How many switchable workers each duty may have."""
+    """How many workers each duty may have (dedicated prefill or decode workers count
+    towards their side; only switchable ones move)."""
 
-    min_prefill: int = 0
+    min_prefill: int = 1
     max_prefill: int = 1 << 30
     min_decode: int = 1
     max_decode: int = 1 << 30
@@ -174,7 +178,9 @@ def decide(
     bounds = config.bounds_at(hour)
     on = {PREFILL: [v for v in switchable if duty_of(v) == PREFILL],
           DECODE: [v for v in switchable if duty_of(v) == DECODE]}  # fmt: skip
-    n_p, n_d = len(on[PREFILL]), len(on[DECODE])
+    fixed = [v for v in views if not v.info.switchable and not v.info.draining]
+    n_p = len(on[PREFILL]) + sum("prefill" in v.info.phases for v in fixed)
+    n_d = len(on[DECODE]) + sum("decode" in v.info.phases for v in fixed)
     # Bounds first: a profile that just began may ask for another split outright.
     if (n_p < bounds.min_prefill or n_d > bounds.max_decode) and n_d > bounds.min_decode:
         return Move(_least_busy(on[DECODE]).id, PREFILL, "bounds")

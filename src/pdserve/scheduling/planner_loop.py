@@ -4,7 +4,8 @@
 server). Each pass: hold the leader lease (``planner.LeaderLease``); if this replica leads
 and no cooldown runs, read every heartbeat and the live reservations, let ``planner.decide``
 pick at most one move and write it to the worker's duty key; report pressures, moves and
-leadership to ``on_pass``. A Redis outage is logged once and retried on the next pass.
+leadership to ``on_pass``. It moves nothing until it has seen the same workers for
+``settle_passes`` passes in a row. A Redis outage is logged once and retried on the next pass.
 The lease is given up on the way out, so another replica takes over at once.
 """
 
@@ -57,6 +58,7 @@ class PlannerLoop:
         interval_s: float = 1.0,
         lease_ttl_s: float = 5.0,
         dry_run: bool = False,
+        settle_passes: int = 3,
         on_pass: Callable[[Pass], None] | None = None,
     ) -> None:
         self.redis = redis
@@ -71,8 +73,11 @@ class PlannerLoop:
         self.ledger = ReservationLedger(redis, keys)
         self.moves: list[Move] = []
         """Moves ordered so far (dry-run ones included)."""
+        self.settle_passes = settle_passes
         self._quiet_until = 0.0
         self._leading = False
+        self._workers: frozenset[str] = frozenset()
+        self._settled = 0  # passes in a row that saw the same workers
 
     async def run(self) -> None:
         """Pass every ``interval_s`` until cancelled; then give the lease up."""
@@ -110,7 +115,11 @@ class PlannerLoop:
         reserved, now_s = await self.ledger.reserved_on(infos)
         views = [WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos]
         pr = pressure(views, self.model, self.config)
-        if time.monotonic() < self._quiet_until:
+        workers = frozenset(i.id for i in infos)
+        self._settled = self._settled + 1 if workers == self._workers else 0
+        self._workers = workers
+        logger.debug("pressure: prefill %.2f, decode %.2f", pr.prefill, pr.decode)
+        if time.monotonic() < self._quiet_until or self._settled < self.settle_passes:
             return Pass(True, pr, None)
         move = decide(views, self.model, self.config, hour=local_hour())
         if move is not None:
