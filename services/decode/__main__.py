@@ -60,6 +60,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 InboxServicer(inbox, expected_layout=engine.layout),
             ),
         ]
+        links = None
         if options.role is WorkerRole.MIXED:
             servicers.append((decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker)))
             if options.kvstore:
@@ -69,6 +70,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store, telemetry)
                 stack.push_async_callback(prefill.close)
+                links = prefill.chooser.model.published
                 servicers.append(
                     (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(prefill))
                 )
@@ -86,6 +88,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             on_bound=bound,
             sweeps=[("inbox sweep", sweep), ("prefetch sweep", worker.sweep)],
             telemetry=telemetry,
+            links=links,
         )
 
 

@@ -44,6 +44,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     engine,
                     [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
                     telemetry=telemetry,
+                    links=worker.chooser.model.published,
                 )
             finally:
                 await worker.close()

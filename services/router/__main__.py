@@ -1,10 +1,11 @@
 """``python -m services.router``: the Router gRPC service, the cluster's public entry point.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> tokenizer and model
-limits (no weights) -> RequestFlow (channels with the cluster's TLS and internal token) -> gRPC
-server (+ health; with ``--api-keys`` every call needs a client's key, which names its tenant)
--> serve until SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the
-bound port once the server is serving (``--metrics-port-file`` the metrics port, before it).
+limits (no weights) -> the rollout split from Redis (``--redis-url``) -> RequestFlow (channels
+with the cluster's TLS and internal token) -> gRPC server (+ health; with ``--api-keys`` every
+call needs a client's key, which names its tenant) -> serve until SIGTERM/SIGINT. ``--port 0``
+binds a free port; ``--port-file`` receives the bound port once the server is serving
+(``--metrics-port-file`` the metrics port, before it).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from pdserve.router import (
     RequestPreparer,
 )
 from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
+from pdserve.router.rollout import RolloutFollower, following
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import DEFAULT_OPTIONS, build_server, serve_until_signal, write_port_file
+from pdserve.scheduling import KeySpace, connect
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
 from pdserve.telemetry.metrics import RouterMetrics
@@ -52,7 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     p.add_argument("--scheduler", required=True, help="host:port of the Scheduler service")
     p.add_argument("--model", type=Path, required=True, help="checkpoint dir (tokenizer + config)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument(
+        "--mode",
+        default="conditional",
+        choices=["conditional", "disaggregated", "colocated"],
+        help="mode asked of the scheduler when no rollout split applies (conditional: the "
+        "scheduler decides per request)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("PDSERVE_REDIS_URL"),
+        help="follow the rollout split (pdserve rollout) kept in this Redis (default: "
+        "$PDSERVE_REDIS_URL, which keeps a password off the command line); unset: --mode only",
+    )
+    p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
     p.add_argument(
         "--prefill-attempts",
@@ -150,6 +166,13 @@ async def serve(args: argparse.Namespace) -> None:
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)  # last: flushes the spans of the final requests
+        arms = None
+        if args.redis_url:
+            redis = connect(args.redis_url)
+            stack.push_async_callback(redis.aclose)
+            arms = await stack.enter_async_context(
+                following(RolloutFollower(redis, KeySpace(args.namespace)))
+            )
         flow = RequestFlow(
             scheduler_address=args.scheduler,
             tokenizer=tokenizer,
@@ -163,6 +186,7 @@ async def serve(args: argparse.Namespace) -> None:
                 prefill_attempts=args.prefill_attempts,
                 migration_limit=args.migration_limit,
             ),
+            arms=arms,
         )
         stack.push_async_callback(flow.close)
         preparer = RequestPreparer(tokenizer, model_limits, limits, threads=args.tokenize_threads)

@@ -1,7 +1,8 @@
 """``python -m services.scheduler``: the Scheduler gRPC service.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> Redis client ->
-ClusterScheduler (tenant quotas from ``--api-keys`` and the ``--tenant-*`` flags) -> gRPC server
+ClusterScheduler (tenant quotas from ``--api-keys`` and the ``--tenant-*`` flags; its view kept
+fresh, the KV event index following the workers' stream) -> gRPC server
 (+ health, behind the internal credential check) -> serve until SIGTERM/SIGINT. Health says
 NOT_SERVING while Redis does not answer (the background refresh of the view tells).
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once the server is
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -21,12 +23,15 @@ from pdserve.scheduling import (
     POLICIES,
     CapacityLimits,
     ClusterScheduler,
+    CostModel,
     KeySpace,
     Mode,
+    PrefixIndex,
     connect,
     kept_fresh,
     redacted,
 )
+from pdserve.scheduling.prefix_index import following
 from pdserve.scheduling.quotas import TenantQuota, TenantQuotas
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import add_security_args, security_from_args
@@ -55,9 +60,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "$PDSERVE_REDIS_URL (keeps a password off the command line)",
     )
     p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
-    p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES))
     p.add_argument(
-        "--default-mode", default=Mode.DISAGGREGATED.value, choices=[m.value for m in Mode]
+        "--default-mode",
+        default=Mode.CONDITIONAL.value,
+        choices=[m.value for m in Mode],
+        help="mode of requests that name none (conditional: decided per request)",
+    )
+    s = p.add_argument_group("SLOs and lanes (docs/scheduling.md)")
+    s.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=0.0,
+        help="refuse (RESOURCE_EXHAUSTED) a request whose predicted time to first token "
+        "exceeds this many seconds on every worker; 0: admit whatever fits",
+    )
+    s.add_argument(
+        "--itl-slo",
+        type=float,
+        default=0.150,
+        help="seconds between tokens a prefill may not push running streams past",
+    )
+    s.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=0,
+        help="prompts longer than this go to long-lane prefill workers; 0: from the cost model",
+    )
+    s.add_argument(
+        "--no-kv-index",
+        dest="kv_index",
+        action="store_false",
+        help="do not follow the workers' KV events (no prefix-aware placement)",
     )
     p.add_argument("--refresh-interval-s", type=float, default=0.25)
     p.add_argument("--reservation-ttl-s", type=float, default=120.0)
@@ -121,6 +155,10 @@ async def serve(args: argparse.Namespace) -> None:
             default_mode=Mode(args.default_mode),
             quotas=quotas_from_args(args),
             reservation_max_lifetime_s=args.reservation_max_lifetime_s,
+            model=CostModel(itl_slo_s=args.itl_slo),
+            long_prompt_tokens=args.long_prompt_tokens,
+            ttft_slo_s=args.ttft_slo,
+            prefix_index=PrefixIndex() if args.kv_index else None,
         )
         server, port, health = build_server(
             [
@@ -156,8 +194,13 @@ async def serve(args: argparse.Namespace) -> None:
             draining = True
             await health.set_not_serving()  # again: a refresh may have come in between
 
-        # assign finds the view fresh; health follows Redis
-        async with kept_fresh(scheduler, on_reachable=reachable):
+        async with contextlib.AsyncExitStack() as running:
+            # assign finds the view fresh; health follows Redis
+            await running.enter_async_context(kept_fresh(scheduler, on_reachable=reachable))
+            if scheduler.prefix_index is not None:
+                await running.enter_async_context(
+                    following(scheduler.prefix_index, redis, scheduler.keys)
+                )
             await serve_until_signal(server, health, args.grace_s, on_drain=drain)
     finally:
         await redis.aclose()

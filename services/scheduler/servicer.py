@@ -1,7 +1,9 @@
 """The Scheduler gRPC service: translates pdserve.v1 messages to ClusterScheduler calls.
 
 ``Assign`` is the ``scheduler.assign`` stage span (policy, candidate workers, optimistic-check
-retries, the chosen workers) and one ``pdserve_scheduler_decisions_total`` count by outcome;
+retries, the chosen workers, the mode and why) and one ``pdserve_scheduler_decisions_total``
+count by outcome (``slo`` for a request refused by admission), and one
+``pdserve_scheduler_mode_decisions_total`` count by mode and reason;
 the scheduler's own conflict counter (commits aborted by a concurrent writer) is exported as
 ``pdserve_scheduler_conflicts_total``, and every call failing on Redis counts one
 ``pdserve_redis_errors_total`` under its operation name.
@@ -27,12 +29,16 @@ from pdserve.scheduling import (
     WorkerView,
 )
 from pdserve.scheduling.capacity import Phase, ineligibility
+from pdserve.scheduling.placement import ModeDecision
 from pdserve.scheduling.quotas import QuotaExceededError
+from pdserve.scheduling.scheduler import SloRefusalError
 from pdserve.telemetry import handover, tracing
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.spans import (
     ATTR_CANDIDATES,
     ATTR_DECODE_WORKER,
+    ATTR_MODE,
+    ATTR_MODE_REASON,
     ATTR_POLICY,
     ATTR_PREFILL_WORKER,
     ATTR_RETRIES,
@@ -44,10 +50,12 @@ _MODE_FROM_PROTO = {
     common_pb2.MODE_UNSPECIFIED: None,  # the scheduler's default mode
     common_pb2.MODE_DISAGGREGATED: Mode.DISAGGREGATED,
     common_pb2.MODE_COLOCATED: Mode.COLOCATED,
+    common_pb2.MODE_CONDITIONAL: Mode.CONDITIONAL,
 }
 _MODE_TO_PROTO = {
     Mode.DISAGGREGATED: common_pb2.MODE_DISAGGREGATED,
     Mode.COLOCATED: common_pb2.MODE_COLOCATED,
+    Mode.CONDITIONAL: common_pb2.MODE_CONDITIONAL,
 }
 _ROLE_TO_PROTO = {
     WorkerRole.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
@@ -63,6 +71,20 @@ def _worker_ref(info: WorkerInfo) -> scheduler_pb2.WorkerRef:
     return scheduler_pb2.WorkerRef(id=info.id, address=info.address, host=info.host)
 
 
+def _decision(d: ModeDecision | None) -> scheduler_pb2.ModeDecision | None:
+    if d is None:
+        return None
+    return scheduler_pb2.ModeDecision(
+        reason=d.reason.value,
+        long_prompt=d.long_prompt,
+        long_prompt_tokens=d.long_prompt_tokens,
+        colocated_ttft_s=d.colocated_ttft_s,
+        disaggregated_ttft_s=d.disaggregated_ttft_s,
+        cached_tokens=d.cached_tokens,
+        stall_s=d.stall_s,
+    )
+
+
 def _assignment(a: Assignment) -> scheduler_pb2.Assignment:
     return scheduler_pb2.Assignment(
         reservation_id=a.reservation_id,
@@ -72,10 +94,11 @@ def _assignment(a: Assignment) -> scheduler_pb2.Assignment:
         policy=a.policy,
         mode=_MODE_TO_PROTO[a.mode],
         ttl_s=a.ttl_s,
+        decision=_decision(a.decision),
     )
 
 
-def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
+def _worker_status(view: WorkerView, indexed_blocks: int = 0) -> scheduler_pb2.WorkerStatus:
     info = view.info
     return scheduler_pb2.WorkerStatus(
         id=info.id,
@@ -94,6 +117,15 @@ def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
         heartbeat_age_s=view.heartbeat_age_s,
         reserved_tokens=view.reserved.tokens,
         reserved_blocks=view.reserved.blocks,
+        serves=list(info.phases),
+        lane=info.lane,
+        duty=info.duty,
+        switching=info.switching,
+        step_overhead_s=info.step_overhead_s,
+        decode_seq_s=info.decode_seq_s,
+        prefill_token_s=info.prefill_token_s,
+        busy=info.busy,
+        indexed_blocks=indexed_blocks,
     )
 
 
@@ -111,6 +143,8 @@ def _redis_failure(err: BaseException) -> bool:
 def _outcome(err: BaseException) -> str:
     if isinstance(err, QuotaExceededError):
         return "quota"
+    if isinstance(err, SloRefusalError):
+        return "slo"
     if isinstance(err, CapacityError):
         return "no_capacity"
     if isinstance(err, WorkerUnavailableError):
@@ -122,7 +156,11 @@ def _outcome(err: BaseException) -> str:
 
 def _candidates(views: list[WorkerView], mode: Mode) -> int:
     """Live, non-draining workers of the roles ``mode`` needs (before any load check)."""
-    phases = (Phase.COLOCATED,) if mode is Mode.COLOCATED else (Phase.PREFILL, Phase.DECODE)
+    phases = {
+        Mode.COLOCATED: (Phase.COLOCATED,),
+        Mode.DISAGGREGATED: (Phase.PREFILL, Phase.DECODE),
+        Mode.CONDITIONAL: (Phase.PREFILL, Phase.DECODE, Phase.COLOCATED),
+    }[mode]
     return sum(any(ineligibility(v, ph, None) is None for ph in phases) for v in views)
 
 
@@ -178,8 +216,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         tenant=request.tenant,
                         exclude=list(request.exclude),
                         decode_only=request.decode_only,
+                        prompt_token_ids=request.prompt_token_ids,
                     )
                 outcome = "assigned"
+                if self.metrics is not None and assignment.decision is not None:
+                    self.metrics.count_mode(assignment.mode.value, assignment.decision.reason)
             except Exception as err:
                 outcome = _outcome(err)
                 raise
@@ -196,6 +237,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         ATTR_RETRIES: assignment.retries,
                         ATTR_PREFILL_WORKER: assignment.prefill.id,
                         ATTR_DECODE_WORKER: assignment.decode.id,
+                        ATTR_MODE: assignment.mode.value,
+                        ATTR_MODE_REASON: (
+                            assignment.decision.reason.value if assignment.decision else ""
+                        ),
                     }
                 )
             handover.mark_stage_end(time.time_ns())
@@ -228,6 +273,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         role = _ROLE_FROM_PROTO.get(request.role)
         with self._redis_errors("list_workers"):
             views = await self.scheduler.snapshot()
+        index = self.scheduler.prefix_index
         return scheduler_pb2.ListWorkersResponse(
-            workers=[_worker_status(v) for v in views if role is None or v.info.role is role]
+            workers=[
+                _worker_status(v, index.size(v.id) if index is not None else 0)
+                for v in views
+                if role is None or v.info.role is role
+            ]
         )

@@ -33,6 +33,9 @@ COMMANDS: dict[str, Command] = {
     "certs": Command("pdserve.security.certs", "main_certs", "make a local CA and certificates"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
     "status": Command("pdserve.status", "main_status", "list live workers from Redis"),
+    "rollout": Command(
+        "pdserve.router.rollout_cli", "main_rollout", "traffic split between serving modes"
+    ),
     "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),
 }
 

@@ -5,7 +5,8 @@ port (``--port 0 --port-file F``)::
 
     Redis (embedded, unless a URL is given)
       -> KVStore, Scheduler
-      -> N prefill + M decode workers (colocated: M mixed workers), Router
+      -> N prefill + M decode workers (colocated: M mixed workers; conditional: N prefill +
+         M mixed workers, the scheduler choosing per request), Router
       -> the HTTP gateway (when ``http_port`` is set)
 
 and returns once every service's health check says SERVING (the gateway's ``/health``: 200)
@@ -56,6 +57,8 @@ from pdserve.supervisor import RestartPolicy, Supervisor
 from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
+MODES = ("disaggregated", "colocated", "conditional")
+"""Cluster kinds: prefill + decode workers, mixed workers only, or prefill + mixed workers."""
 _POLL_S = 0.05
 """Interval of readiness polls (port files, health, heartbeats): child processes offer nothing
 to block on."""
@@ -95,6 +98,16 @@ class Cluster:
     worker_args: Sequence[str] = ()
     scheduler_args: Sequence[str] = ()
     """Extra flags for the scheduler (``["--policy", "round_robin"]``)."""
+    router_args: Sequence[str] = ()
+    """Extra flags for the router."""
+    planner: bool = False
+    """Start the P:D planner (``services.planner``), which moves mixed workers between
+    prefill and decode duty."""
+    planner_args: Sequence[str] = ()
+    duties: Sequence[str] = ()
+    """Initial duty of each mixed worker, in order (``--duty``); missing: everything."""
+    lanes: Sequence[str] = ()
+    """Prefill lane of each prefill worker, in order (``--lane``); missing: any."""
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -141,10 +154,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
-        if self.mode not in ("disaggregated", "colocated"):
-            raise InvalidArgumentError(
-                "mode", f"must be disaggregated or colocated, got {self.mode!r}"
-            )
+        if self.mode not in MODES:
+            raise InvalidArgumentError("mode", f"must be one of {MODES}, got {self.mode!r}")
         if self.mode == "disaggregated" and self.num_prefill < 1:
             raise InvalidArgumentError("num_prefill", "disaggregated mode needs a prefill worker")
         if self.backend not in BACKEND_NAMES:
@@ -321,25 +332,41 @@ class Cluster:
             *(["--host-lease", str(self.log_dir / "host-lease")] if self.lease_cores else []),
             *self.worker_args,
         ]  # fmt: skip
-        roles = (
-            [("mixed", i) for i in range(self.num_decode)]
-            if self.mode == "colocated"
-            else [("prefill", i) for i in range(self.num_prefill)]
-            + [("decode", i) for i in range(self.num_decode)]
+        prefills = (
+            [] if self.mode == "colocated" else [("prefill", i) for i in range(self.num_prefill)]
         )
+        second = "decode" if self.mode == "disaggregated" else "mixed"
+        roles = prefills + [(second, i) for i in range(self.num_decode)]
+        duties = list(self.duties)
+
+        def role_args(role: str, i: int) -> list[str]:
+            if role == "prefill":
+                lane = self.lanes[i] if i < len(self.lanes) else ""
+                return ["--lane", lane] if lane else []
+            if role != "mixed":
+                return []
+            duty = duties[i] if i < len(duties) and duties[i] else None
+            return ["--role", "mixed", *(["--duty", duty] if duty else [])]
+
         late = [
             self._add(
                 f"{role}-{i}",
                 f"services.{'decode' if role == 'mixed' else role}",
-                [*worker_common, *(["--role", "mixed"] if role == "mixed" else [])],
+                [*worker_common, *role_args(role, i)],
                 role=role,
             )
             for role, i in roles
         ]
+        if self.planner:
+            late.append(self._add(
+                "planner", "services.planner",
+                [*common, "--namespace", self.namespace, *self.planner_args],
+            ))  # fmt: skip
         router = self._add(
             "router", "services.router",
             [*common, *self._security_args(router=True), "--scheduler", scheduler.address,
-             "--model", str(self.model_dir), "--mode", self.mode, *keys],
+             "--model", str(self.model_dir), "--mode", self.mode, "--namespace", self.namespace,
+             *keys, *self.router_args],
         )  # fmt: skip
         if self.router_port:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
@@ -433,7 +460,7 @@ class Cluster:
             self.supervisor.halt()  # no restart may race the shutdown
         tiers = [
             [s for s in self.services if s.name == "gateway"],
-            [s for s in self.services if s.name == "router"],
+            [s for s in self.services if s.name in ("router", "planner")],
             self.workers(),
             [s for s in self.services if s.name in ("scheduler", "kvstore")],
         ]

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from pdserve.errors import WorkerUnavailableError
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect, redacted
 
-_ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}"
+_ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}  {}"
 
 
 async def fetch_workers(redis_url: str, namespace: str = "pdserve") -> list[WorkerInfo]:
@@ -27,12 +27,15 @@ async def fetch_workers(redis_url: str, namespace: str = "pdserve") -> list[Work
 
 def format_workers(workers: Sequence[WorkerInfo], now: float) -> list[str]:
     """A table: id, role, address, load (running sequences, queued tokens), free KV blocks,
-    heartbeat age."""
-    lines = [_ROW.format("ID", "ROLE", "ADDRESS", "RUN", "QUEUED", "FREE BLOCKS", "AGE")]
+    heartbeat age, the phases it serves now (and a planner's duty, draining)."""
+    lines = [_ROW.format("ID", "ROLE", "ADDRESS", "RUN", "QUEUED", "FREE BLOCKS", "AGE", "SERVES")]
     for w in workers:
+        serves = ",".join(w.phases) or "-"
+        if w.duty:
+            serves += f" (duty {w.duty}{', switching' if w.switching else ''})"
         row = _ROW.format(
             w.id, w.role.value, w.address, w.running_seqs, w.queued_tokens,
-            f"{w.kv_blocks_free}/{w.kv_blocks_total}", f"{now - w.ts:.1f}s",
+            f"{w.kv_blocks_free}/{w.kv_blocks_total}", f"{now - w.ts:.1f}s", serves,
         )  # fmt: skip
         lines.append(row + (" draining" if w.draining else ""))
     return lines

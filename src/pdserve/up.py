@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pdserve.backends import BACKEND_NAMES, TENSORRT_LLM, TORCH
 from pdserve.errors import InvalidArgumentError
-from pdserve.launcher import Cluster, default_model
+from pdserve.launcher import MODES, Cluster, default_model
 from pdserve.scheduling import redacted
 from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
 from pdserve.supervisor import RestartPolicy
@@ -28,8 +28,11 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=["tiny", "small", "base"],
                    help="demo model size when --model is not given")  # fmt: skip
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (mixed when colocated)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--decode", type=int, default=1,
+                   help="decode workers (mixed unless --mode disaggregated)")  # fmt: skip
+    p.add_argument("--mode", default="conditional", choices=MODES,
+                   help="conditional: prefill + mixed workers, the scheduler choosing colocated "
+                   "or disaggregated per request")  # fmt: skip
     p.add_argument("--backend", default=TORCH, choices=BACKEND_NAMES,
                    help="the workers' engine: torch (pdserve's own) or tensorrt-llm (a GPU "
                    "with TensorRT-LLM installed; see docs/backends.md)")  # fmt: skip

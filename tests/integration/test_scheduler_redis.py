@@ -601,7 +601,7 @@ def test_scheduler_service_over_grpc(run: Any, keys: KeySpace, scheduler_service
                 decode.address,
                 "localhost",
             )
-            assert a.mode == common_pb2.MODE_DISAGGREGATED and a.policy == "least_loaded"
+            assert a.mode == common_pb2.MODE_DISAGGREGATED and a.policy == "kv_aware"
 
             listed = await stub.ListWorkers(
                 scheduler_pb2.ListWorkersRequest(role=common_pb2.WORKER_ROLE_DECODE)

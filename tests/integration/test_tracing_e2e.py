@@ -335,7 +335,7 @@ def test_stage_attributes(run: Run) -> None:
         assert _attr(decision, "pdserve.mode") == "disaggregated"
         assert _attr(decision, "pdserve.prompt_tokens") == run.prompt_tokens[rid]
         assign = spans["scheduler.assign"]
-        assert _attr(assign, "pdserve.policy") == "least_loaded"
+        assert _attr(assign, "pdserve.policy") == "kv_aware"
         assert _attr(assign, "pdserve.candidates") == 2  # one prefill, one decode worker
         retries = _attr(assign, "pdserve.retries")
         assert isinstance(retries, int) and retries >= 0
@@ -400,7 +400,7 @@ def test_metrics_of_every_service(run: Run) -> None:
         _value(
             scheduler,
             "pdserve_scheduler_decisions_total",
-            policy="least_loaded",
+            policy="kv_aware",
             outcome="assigned",
         )
         == n

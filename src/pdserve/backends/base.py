@@ -26,9 +26,11 @@ Implementations: ``backends.pytorch.TorchBackend`` (pdserve's own engine) and
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from pdserve.engine.step_meter import StepModel
 
 if TYPE_CHECKING:
     from pdserve.engine.gate import ComputeGate
@@ -123,6 +125,10 @@ class Capacity:
     """Requests the engine failed (a step's failure, or the engine's own error)."""
     failed: bool = False
     """The engine failed for good: it takes no more requests."""
+    held: int = 0
+    """Finished requests whose KV the engine still holds (for a hand-off or a prefix)."""
+    steps: StepModel = field(default_factory=StepModel)
+    """The live step-time model (nothing measured: zeros, which the cost model's priors fill)."""
 
 
 @runtime_checkable

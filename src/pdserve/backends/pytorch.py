@@ -242,6 +242,8 @@ class TorchBackend:
             failed_steps=snapshot.failed_steps,
             failed_requests=snapshot.failed_requests,
             failed=snapshot.failed,
+            held=stats.num_held,
+            steps=snapshot.steps,
         )
 
     async def failed(self) -> BaseException:

@@ -7,12 +7,16 @@ keeps prefixes of different tenants apart.
 
 Freed blocks keep their hash and stay findable until the block is handed out again; the free
 list is LRU, so the least recently freed cached block is the first to be overwritten.
+
+With ``events`` set, every hash that enters or leaves the prefix cache is logged there in
+order (``BlockEvents``), for a publisher on another thread: a cluster scheduler keeps an
+index of which worker caches which blocks from these events.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -44,6 +48,40 @@ def chain_block_hashes(
     return out
 
 
+class BlockEvents:
+    """Prefix-cache changes in order: ``(True, hash)`` stored, ``(False, hash)`` removed.
+
+    Appended by the engine thread, drained by a publisher on another (``deque`` appends and
+    pops are atomic). Bounded: past ``capacity`` undrained events the log stops recording and
+    sets ``overflowed``, and the publisher sends a full snapshot instead.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.overflowed = False
+        self._log: deque[tuple[bool, bytes]] = deque()
+
+    def record(self, stored: bool, block_hash: bytes) -> None:
+        if len(self._log) >= self.capacity:
+            self.overflowed = True
+            return
+        self._log.append((stored, block_hash))
+
+    def drain(self) -> list[tuple[bool, bytes]]:
+        """The events recorded so far, oldest first, removed from the log."""
+        out: list[tuple[bool, bytes]] = []
+        while True:
+            try:
+                out.append(self._log.popleft())
+            except IndexError:
+                return out
+
+    def reset(self) -> None:
+        """Forget everything recorded (a snapshot has just been taken on the engine thread)."""
+        self._log.clear()
+        self.overflowed = False
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -66,6 +104,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.events: BlockEvents | None = None
+        """Where cache changes are logged (set before the engine runs); None: nowhere."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +142,10 @@ class BlockManager:
         self.prefix_hits += len(hits)
         return hits
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (a snapshot for ``events`` consumers)."""
+        return list(self._cached)
+
     def cached_block(self, block_hash: bytes) -> int | None:
         """The block holding ``block_hash`` in the prefix cache, or None (no ref taken)."""
         return self._cached.get(block_hash)
@@ -135,6 +179,8 @@ class BlockManager:
             if block.hash is None and h not in self._cached:
                 block.hash = h
                 self._cached[h] = block.block_id
+                if self.events is not None:
+                    self.events.record(True, h)
         seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
 
     # -- allocation -----------------------------------------------------------------------
@@ -148,6 +194,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:  # evict the stale cache entry of a reused block
                 del self._cached[block.hash]
+                if self.events is not None:
+                    self.events.record(False, block.hash)
                 block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)

@@ -40,6 +40,13 @@ class EngineConfig:
     """CPU threads for torch; ``None`` leaves torch's default."""
     return_logits: bool = False
     """Attach each sampled step's full logits to the outputs (for parity tests and debugging)."""
+    waiting_order: Literal["fcfs", "short_first"] = "fcfs"
+    """Which waiting prompt is admitted next: ``fcfs``, in arrival order; ``short_first``, the
+    one with the fewest tokens left to compute, each prompt's count lowered by
+    ``aging_tokens_per_s`` for every second it has waited, so that short prompts pass long ones
+    without starving them (a long prompt waits at most about its length over the aging rate
+    more than under ``fcfs``)."""
+    aging_tokens_per_s: float = 2000.0
     prepack_weights: bool = True
     """CPU: prepack the matmul weights into oneDNN's blocked layout at load time (about 1.8x
     faster decode matmuls; the plain weights are then freed). Ignored on CUDA."""
@@ -68,6 +75,14 @@ class EngineConfig:
             raise InvalidArgumentError(
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}",
+            )
+        if self.waiting_order not in ("fcfs", "short_first"):
+            raise InvalidArgumentError(
+                "waiting_order", f"must be fcfs or short_first, got {self.waiting_order!r}"
+            )
+        if not self.aging_tokens_per_s > 0:
+            raise InvalidArgumentError(
+                "aging_tokens_per_s", f"must be > 0, got {self.aging_tokens_per_s}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", f"must be >= 2, got {self.max_model_len}")

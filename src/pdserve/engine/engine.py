@@ -67,6 +67,16 @@ class EngineStats:
     prefix_cache_hits: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computed."""
+
+    prefill_tokens: int = 0
+    """Prompt tokens (prefill chunks, recomputes after preemption)."""
+    decodes: int = 0
+    """Sequences that decoded one token."""
+
+
 @dataclass(slots=True)
 class _Request:
     seq: Sequence
@@ -134,6 +144,8 @@ class Engine:
         self._imports: deque[tuple[Sequence, KVPayload]] = deque()
         self._arrivals = 0
         self._rng = random.Random(0)
+        self.last_step = StepShape()
+        """The shape of the latest ``step`` (for step-time models)."""
 
     @classmethod
     def from_pretrained(
@@ -391,9 +403,10 @@ class Engine:
         failures: dict[str, RequestFailedError] = {}
         outputs = self._admit_imports(failures)
         sched = self.scheduler.schedule()
+        prefill_tokens = sched.num_tokens - len(sched.decodes)
+        self.last_step = StepShape(prefill_tokens, len(sched.decodes))
         if sched.is_empty:
             return self._finish_step(outputs, failures)
-        prefill_tokens = sched.num_tokens - len(sched.decodes)
         try:
             with self.gate.hold(prefill_tokens):
                 result = self.runner.execute(

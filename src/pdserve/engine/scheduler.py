@@ -4,9 +4,10 @@ Each step:
   1. Running sequences first, oldest first: one token for those decoding, the next chunk for
      those still prefilling. When the pool runs dry, the newest running sequence is preempted
      (its blocks freed, recomputed later) until the older one fits.
-  2. Then waiting sequences, FIFO, while the budget, ``max_num_seqs`` and free blocks allow:
-     leading blocks come from the prefix cache, the rest is computed, chunked if the prompt is
-     longer than the remaining budget.
+  2. Then waiting sequences, while the budget, ``max_num_seqs`` and free blocks allow: in
+     arrival order (``waiting_order="fcfs"``), or fewest tokens to compute first, aged by the
+     wait (``short_first``); leading blocks come from the prefix cache, the rest is computed,
+     chunked if the prompt is longer than the remaining budget.
   3. ``update`` applies what the step computed: advances ``num_computed_tokens``, publishes
      full blocks to the prefix cache, appends sampled tokens and finishes sequences whose
      token-level stop conditions hit (stop strings are the engine's: they need text).
@@ -14,6 +15,7 @@ Each step:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -66,7 +68,18 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.enqueued_at = time.monotonic()
         self.waiting.append(seq)
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next (see ``EngineConfig.waiting_order``)."""
+        if self.config.waiting_order == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        now, aging = time.monotonic(), self.config.aging_tokens_per_s
+        return min(
+            self.waiting,
+            key=lambda s: s.num_pending_tokens - aging * (now - s.enqueued_at),
+        )
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV is already in its blocks (an imported hand-off)."""
@@ -108,7 +121,7 @@ class Scheduler:
         while (
             self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             bm.take_prefix(seq, bm.match_prefix(seq))
             pending = seq.num_pending_tokens
             n = min(pending, budget)
@@ -120,7 +133,7 @@ class Scheduler:
             if not bm.allocate(seq, seq.num_computed_tokens + n):
                 bm.free(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             prefills.append(ScheduledChunk(seq, n))

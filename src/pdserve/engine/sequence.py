@@ -63,6 +63,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "cache_salt",
+        "enqueued_at",
         "generator",
         "hold_kv",
         "layer_hook",
@@ -98,6 +99,8 @@ class Sequence:
         self.layer_hook = layer_hook
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
+        self.enqueued_at = 0.0
+        """``time.monotonic()`` when the scheduler first queued it (for waiting-queue aging)."""
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (prefix hits included)."""

@@ -8,6 +8,10 @@ Disaggregated mode::
 
 Colocated mode: ``Scheduler.Assign`` picks one mixed worker and ``Mixed.Generate`` streams.
 
+The mode asked of the scheduler is the request's rollout arm when a split is set
+(``rollout``), else the router's configured mode; in ``conditional`` mode (the default) the
+scheduler decides per request. The prompt's token ids go along, for KV-aware placement.
+
 Whatever happens (success, error, client cancel, deadline) the clean-up runs: downstream calls
 still open are cancelled (a cancelled Decode frees its KV blocks on the worker), a KV payload
 that no decode worker has picked up is deleted from its store, and the reservation is released.
@@ -22,9 +26,10 @@ went out the request is placed again elsewhere, after that it migrates to anothe
 worker, which resumes after the tokens already streamed (``failover``; bounded by
 ``FlowConfig.prefill_attempts`` and ``migration_limit``).
 
-Tracing (``observed``): the flow records ``router.mode_decision``, names the mode on
-``router.request`` and hands it, with the last stage's end, to every call (``handover``), so
-the stages tile the request. A stream that sent its last chunk is read to its end, not cancelled.
+Tracing (``observed``): the flow records ``router.mode_decision`` (with the scheduler's
+reasons), names the mode on ``router.request`` and hands it, with the last stage's end, to
+every call (``handover``), so the stages tile the request. A stream that sent its last chunk is
+read to its end, not cancelled.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc.aio import AioRpcError
@@ -55,7 +60,7 @@ from pdserve.router.request import RouteRequest
 from pdserve.router.state import Clock, RequestState
 from pdserve.router.telemetry import ObservedRequest, name_mode, record_mode_decision
 from pdserve.router.text import ResponseText
-from pdserve.rpc.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve.rpc.convert import finish_reason_from_proto, mode_from_name, sampling_to_proto
 from pdserve.telemetry.handover import handing_over, stage_end_of
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
@@ -71,12 +76,20 @@ from pdserve.v1 import (
 logger = logging.getLogger(__name__)
 
 
+class Arms(Protocol):
+    """Chooses a request's rollout arm (``rollout.RolloutFollower``)."""
+
+    def arm(self, request_id: str, tenant: str) -> str | None:
+        """The arm (a mode name), or None to use the configured mode."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class FlowConfig:
     """How the router places and cleans up requests."""
 
-    mode: common_pb2.Mode = common_pb2.MODE_DISAGGREGATED
-    """``pdserve.v1.Mode`` asked of the scheduler for every request."""
+    mode: common_pb2.Mode = common_pb2.MODE_CONDITIONAL
+    """``pdserve.v1.Mode`` asked of the scheduler when no rollout arm applies."""
     cleanup_timeout_s: float = 5.0
     """Bound on each clean-up call (Release, KV delete); a stuck call must not pin the request."""
     assign_timeout_s: float = 10.0
@@ -102,8 +115,10 @@ class RequestFlow:
         tokenizer: Tokenizer,
         channels: ChannelPool | None = None,
         config: FlowConfig | None = None,
+        arms: Arms | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
+        self.arms = arms
         self.tokenizer = tokenizer
         # Not ``channels or ...``: a pool with no channel yet is falsy (it has a length).
         self.channels = channels if channels is not None else ChannelPool()
@@ -141,7 +156,12 @@ class RequestFlow:
         if observed is not None:
             run.root, run.stage_end_ns = observed.span, observed.accepted_ns
         try:
-            assignment = await self._assign(run, self.config.mode)
+            arm = self.arms.arm(request.request_id, request.tenant) if self.arms else None
+            run.arm = arm or ""
+            if observed is not None:
+                observed.arm = run.arm
+            mode = mode_from_name(arm) if arm else self.config.mode
+            assignment = await self._assign(run, mode)
             name_mode(run.root, assignment.mode)  # the scheduler has the last word
             stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
@@ -233,12 +253,11 @@ class RequestFlow:
         step = "Scheduler.Assign"
         remaining = run.clock.remaining(step)
         # The router's own part ends here: validation and tokenization (by the caller, since
-        # the request arrived), and the mode, today always the configured one.
+        # the request arrived), and the rollout arm; ``router.mode_decision`` is recorded once
+        # the scheduler said which mode and why.
         asked_ns = time.time_ns()
-        if not run.failed_workers:  # a placement after a failure decides nothing new
-            record_mode_decision(
-                run.root, run.stage_end_ns or asked_ns, asked_ns, mode, len(req.prompt_token_ids)
-            )
+        decided_from = run.stage_end_ns or asked_ns
+        decides = not run.failed_workers  # a placement after a failure decides nothing new
         # The call runs to completion even when the caller's deadline or a cancellation cuts the
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
@@ -252,6 +271,7 @@ class RequestFlow:
                     tenant=req.tenant,
                     exclude=run.failed_workers,
                     decode_only=decode_only,
+                    prompt_token_ids=req.prompt_token_ids,
                 ),
                 timeout=self.config.assign_timeout_s,
             )
@@ -261,10 +281,16 @@ class RequestFlow:
                 asyncio.shield(run.assign_task), remaining
             )
         except TimeoutError:
+            if decides:
+                record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, None)
             raise DeadlineExceededError(f"deadline exceeded during {step}") from None
         except PdServeError:
+            if decides:
+                record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, None)
             run.assign_task = None  # Assign itself failed: nothing was reserved
             raise
+        if decides:
+            record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, assignment)
         run.reservation_id = assignment.reservation_id
         run.stage_end_ns = await stage_end_of(call)
         run.timing.queue_ms = run.clock.elapsed_ms()

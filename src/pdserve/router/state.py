@@ -70,6 +70,8 @@ class RequestState:
     first_sent: bool = False
     root: trace.Span | None = None
     """``router.request``: the parent of every stage, handed to each call (tracing)."""
+    arm: str = ""
+    """The rollout arm the request was sent in ("" when no split is set)."""
     stage_end_ns: int | None = None
     """Unix ns where the last stage so far ended, handed to the next call (tracing)."""
     finished_stream: Any = None

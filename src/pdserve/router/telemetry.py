@@ -46,15 +46,21 @@ from pdserve.rpc.convert import MODE_NAMES
 from pdserve.telemetry import tracing
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.spans import (
+    ATTR_ARM,
+    ATTR_LONG_PROMPT,
     ATTR_MODE,
     ATTR_MODE_REASON,
+    ATTR_PREFIX_HIT_TOKENS,
     ATTR_PROMPT_TOKENS,
     ATTR_REQUEST_ID,
+    ATTR_STALL_MS,
     ATTR_TENANT,
+    ATTR_TTFT_COLOCATED,
+    ATTR_TTFT_DISAGGREGATED,
     ROUTER_MODE_DECISION,
     ROUTER_REQUEST,
 )
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, scheduler_pb2
 
 OUTCOME_OK = "ok"
 OUTCOME_ERROR = "error"
@@ -63,27 +69,48 @@ OUTCOME_CANCELLED = "cancelled"
 _INSTRUMENTATION_NAME = "pdserve"
 
 MODE_REASON_CONFIGURED = "configured"
-"""``pdserve.mode_reason`` when the router's configured mode decided (``FlowConfig.mode``)."""
+"""``pdserve.mode_reason`` when the mode asked for decided (an older scheduler says no more)."""
+MODE_REASON_NOT_PLACED = "not_placed"
+"""``pdserve.mode_reason`` of a request the scheduler did not place (refused, failed)."""
 
 
 def record_mode_decision(
     root: trace.Span | None,
     start_ns: int,
     end_ns: int,
-    mode: common_pb2.Mode,
-    prompt_tokens: int,
+    asked: common_pb2.Mode,
+    request: RouteRequest,
+    arm: str,
+    assignment: scheduler_pb2.Assignment | None,
 ) -> None:
-    """``router.mode_decision`` under ``root``: the router's part before asking for placement
-    (validation, tokenization, the mode; today always the configured one)."""
+    """``router.mode_decision`` under ``root``, from ``start_ns`` to ``end_ns``: the router's
+    part before asking for placement (validation, tokenization, the arm), with the mode the
+    request got (``asked`` when it was not placed) and the scheduler's reasons."""
+    attributes: dict[str, str | int | float | bool] = {
+        ATTR_MODE: MODE_NAMES.get(assignment.mode if assignment else asked, "unspecified"),
+        ATTR_MODE_REASON: MODE_REASON_NOT_PLACED if assignment is None else MODE_REASON_CONFIGURED,
+        ATTR_PROMPT_TOKENS: len(request.prompt_token_ids),
+        ATTR_ARM: arm,
+    }
+    if assignment is not None and assignment.HasField("decision"):
+        d = assignment.decision
+        attributes.update(
+            {
+                ATTR_MODE_REASON: d.reason or MODE_REASON_CONFIGURED,
+                ATTR_LONG_PROMPT: d.long_prompt,
+                ATTR_PREFIX_HIT_TOKENS: d.cached_tokens,
+                ATTR_STALL_MS: d.stall_s * 1000.0,
+            }
+        )
+        if d.HasField("colocated_ttft_s"):
+            attributes[ATTR_TTFT_COLOCATED] = d.colocated_ttft_s
+        if d.HasField("disaggregated_ttft_s"):
+            attributes[ATTR_TTFT_DISAGGREGATED] = d.disaggregated_ttft_s
     tracing.record_span(
         ROUTER_MODE_DECISION,
         min(start_ns, end_ns),
         end_ns,
-        {
-            ATTR_MODE: MODE_NAMES.get(mode, "unspecified"),
-            ATTR_MODE_REASON: MODE_REASON_CONFIGURED,
-            ATTR_PROMPT_TOKENS: prompt_tokens,
-        },
+        attributes,
         trace.set_span_in_context(root) if root is not None else None,
     )
 
@@ -124,6 +151,8 @@ class ObservedRequest:
     last_token_at: float | None = None
     tokens: int = 0
     finished_after_s: float | None = None
+    arm: str = ""
+    """The request's rollout arm, once the flow chose it ("" when no split is set)."""
 
     def prepared(self, route: RouteRequest) -> None:
         """The request is validated and tokenized: name it on the span."""
@@ -140,14 +169,14 @@ class ObservedRequest:
         now = time.perf_counter()
         if self.metrics is not None:
             if self.last_token_at is None:
-                self.metrics.observe_ttft(now - self.started)
+                self.metrics.observe_ttft(now - self.started, arm=self.arm)
                 later = n - 1  # the chunk's first token was the first token
                 gap = 0.0
             else:
                 later = n
                 gap = (now - self.last_token_at) / n
             for _ in range(later):
-                self.metrics.observe_itl(gap)
+                self.metrics.observe_itl(gap, arm=self.arm)
         self.last_token_at = now
         self.tokens += n
 
@@ -198,3 +227,5 @@ class RouterTelemetry:
                 if outcome == OUTCOME_OK and observed.finished_after_s is not None:
                     self.metrics.observe_e2e(observed.finished_after_s)
                 self.metrics.count_request(outcome)
+                if observed.arm:
+                    self.metrics.count_arm(observed.arm, outcome)

@@ -37,6 +37,7 @@ MODE_NAMES: dict[pb.Mode, str] = {
     pb.MODE_UNSPECIFIED: "unspecified",
     pb.MODE_DISAGGREGATED: "disaggregated",
     pb.MODE_COLOCATED: "colocated",
+    pb.MODE_CONDITIONAL: "conditional",
 }
 MODES_BY_NAME: dict[str, pb.Mode] = {name: value for value, name in MODE_NAMES.items()}
 
@@ -178,7 +179,8 @@ def mode_from_proto(value: int, *, field: str = "mode") -> pb.Mode:
 
 
 def mode_from_name(name: str, *, field: str = "mode") -> pb.Mode:
-    """The ``Mode`` wire value of "disaggregated" / "colocated" / "unspecified"."""
+    """The ``Mode`` wire value of "disaggregated" / "colocated" / "conditional" /
+    "unspecified"."""
     value = MODES_BY_NAME.get(name.lower())
     if value is None:
         raise InvalidArgumentError(

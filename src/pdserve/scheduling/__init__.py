@@ -6,17 +6,21 @@ Pure Python on redis.asyncio: this package imports neither torch nor grpc.
 from __future__ import annotations
 
 from pdserve.scheduling.capacity import CapacityLimits, Claim, Demand, Phase, WorkerView
+from pdserve.scheduling.costmodel import CostModel
 from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.placement import ModeDecision, Placer, Reason
 from pdserve.scheduling.policies import (
     POLICIES,
+    KvAware,
     LeastLoaded,
     PlacementPolicy,
     RoundRobin,
     make_policy,
 )
+from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks
 from pdserve.scheduling.refresher import kept_fresh
 from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect, redacted
-from pdserve.scheduling.scheduler import Assignment, ClusterScheduler, Mode
+from pdserve.scheduling.scheduler import Assignment, ClusterScheduler, Mode, SloRefusalError
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 __all__ = [
@@ -25,15 +29,23 @@ __all__ = [
     "CapacityLimits",
     "Claim",
     "ClusterScheduler",
+    "CostModel",
     "Demand",
     "Heartbeater",
     "KeySpace",
+    "KvAware",
     "LeastLoaded",
     "Mode",
+    "ModeDecision",
     "Phase",
     "PlacementPolicy",
+    "Placer",
+    "PrefixIndex",
+    "PromptBlocks",
+    "Reason",
     "RedisWorkerRegistry",
     "RoundRobin",
+    "SloRefusalError",
     "WorkerInfo",
     "WorkerRole",
     "WorkerView",

@@ -7,10 +7,11 @@ its cached view to pick candidates, and once more under WATCH on fresh data befo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pdserve.errors import InvalidArgumentError
+from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 
@@ -58,6 +59,8 @@ class Demand:
     prompt_tokens: int
     max_tokens: int
     phase: Phase
+    cached_tokens: Callable[[str], int] | None = field(default=None, compare=False)
+    """Worker id -> prompt tokens its prefix cache holds (``prefix_index``); None: unknown."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
@@ -65,6 +68,11 @@ class Demand:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "phase", Phase(self.phase))
+
+    def uncached(self, worker_id: str) -> int:
+        """Prompt tokens the worker would compute (all but the last one may be cached)."""
+        cached = self.cached_tokens(worker_id) if self.cached_tokens is not None else 0
+        return max(1, self.prompt_tokens - cached)
 
     def claim(self, block_size: int) -> Claim:
         """What this phase reserves on a worker with ``block_size`` tokens per KV block.
@@ -158,8 +166,10 @@ def stale(view: WorkerView) -> bool:
 
 def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None) -> str | None:
     """Why ``view`` must not serve ``phase`` regardless of load, or None."""
-    if view.info.role is not phase.role:
-        return f"role is {view.info.role.value}, {phase.role.value} needed"
+    if phase.value not in view.info.phases:
+        serves = ", ".join(view.info.phases) or "nothing"
+        switching = " (changing duty)" if view.info.switching else ""
+        return f"role {view.info.role.value} serves {serves}{switching}, not {phase.value}"
     if view.info.draining:
         return "draining"
     if model_fingerprint is not None and view.info.model_fingerprint != model_fingerprint:
@@ -167,3 +177,41 @@ def ineligibility(view: WorkerView, phase: Phase, model_fingerprint: str | None)
             f"model fingerprint {view.info.model_fingerprint!r} differs from {model_fingerprint!r}"
         )
     return None
+
+
+def capacity_error(
+    views: Iterable[WorkerView],
+    excluded: Mapping[str, str],
+    gone: Collection[str],
+    limits: CapacityLimits,
+    request_id: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    phase: str,
+) -> CapacityError | WorkerUnavailableError:
+    """Why no worker took ``phase`` of a request: RESOURCE_EXHAUSTED naming each live worker
+    of that phase and what it lacks, or UNAVAILABLE when none is alive. ``excluded``: workers
+    that failed the re-check in this call or that the caller excluded, and why (a reason in
+    ``gone``: the worker is not alive for this request)."""
+    alive = [
+        v
+        for v in views
+        if phase in v.info.phases and not v.info.draining and excluded.get(v.id) not in gone
+    ]
+    what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
+    role = Phase(phase).role
+    if not alive:
+        return WorkerUnavailableError(f"{what}: no live, non-draining {role.value} worker")
+
+    def why_not(view: WorkerView) -> str:
+        claim = Demand(prompt_tokens, max_tokens, Phase(phase)).claim(view.info.block_size)
+        if phase == Phase.PREFILL:
+            fallback = "its model differs from every decode worker with room"
+        else:
+            fallback = "no prefill worker with its model has room"
+        return shortfall(view, claim, limits) or fallback
+
+    details = "; ".join(
+        f"{v.id}: {excluded.get(v.id) or why_not(v)}" for v in sorted(alive, key=lambda v: v.id)
+    )
+    return CapacityError(f"{what}: every {role.value} worker is full ({details})")

@@ -15,6 +15,11 @@ key                                type    content
                                            PX TTL equal to the reservation's
 ``pdserve:tenant:{tenant}``        zset    ``{reservation_id}|{blocks}`` -> expiry: a tenant's
                                            live reservations (kept while it has a quota)
+``pdserve:kvevents``               stream  prefix-cache changes of every worker (``kv_events``)
+``pdserve:duty:{worker_id}``       string  the duty a planner gives a mixed worker
+``pdserve:planner:leader``         string  id of the planner replica that leads, PX TTL
+``pdserve:rollout``                string  the routers' traffic split (``router.rollout``)
+``pdserve:rollout:changed``        pubsub  a message whenever the split changes
 =================================  ======  ====================================================
 
 A namespace lets several clusters (or tests) share one Redis.
@@ -59,6 +64,30 @@ class KeySpace:
     def tenant_reservations(self, tenant: str) -> str:
         """Sorted set of one tenant's live reservations (``quotas``)."""
         return f"{self.namespace}:tenant:{tenant}"
+
+    @property
+    def kv_events(self) -> str:
+        """Stream of the workers' prefix-cache changes."""
+        return f"{self.namespace}:kvevents"
+
+    def duty(self, worker_id: str) -> str:
+        """The duty a planner set for one mixed worker."""
+        return f"{self.namespace}:duty:{worker_id}"
+
+    @property
+    def planner_leader(self) -> str:
+        """Lease of the leading planner replica."""
+        return f"{self.namespace}:planner:leader"
+
+    @property
+    def rollout(self) -> str:
+        """The routers' traffic split between serving modes."""
+        return f"{self.namespace}:rollout"
+
+    @property
+    def rollout_channel(self) -> str:
+        """Pub/sub channel announcing a change of ``rollout``."""
+        return f"{self.namespace}:rollout:changed"
 
 
 def text(value: str | bytes) -> str:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.capacity import Demand, Phase, WorkerView
+from pdserve.scheduling.costmodel import CostModel, decoding
 
 
 class PlacementPolicy(Protocol):
@@ -76,13 +77,55 @@ def _queue_batches(view: WorkerView) -> float:
     return view.pending_tokens / max(1, view.info.max_batch_tokens)
 
 
-POLICIES: Mapping[str, Callable[[], PlacementPolicy]] = MappingProxyType(
-    {RoundRobin.name: RoundRobin, LeastLoaded.name: LeastLoaded}
+class KvAware:
+    """Prefers the worker that would finish the request's phase soonest, by the cost model,
+    counting the prompt blocks its prefix cache already holds (``prefix_index``).
+
+    * prefill / colocated: no stall of its decoding streams past the ITL SLO first, then the
+      least predicted time to the first token (queue wait + computing the uncached tokens);
+    * decode: no queued prefill work that would stall a new stream past the ITL SLO first,
+      then the shortest predicted decode step with one more sequence, then the most free
+      blocks.
+
+    Like the KV routers of Dynamo and llm-d (cached blocks against load), but both sides of
+    the trade are in seconds. Ties go to the smaller id.
+    """
+
+    name = "kv_aware"
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+
+    def choose(self, candidates: Sequence[WorkerView], demand: Demand) -> list[WorkerView]:
+        m = self.model
+        if demand.phase is Phase.DECODE:
+
+            def decode_key(v: WorkerView) -> tuple[bool, float, int, str]:
+                stalled = m.stall_s(v.info, v.pending_tokens) > m.itl_budget_s(v)
+                return (stalled, m.decode_step_s(v.info, decoding(v) + 1), -v.free_blocks, v.id)
+
+            return sorted(candidates, key=decode_key)
+
+        def key(v: WorkerView) -> tuple[bool, float, int, str]:
+            uncached = demand.uncached(v.id)
+            ttft = m.queue_s(v) + m.prefill_s(v.info, uncached, decodes=decoding(v))
+            return (m.harms_itl(v, uncached), ttft, -v.free_blocks, v.id)
+
+        return sorted(candidates, key=key)
+
+
+POLICIES: Mapping[str, Callable[[CostModel], PlacementPolicy]] = MappingProxyType(
+    {
+        RoundRobin.name: lambda _model: RoundRobin(),
+        LeastLoaded.name: lambda _model: LeastLoaded(),
+        KvAware.name: KvAware,
+    }
 )
-"""Policy name -> factory. Read-only; add a policy by adding it here."""
+"""Policy name -> factory (given the scheduler's cost model). Read-only; add a policy by
+adding it here."""
 
 
-def make_policy(name: str) -> PlacementPolicy:
+def make_policy(name: str, model: CostModel | None = None) -> PlacementPolicy:
     """A fresh instance of the policy registered as ``name``."""
     try:
         factory = POLICIES[name]
@@ -91,4 +134,4 @@ def make_policy(name: str) -> PlacementPolicy:
         raise InvalidArgumentError(
             "policy", f"unknown policy {name!r}; choose one of {allowed}"
         ) from None
-    return factory()
+    return factory(model or CostModel())

@@ -70,8 +70,11 @@ class RedisWorkerRegistry:
         self.redis = redis
         self.keys = keys or KeySpace()
 
-    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Publish ``info`` as the worker's state for the next ``ttl_s`` seconds.
+    async def heartbeat(
+        self, info: WorkerInfo, ttl_s: float, *, read_key: str | None = None
+    ) -> bytes | None:
+        """Publish ``info`` as the worker's state for the next ``ttl_s`` seconds; with
+        ``read_key``, read that key in the same round trip and return its value.
 
         ``info.ts`` is stamped with the current time when it is 0.
         """
@@ -84,7 +87,10 @@ class RedisWorkerRegistry:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.worker(info.id), info.to_json(), px=max(1, round(ttl_s * 1000)))
             pipe.zadd(self.keys.worker_index, {info.id: info.ts})
-            await pipe.execute()
+            if read_key is not None:
+                pipe.get(read_key)
+            replies = await pipe.execute()
+        return replies[2] if read_key is not None else None
 
     async def get(self, worker_id: str) -> WorkerInfo | None:
         """The worker's live heartbeat, or None if it has expired."""
@@ -143,11 +149,17 @@ class Heartbeater:
         *,
         interval_s: float = 1.0,
         ttl_s: float | None = None,
+        read_key: str | None = None,
+        on_read: Callable[[bytes | None], None] | None = None,
     ) -> None:
+        """``read_key``/``on_read``: each beat also reads that key; its value (None when
+        absent) goes to ``on_read`` (a planner's order to the worker, say)."""
         if not interval_s > 0:
             raise InvalidArgumentError("interval_s", f"must be > 0, got {interval_s}")
         self.registry = registry
         self.provider = provider
+        self.read_key = read_key
+        self.on_read = on_read
         self.interval_s = interval_s
         self.ttl_s = 3 * interval_s if ttl_s is None else ttl_s
         if not self.ttl_s > interval_s:
@@ -221,7 +233,7 @@ class Heartbeater:
         try:
             # A beat that takes longer than the TTL is useless: the key has expired meanwhile.
             async with asyncio.timeout(self.ttl_s):
-                await self.registry.heartbeat(info, self.ttl_s)
+                value = await self.registry.heartbeat(info, self.ttl_s, read_key=self.read_key)
         except (RedisError, OSError, TimeoutError) as err:
             self.errors += 1
             self.last_error = err
@@ -235,6 +247,8 @@ class Heartbeater:
             self._failing = True
             return
         self.beats += 1
+        if self.on_read is not None:
+            self.on_read(value)
         if self._failing:
             logger.info("heartbeat of %s recovered (%d errors so far)", info.id, self.errors)
             self._failing = False

@@ -175,6 +175,19 @@ def _tenant_load(entries: Sequence[tuple[str | bytes, float]], now_ms: float) ->
     return len(live), sum(int(m.rsplit("|", 1)[1]) for m in live)
 
 
+def _report_released(
+    drops: Sequence[tuple[str, str]],
+    rewrites: Sequence[tuple[str, str, str, float]],
+    on_released: Callable[[str, Claim], None],
+) -> None:
+    """Tell ``on_released`` what each dropped or rewritten member gave back on its worker
+    (the worker id is the tail of the member's sorted-set key)."""
+    for key, member in drops:
+        on_released(key.rsplit(":", 1)[1], decode_member(member)[1])
+    for key, old, new, _ in rewrites:
+        on_released(key.rsplit(":", 1)[1], decode_member(old)[1] - decode_member(new)[1])
+
+
 class ReservationLedger:
     """Reads, commits, releases and renews reservations in one namespace."""
 
@@ -302,11 +315,18 @@ class ReservationLedger:
         infos = {wid: v.info for wid, v in views.items() if v is not None}
         return Committed(rid, infos, self.ttl_s)
 
-    async def release(self, reservation_id: str, *, prefill_only: bool = False) -> bool:
+    async def release(
+        self,
+        reservation_id: str,
+        *,
+        prefill_only: bool = False,
+        on_released: Callable[[str, Claim], None] | None = None,
+    ) -> bool:
         """Drop the reservation (or only its prefill share); False if it was already gone.
 
         The prefill share of a colocated reservation is its prompt tokens: the member is
-        rewritten with tokens = 0 and the same expiry, keeping its blocks.
+        rewritten with tokens = 0 and the same expiry, keeping its blocks. ``on_released``
+        gets each worker and the claim given back there, once committed.
         """
         record_key = self.keys.reservation(reservation_id)
         for _ in range(_MAX_BOOKKEEPING_RETRIES):
@@ -352,6 +372,8 @@ class ReservationLedger:
                     await pipe.execute()
                 except WatchError:
                     continue  # a concurrent renew/release touched the record; read it again
+                if on_released is not None:
+                    _report_released(drops, rewrites, on_released)
                 return True
         raise WatchError(f"reservation {reservation_id}: too many concurrent updates")
 

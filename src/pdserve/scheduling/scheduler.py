@@ -7,21 +7,23 @@ Lifecycle of one ``assign()``:
    round trip to *choose* (the service refreshes it in the background, ``refresher``; without
    that, the decision that finds it too old refreshes it first). The view leaves out workers
    whose heartbeat is more than two of their intervals old (gone, though their key may live
-   on). It drops workers that are draining, of the wrong role, excluded by the caller (they
-   failed this request) or earlier in this call, or too full on that view, and lets the
-   placement policy order the rest: a decode worker (the scarce KV blocks) first, then a
-   prefill worker with the same model fingerprint; or a single mixed worker in colocated
-   mode; or a decode worker alone for a request migrating from a dead one (``decode_only``).
-   If nothing fits, the view is refreshed once before refusing, so a refusal is never based
-   on data older than the call.
+   on). ``placement.Placer`` drops workers that are draining, excluded by the caller (they
+   failed this request), that do not serve the phase, of another model, excluded earlier
+   in this call, or too full on that view; orders the rest by the placement policy; decides
+   the mode (``conditional``: colocated or disaggregated by the cost model) and, with a TTFT
+   SLO, refuses a request that would miss it everywhere; a request migrating from a dead
+   decode worker (``decode_only``) takes a decode worker alone. The request's prompt blocks are
+   looked up in the KV event index (``prefix_index``), when one is kept. If nothing fits, the
+   view is refreshed once before refusing, so a refusal is never based on data older than the
+   call.
 2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
    assigns queue instead of invalidating each other), then WATCH the chosen workers'
    heartbeat keys and reservation sets.
-3. Re-check on fresh data read under the WATCH: each worker is alive (its key exists and its
-   heartbeat is not stale), not draining, both workers have the same model fingerprint, and
-   each has room for this request on top of the live reservations it has not admitted yet
-   (decode: ceil((prompt + max_tokens) / block_size) blocks <= free - reserved; prefill:
-   pending + prompt tokens within its queue limit; see ``capacity.shortfall``).
+3. Re-check on fresh data read under the WATCH: each worker is alive (its key exists, its
+   heartbeat is not stale), not draining, both workers have the same model fingerprint, and each
+   has room for this request on top of the live reservations it has not admitted yet (decode:
+   ceil((prompt + max_tokens) / block_size) blocks <= free - reserved; prefill: pending + prompt
+   tokens within its queue limit; see ``capacity.shortfall``).
 4. MULTI/EXEC the reservation (``reservations.ReservationLedger``, whose docstring explains
    the Redis layout and why expired reservations stop counting): one sorted-set member per
    worker scored by its expiry, plus a record with the same TTL. If another scheduler committed
@@ -34,12 +36,7 @@ Lifecycle of one ``assign()``:
 6. The caller hands ``reservation_id`` to the workers (which list it in their heartbeats once
    admitted, so it is not counted twice), calls ``renew()`` during long decodes, and
    ``release()`` when done (``prefill_only`` right after prefill). Reservations that are never
-   released expire after ``reservation_ttl_s`` and stop counting; none is renewed past
-   ``reservation_max_lifetime_s`` after its creation.
-
-Tenants: with ``quotas`` (``quotas.TenantQuotas``), step 4 also counts the tenant's live
-reservations under the same WATCH and refuses one past its quota (``QuotaExceededError``,
-RESOURCE_EXHAUSTED naming the quota).
+   released expire after ``reservation_ttl_s`` and stop counting.
 
 Because step 4 commits only if nothing it read in step 3 changed, any number of scheduler
 replicas can share one Redis without over-committing a worker.
@@ -51,11 +48,11 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -69,12 +66,16 @@ from pdserve.scheduling.capacity import (
     Demand,
     Phase,
     WorkerView,
+    capacity_error,
     ineligibility,
     shortfall,
     stale,
 )
+from pdserve.scheduling.costmodel import ArrivalRate, CostModel
 from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.placement import Mode, ModeDecision, Placement, Placer, Refusal
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
+from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks
 from pdserve.scheduling.quotas import TenantQuotas
 from pdserve.scheduling.registry import RedisWorkerRegistry
 from pdserve.scheduling.reservations import (
@@ -88,6 +89,11 @@ _EXPIRED = "heartbeat expired"
 _STALE = "heartbeat stale"
 _EXCLUDED = "excluded by the caller"
 _GONE = (_EXPIRED, _STALE, _EXCLUDED)
+logger = logging.getLogger(__name__)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
 
 
 @contextlib.contextmanager
@@ -99,11 +105,15 @@ def _redis_reachable() -> Iterator[None]:
         raise WorkerUnavailableError(f"Redis unreachable: {err}") from err
 
 
-class Mode(StrEnum):
-    """How a request is served."""
+class SloRefusalError(CapacityError):
+    """Admission refused the request: its predicted TTFT misses the SLO on every worker."""
 
-    DISAGGREGATED = "disaggregated"
-    COLOCATED = "colocated"
+
+_PHASES = {
+    Mode.COLOCATED: (Phase.COLOCATED,),
+    Mode.DISAGGREGATED: (Phase.PREFILL, Phase.DECODE),
+    Mode.CONDITIONAL: (Phase.COLOCATED, Phase.PREFILL, Phase.DECODE),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +129,8 @@ class Assignment:
     """Retries after a conflict or failed re-check; 0 when the first try committed."""
     policy: str
     ttl_s: float
+    decision: ModeDecision | None = None
+    """The mode chosen and its inputs (predicted TTFTs, cached tokens, ...)."""
 
 
 class ClusterScheduler:
@@ -135,9 +147,19 @@ class ClusterScheduler:
         max_retries: int = 8,
         limits: CapacityLimits | None = None,
         default_mode: Mode = Mode.DISAGGREGATED,
+        model: CostModel | None = None,
+        long_prompt_tokens: int = 0,
+        ttft_slo_s: float = 0.0,
+        prefix_index: PrefixIndex | None = None,
         quotas: TenantQuotas | None = None,
         reservation_max_lifetime_s: float = 3600.0,
     ) -> None:
+        """``model``: predictions for ``kv_aware``, ``conditional`` and admission;
+        ``long_prompt_tokens`` (0: from the model) splits prompts between lanes;
+        ``ttft_slo_s`` > 0 refuses requests predicted to miss it everywhere;
+        ``prefix_index``: the KV event index (kept current by ``prefix_index.following``);
+        ``quotas``: per-tenant caps on live reservations; ``reservation_max_lifetime_s``: no
+        renewal keeps a reservation longer."""
         if not refresh_interval_s >= 0:
             raise InvalidArgumentError(
                 "refresh_interval_s", f"must be >= 0, got {refresh_interval_s}"
@@ -155,11 +177,26 @@ class ClusterScheduler:
             max_lifetime_s=max(reservation_max_lifetime_s, reservation_ttl_s),
         )
         self.quotas = quotas or TenantQuotas()
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        if long_prompt_tokens < 0:
+            raise InvalidArgumentError(
+                "long_prompt_tokens", f"must be >= 0, got {long_prompt_tokens}"
+            )
+        if not ttft_slo_s >= 0:
+            raise InvalidArgumentError("ttft_slo_s", f"must be >= 0, got {ttft_slo_s}")
+        self.model = model or CostModel()
+        self.policy = make_policy(policy, self.model) if isinstance(policy, str) else policy
         self.refresh_interval_s = refresh_interval_s
         self.max_retries = max_retries
         self.limits = limits or CapacityLimits()
         self.default_mode = Mode(default_mode)
+        self.placer = Placer(
+            self.policy,
+            self.model,
+            self.limits,
+            long_prompt_tokens=long_prompt_tokens,
+            ttft_slo_s=ttft_slo_s,
+        )
+        self.prefix_index = prefix_index
         # Plain counters; the metrics module exports them.
         self.decisions = 0
         """Assignments committed."""
@@ -171,6 +208,10 @@ class ClusterScheduler:
         """Attempts after the first, for any reason."""
         self.refreshes = 0
         """Cache refreshes from Redis."""
+        self.refusals = 0
+        """Requests refused by admission (predicted to miss the TTFT SLO everywhere)."""
+        self.modes: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Assignments by (mode, reason)."""
         self._views: dict[str, WorkerView] = {}
         self._refreshed_at = -float("inf")  # time.monotonic() when the refresh started
         self._refresh_lock = asyncio.Lock()
@@ -179,6 +220,8 @@ class ClusterScheduler:
         # still arbitrates between replicas.
         self._commit_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._jitter = random.Random()
+        self.arrivals = ArrivalRate()
+        """Requests per second reaching ``assign`` (for the cost model)."""
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -207,8 +250,15 @@ class ClusterScheduler:
             views = (WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos)
             # A worker two heartbeats late is gone, even while its key lives on.
             self._views = {v.id: v for v in views if not stale(v)}
+            if self.prefix_index is not None:
+                self.prefix_index.forget(list(self._views))
             self._refreshed_at = started
             self.refreshes += 1
+
+    def _unaccount(self, worker_id: str, claim: Claim) -> None:
+        view = self._views.get(worker_id)
+        if view is not None:
+            self._views[worker_id] = view.with_reserved(view.reserved - claim)
 
     def _account(self, worker_id: str, claim: Claim) -> None:
         """Add our own commit to the cache so that the next decisions see it at once."""
@@ -226,38 +276,42 @@ class ClusterScheduler:
         *,
         mode: Mode | None = None,
         tenant: str = "",
+        prompt_token_ids: Sequence[int] = (),
         exclude: Sequence[str] = (),
         decode_only: bool = False,
     ) -> Assignment:
         """Choose workers for a request and reserve capacity on them (see module docstring).
 
-        ``mode`` None takes ``default_mode``. ``tenant``'s quota caps its live reservations
-        (``QuotaExceededError``); no placement policy uses the tenant yet. ``exclude``: worker
-        ids not to choose (they failed this request). ``decode_only``: reserve a decode worker
-        alone (a migration; it recomputes the prompt), named as ``prefill`` too; colocated
-        mode ignores it.
+        ``mode`` None takes ``default_mode``. ``tenant`` salts the prompt's block hashes (as
+        the engines' prefix caches do) and its quota caps its live reservations
+        (``QuotaExceededError``); ``prompt_token_ids`` (optional) let the KV event index
+        count the prompt blocks each worker caches. ``exclude``: worker ids not to choose
+        (they failed this request). ``decode_only``: reserve a decode worker alone (a
+        migration; it recomputes the prompt), named as ``prefill`` too; colocated mode
+        ignores it.
         """
+        lookup = None
+        if prompt_token_ids and self.prefix_index is not None:
+            blocks = PromptBlocks(prompt_token_ids, tenant)
+            lookup = functools.partial(blocks.cached_tokens, self.prefix_index)
+        self.arrivals.arrived()
+        chosen_mode = self.default_mode if mode is None else Mode(mode)
+        decode_only = decode_only and chosen_mode is not Mode.COLOCATED
+        phases = (Phase.DECODE,) if decode_only else _PHASES[chosen_mode]
+        demands = {ph: Demand(prompt_tokens, max_tokens, ph, lookup) for ph in phases}
         with _redis_reachable():
-            return await self._assign(
-                request_id, prompt_tokens, max_tokens, mode, tenant, exclude, decode_only
-            )
+            return await self._assign(request_id, demands, chosen_mode, tenant, exclude)
 
     async def _assign(
         self,
         request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        mode: Mode | None,
+        demands: Mapping[Phase, Demand],
+        chosen_mode: Mode,
         tenant: str,
         exclude: Sequence[str],
-        decode_only: bool,
     ) -> Assignment:
-        chosen_mode = self.default_mode if mode is None else Mode(mode)
-        if chosen_mode is Mode.COLOCATED:
-            phases: tuple[Phase, ...] = (Phase.COLOCATED,)
-        else:
-            phases = (Phase.DECODE,) if decode_only else (Phase.PREFILL, Phase.DECODE)
-        demands = {ph: Demand(prompt_tokens, max_tokens, ph) for ph in phases}
+        any_demand = next(iter(demands.values()))
+        prompt_tokens, max_tokens = any_demand.prompt_tokens, any_demand.max_tokens
         # worker id -> why it is out of this call (the caller's word, or a failed re-check)
         excluded: dict[str, str] = dict.fromkeys(exclude, _EXCLUDED)
         called_at = time.monotonic()
@@ -267,17 +321,29 @@ class ClusterScheduler:
             # A retry means our view was wrong somewhere: decide on data newer than the failure.
             not_before = time.monotonic() - (0.0 if attempt else self.refresh_interval_s)
             await self._refresh(not_before=not_before)
-            pick = self._pick(demands, excluded)
-            if isinstance(pick, str) and self._refreshed_at < called_at:
+            placed = self._place(demands, chosen_mode, excluded)
+            if not isinstance(placed, Placement) and self._refreshed_at < called_at:
                 # Refuse only on data newer than the call: capacity may have just been freed.
                 await self._refresh(not_before=called_at)
-                pick = self._pick(demands, excluded)
-            if isinstance(pick, str):
+                placed = self._place(demands, chosen_mode, excluded)
+            if isinstance(placed, Refusal):
                 self.rejections += 1
-                raise self._no_capacity(request_id, prompt_tokens, max_tokens, pick, excluded)
+                self.refusals += 1
+                raise SloRefusalError(
+                    f"request {request_id!r} (prompt {prompt_tokens}) refused: predicted time to "
+                    f"first token {placed.best_ttft_s:.2f} s on every worker exceeds the "
+                    f"{placed.slo_s:g} s SLO (best: {placed.details})"
+                )
+            if isinstance(placed, str):
+                self.rejections += 1
+                raise capacity_error(
+                    self._views.values(), excluded, _GONE, self.limits,
+                    request_id, prompt_tokens, max_tokens, placed,
+                )  # fmt: skip
+            plan = placed.plan
             parts = [
                 ReservationPart(view.id, ph, demands[ph].claim(view.info.block_size))
-                for ph, view in zip(phases, pick, strict=True)
+                for ph, view in zip(plan.phases, plan.workers, strict=True)
             ]
             try:
                 async with contextlib.AsyncExitStack() as held:
@@ -301,16 +367,25 @@ class ClusterScheduler:
             for part in parts:
                 self._account(part.worker_id, part.claim)
             self.decisions += 1
+            self.modes[(plan.mode.value, placed.decision.reason.value)] += 1
+            d = placed.decision
+            logger.debug(
+                "%s: %s (%s) on %s; prompt %d, cached %d, predicted TTFT colocated %s, "
+                "disaggregated %s, stall %.3f s", request_id, plan.mode.value, d.reason.value,
+                "+".join(v.id for v in plan.workers), d.prompt_tokens, d.cached_tokens,
+                _seconds(d.colocated_ttft_s), _seconds(d.disaggregated_ttft_s), d.stall_s,
+            )  # fmt: skip
             prefill = committed.workers[parts[0].worker_id]
             decode = committed.workers[parts[-1].worker_id]
             return Assignment(
                 committed.reservation_id,
                 prefill,
                 decode,
-                chosen_mode,
+                plan.mode,
                 attempt,
                 self.policy.name,
                 committed.ttl_s,
+                placed.decision,
             )
         self.rejections += 1
         reason = "; ".join(f"{w}: {r}" for w, r in excluded.items()) or "conflicts only"
@@ -320,34 +395,14 @@ class ClusterScheduler:
             f"last refusals: {reason}"
         )
 
-    def _pick(
-        self, demands: Mapping[Phase, Demand], excluded: Mapping[str, str]
-    ) -> tuple[WorkerView, ...] | str:
-        """Workers for each phase (in ``demands`` order), or why there are none."""
+    def _place(
+        self, demands: Mapping[Phase, Demand], mode: Mode, excluded: Mapping[str, str]
+    ) -> Placement | Refusal | str:
+        """The placement on the cached view (``placement.Placer``)."""
         views = [v for v in self._views.values() if v.id not in excluded]
-        if Phase.COLOCATED in demands:
-            best = self._ranked(views, demands[Phase.COLOCATED], None)
-            return (best[0],) if best else Phase.COLOCATED.value
-        decodes = self._ranked(views, demands[Phase.DECODE], None)
-        if Phase.PREFILL not in demands:  # decode only: the worker recomputes the prompt
-            return (decodes[0],) if decodes else Phase.DECODE.value
-        for decode in decodes:
-            fingerprint = decode.info.model_fingerprint
-            prefills = self._ranked(views, demands[Phase.PREFILL], fingerprint)
-            if prefills:
-                return prefills[0], decode
-        return (Phase.PREFILL if decodes else Phase.DECODE).value
-
-    def _ranked(
-        self, views: Sequence[WorkerView], demand: Demand, fingerprint: str | None
-    ) -> list[WorkerView]:
-        fitting = [
-            v
-            for v in views
-            if ineligibility(v, demand.phase, fingerprint) is None
-            and shortfall(v, demand.claim(v.info.block_size), self.limits) is None
-        ]
-        return self.policy.choose(fitting, demand) if fitting else []
+        if set(demands) == {Phase.DECODE}:
+            return self.placer.place_decode(views, demands[Phase.DECODE])
+        return self.placer.place(views, demands, mode, arrivals_per_s=self.arrivals.rate())
 
     def _recheck(
         self, parts: Sequence[ReservationPart], fresh: Mapping[str, WorkerView | None]
@@ -369,46 +424,18 @@ class ClusterScheduler:
             # Refresh the cache entry with what we just read: it is newer than the cache.
             self._views[part.worker_id] = view
 
-    def _no_capacity(
-        self,
-        request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        phase: str,
-        excluded: Mapping[str, str],
-    ) -> CapacityError | WorkerUnavailableError:
-        role = Phase(phase).role
-        alive = [
-            v
-            for v in self._views.values()
-            if v.info.role is role and not v.info.draining and excluded.get(v.id) not in _GONE
-        ]
-        what = f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens})"
-        if not alive:
-            return WorkerUnavailableError(f"{what}: no live, non-draining {role.value} worker")
-        details = "; ".join(
-            f"{v.id}: {excluded.get(v.id) or self._why_not(v, phase, prompt_tokens, max_tokens)}"
-            for v in sorted(alive, key=lambda v: v.id)
-        )
-        return CapacityError(f"{what}: every {role.value} worker is full ({details})")
-
-    def _why_not(self, view: WorkerView, phase: str, prompt_tokens: int, max_tokens: int) -> str:
-        claim = Demand(prompt_tokens, max_tokens, Phase(phase)).claim(view.info.block_size)
-        if phase == Phase.PREFILL:
-            fallback = "its model differs from every decode worker with room"
-        else:
-            fallback = "no prefill worker with its model has room"
-        return shortfall(view, claim, self.limits) or fallback
-
     # -- bookkeeping ---------------------------------------------------------------------------
 
     async def release(self, reservation_id: str, *, prefill_only: bool = False) -> bool:
         """Give the reserved capacity back; False if it was already released or expired.
 
-        The cache is corrected by the next refresh (at most ``refresh_interval_s`` later).
+        This replica's cache forgets the claim at once (a follow-up request finds the worker
+        as free as it is); the other replicas' at their next refresh.
         """
         with _redis_reachable():
-            return await self.ledger.release(reservation_id, prefill_only=prefill_only)
+            return await self.ledger.release(
+                reservation_id, prefill_only=prefill_only, on_released=self._unaccount
+            )
 
     async def renew(self, reservation_id: str) -> float:
         """Extend the reservation to ``reservation_ttl_s`` from now; returns that TTL.

@@ -1,4 +1,12 @@
-"""What a worker says about itself in each heartbeat."""
+"""What a worker says about itself in each heartbeat.
+
+Besides identity and load, a heartbeat carries what the scheduler's cost model needs
+(``pdserve.scheduling.costmodel``), all measured by the worker as it runs, none configured:
+its engine's step-time model (``step_overhead_s``, ``decode_seq_s``, ``prefill_token_s``),
+how busy the engine is, and the bandwidth of the KV links it has used (``links``). What it
+serves right now (``serves``) can change while it runs: a planner moves mixed workers between
+prefill and decode duty (``duty``, ``switching``).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +27,25 @@ class WorkerRole(StrEnum):
     """Prefill and decode in one process (colocated mode)."""
 
 
+PHASE_NAMES = ("prefill", "decode", "colocated")
+"""The phases a worker can serve (``capacity.Phase`` values)."""
+
+_PHASES_OF_ROLE = {
+    WorkerRole.PREFILL: ("prefill",),
+    WorkerRole.DECODE: ("decode",),
+    WorkerRole.MIXED: ("decode", "colocated"),
+}
+
+LANES = ("any", "long", "short")
+"""``any``: prompts of every length; ``long``/``short``: a dedicated prefill pool for prompts
+above/below the scheduler's long-prompt threshold."""
+
+DUTIES = ("", "prefill", "decode")
+"""A mixed worker's duty under a planner: ``prefill`` (prefills only), ``decode`` (decode and
+colocated requests), or ``""`` (everything it can serve)."""
+
+_FLOAT_FIELDS = ("step_overhead_s", "decode_seq_s", "prefill_token_s", "busy")
+
 _INT_FIELDS = (
     "kv_blocks_total",
     "kv_blocks_free",
@@ -26,6 +53,7 @@ _INT_FIELDS = (
     "max_batch_tokens",
     "queued_tokens",
     "running_seqs",
+    "kv_bytes_per_token",
 )
 
 
@@ -64,6 +92,29 @@ class WorkerInfo:
     interval_s: float = 0.0
     """Seconds between the worker's heartbeats: a heartbeat older than two of them means the
     worker is gone, before its key expires (0: unknown; only the key's expiry counts)."""
+    serves: tuple[str, ...] = ()
+    """Phases (``PHASE_NAMES``) the worker accepts new work for now; empty: those of its role
+    (unless ``switching``: then none)."""
+    lane: str = "any"
+    """Prompt lengths whose prefill it takes (``LANES``)."""
+    duty: str = ""
+    """The duty a planner gave it (``DUTIES``); ``serves`` follows it once drained."""
+    capabilities: tuple[str, ...] = ()
+    """Phases it could serve under some duty; empty: those of its role."""
+    switching: bool = False
+    """Draining the work of its old duty before it takes that of ``duty``."""
+    step_overhead_s: float = 0.0
+    """Measured: an engine step's fixed cost (0: nothing measured yet)."""
+    decode_seq_s: float = 0.0
+    """Measured: what each decoding sequence adds to a step."""
+    prefill_token_s: float = 0.0
+    """Measured: what each prompt token adds to a step (0: no prefill measured yet)."""
+    busy: float = 0.0
+    """Measured: the share of recent time the engine spent in steps, 0..1."""
+    links: tuple[tuple[str, str, float], ...] = ()
+    """Measured KV hand-offs from this worker: ``(peer host, transport, bytes/s)``."""
+    kv_bytes_per_token: int = 0
+    """Bytes of KV one prompt token hands over (all layers); 0: unknown."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -100,12 +151,56 @@ class WorkerInfo:
         object.__setattr__(self, "reservations", tuple(self.reservations))
         if not all(isinstance(r, str) for r in self.reservations):
             raise InvalidArgumentError("reservations", "must be reservation id strings")
+        self._check_scheduling_fields()
+
+    def _check_scheduling_fields(self) -> None:
+        for name in ("serves", "capabilities"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            bad = [p for p in getattr(self, name) if p not in PHASE_NAMES]
+            if bad:
+                raise InvalidArgumentError(name, f"unknown phases {bad}; known: {PHASE_NAMES}")
+        if self.lane not in LANES:
+            raise InvalidArgumentError("lane", f"must be one of {LANES}, got {self.lane!r}")
+        if self.duty not in DUTIES:
+            raise InvalidArgumentError("duty", f"must be one of {DUTIES}, got {self.duty!r}")
+        if not isinstance(self.switching, bool):
+            raise InvalidArgumentError("switching", f"must be a bool, got {self.switching!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise InvalidArgumentError(name, f"must be a number >= 0, got {value!r}")
+        try:
+            links = tuple((str(h), str(t), float(bw)) for h, t, bw in self.links)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                "links", "must be [peer host, transport, bytes/s] triples"
+            ) from None
+        if any(not bw > 0 for _, _, bw in links):
+            raise InvalidArgumentError("links", "bandwidths must be > 0")
+        object.__setattr__(self, "links", links)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases it accepts new work for: ``serves``, else those of its role; none while
+        it drains towards a new duty with nothing in common with the old one."""
+        if self.serves or self.switching:
+            return self.serves
+        return _PHASES_OF_ROLE[self.role]
+
+    @property
+    def switchable(self) -> bool:
+        """A planner can move it between prefill and decode duty."""
+        can = self.capabilities or self.phases
+        return self.role is WorkerRole.MIXED and "prefill" in can and "decode" in can
 
     def to_json(self) -> str:
         """Compact JSON with every field; ``from_json`` reads it back equal."""
         data = asdict(self)
         data["role"] = self.role.value
         data["reservations"] = list(self.reservations)
+        data["serves"] = list(self.serves)
+        data["capabilities"] = list(self.capabilities)
+        data["links"] = [list(link) for link in self.links]
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -127,6 +222,10 @@ class WorkerInfo:
         if not isinstance(kwargs.get("reservations", []), list):
             raise InvalidArgumentError("reservations", "must be a JSON list of reservation ids")
         kwargs["reservations"] = tuple(kwargs.get("reservations", ()))
+        for name in ("serves", "capabilities", "links"):
+            if not isinstance(kwargs.get(name, []), list):
+                raise InvalidArgumentError(name, "must be a JSON list")
+            kwargs[name] = tuple(kwargs.get(name, ()))
         return cls(**kwargs)
 
 

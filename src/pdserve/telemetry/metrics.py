@@ -34,6 +34,13 @@ TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 HANDOFFS = "pdserve_kv_handoffs"  # Counter: ..._total
 SCHEDULER_DECISIONS = "pdserve_scheduler_decisions"  # Counter: ..._total
 SCHEDULER_CONFLICTS = "pdserve_scheduler_conflicts"  # Counter: ..._total
+SCHEDULER_MODES = "pdserve_scheduler_mode_decisions"  # Counter: ..._total
+ARM_REQUESTS = "pdserve_arm_requests"  # Counter: ..._total
+ARM_TTFT_SECONDS = "pdserve_arm_ttft_seconds"
+ARM_ITL_SECONDS = "pdserve_arm_inter_token_latency_seconds"
+PLANNER_MOVES = "pdserve_planner_moves"  # Counter: ..._total
+PLANNER_PRESSURE = "pdserve_planner_pressure"
+PLANNER_LEADER = "pdserve_planner_leader"
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
 CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
 CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
@@ -48,6 +55,8 @@ METRICS: tuple[str, ...] = (
     KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, HANDOFFS, SCHEDULER_DECISIONS,
     SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
     CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS, ENGINE_FAILURES,
+    CORE_LENT_SECONDS, SCHEDULER_MODES, ARM_REQUESTS, ARM_TTFT_SECONDS, ARM_ITL_SECONDS,
+    PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -107,12 +116,33 @@ class RouterMetrics:
         self._requests = Counter(
             REQUESTS_TOTAL, "Finished requests by outcome.", ["outcome"], registry=r
         )
+        # Per rollout arm (the serving mode a request was sent to: docs/scheduling.md).
+        self._arm_requests = Counter(
+            ARM_REQUESTS, "Finished requests by rollout arm and outcome.", ["arm", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self._arm_ttft = Histogram(
+            ARM_TTFT_SECONDS, "Time to first token by rollout arm.", ["arm"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._arm_itl = Histogram(
+            ARM_ITL_SECONDS, "Time between streamed tokens by rollout arm.", ["arm"],
+            buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, *, arm: str = "") -> None:
         self._ttft.observe(_non_negative("seconds", seconds))
+        if arm:
+            self._arm_ttft.labels(arm=arm).observe(seconds)
 
-    def observe_itl(self, seconds: float) -> None:
+    def observe_itl(self, seconds: float, *, arm: str = "") -> None:
         self._itl.observe(_non_negative("seconds", seconds))
+        if arm:
+            self._arm_itl.labels(arm=arm).observe(seconds)
+
+    def count_arm(self, arm: str, outcome: str) -> None:
+        """One finished request of rollout arm ``arm``."""
+        self._arm_requests.labels(arm=_label("arm", arm), outcome=_label("outcome", outcome)).inc()
 
     def observe_e2e(self, seconds: float) -> None:
         self._e2e.observe(_non_negative("seconds", seconds))
@@ -257,6 +287,10 @@ class SchedulerMetrics:
             "Optimistic re-checks that found the chosen worker changed (then retried).",
             registry=r,
         )
+        self._modes = Counter(
+            SCHEDULER_MODES, "Assignments by the mode chosen and why.", ["mode", "reason"],
+            registry=r,
+        )  # fmt: skip
         self._redis_errors = Counter(
             REDIS_ERRORS, "Failed Redis operations.", ["operation"], registry=r
         )
@@ -269,6 +303,10 @@ class SchedulerMetrics:
 
     def count_conflict(self, n: int = 1) -> None:
         self._conflicts.inc(_non_negative("n", n))
+
+    def count_mode(self, mode: str, reason: str) -> None:
+        """One assignment in ``mode`` for ``reason`` (``placement.Reason``)."""
+        self._modes.labels(mode=_label("mode", mode), reason=_label("reason", reason)).inc()
 
     def count_redis_error(self, operation: str) -> None:
         self._redis_errors.labels(operation=_label("operation", operation)).inc()
@@ -295,6 +333,33 @@ class GatewayMetrics:
         route = _label("route", route)
         self._requests.labels(route=route, status=str(status)).inc()
         self._seconds.labels(route=route).observe(_non_negative("seconds", seconds))
+
+
+class PlannerMetrics:
+    """The P:D planner: the pressures it sees, the moves it orders, whether it leads."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = _registry(registry, process)
+        r = self.registry
+        self._moves = Counter(
+            PLANNER_MOVES, "Duty moves ordered, by new duty and reason.", ["duty", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self._pressure = Gauge(
+            PLANNER_PRESSURE, "Load against the SLOs per side (1: at the SLO).", ["side"],
+            registry=r,
+        )  # fmt: skip
+        self._leader = Gauge(PLANNER_LEADER, "1 while this replica leads.", registry=r)
+
+    def count_move(self, duty: str, reason: str) -> None:
+        self._moves.labels(duty=_label("duty", duty), reason=_label("reason", reason)).inc()
+
+    def set_pressure(self, prefill: float, decode: float) -> None:
+        self._pressure.labels(side="prefill").set(_non_negative("prefill", prefill))
+        self._pressure.labels(side="decode").set(_non_negative("decode", decode))
+
+    def set_leader(self, leading: bool) -> None:
+        self._leader.set(1 if leading else 0)
 
 
 @dataclass(slots=True)

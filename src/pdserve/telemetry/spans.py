@@ -22,6 +22,7 @@ SERVICE_SCHEDULER = "pdserve-scheduler"
 SERVICE_PREFILL = "pdserve-prefill"
 SERVICE_DECODE = "pdserve-decode"
 SERVICE_KVSTORE = "pdserve-kvstore"
+SERVICE_PLANNER = "pdserve-planner"
 
 # --- span names, in request-path order ----------------------------------------------------
 
@@ -46,6 +47,11 @@ ATTR_TENANT = "pdserve.tenant"
 ATTR_PROMPT_TOKENS = "pdserve.prompt_tokens"
 ATTR_MODE = "pdserve.mode"
 ATTR_MODE_REASON = "pdserve.mode_reason"
+ATTR_ARM = "pdserve.arm"
+ATTR_LONG_PROMPT = "pdserve.long_prompt"
+ATTR_TTFT_COLOCATED = "pdserve.predicted_ttft_colocated_s"
+ATTR_TTFT_DISAGGREGATED = "pdserve.predicted_ttft_disaggregated_s"
+ATTR_STALL_MS = "pdserve.stall_ms"
 
 ATTR_POLICY = "pdserve.policy"
 ATTR_CANDIDATES = "pdserve.candidates"
@@ -89,14 +95,33 @@ SPANS: tuple[SpanSpec, ...] = (
     SpanSpec(
         ROUTER_MODE_DECISION,
         SERVICE_ROUTER,
-        "choosing disaggregated or colocated serving for this request",
-        (ATTR_MODE, ATTR_MODE_REASON, ATTR_PROMPT_TOKENS),
+        "the router's part before placement (validation, tokenization, the rollout arm); its "
+        "attributes name the mode the request got and the cost model's inputs",
+        (
+            ATTR_MODE,
+            ATTR_MODE_REASON,
+            ATTR_PROMPT_TOKENS,
+            ATTR_ARM,
+            ATTR_LONG_PROMPT,
+            ATTR_TTFT_COLOCATED,
+            ATTR_TTFT_DISAGGREGATED,
+            ATTR_PREFIX_HIT_TOKENS,
+            ATTR_STALL_MS,
+        ),
     ),
     SpanSpec(
         SCHEDULER_ASSIGN,
         SERVICE_SCHEDULER,
         "picking a prefill and a decode worker, optimistic re-check retries included",
-        (ATTR_POLICY, ATTR_CANDIDATES, ATTR_RETRIES, ATTR_PREFILL_WORKER, ATTR_DECODE_WORKER),
+        (
+            ATTR_POLICY,
+            ATTR_CANDIDATES,
+            ATTR_RETRIES,
+            ATTR_PREFILL_WORKER,
+            ATTR_DECODE_WORKER,
+            ATTR_MODE,
+            ATTR_MODE_REASON,
+        ),
     ),
     SpanSpec(
         PREFILL_QUEUE,

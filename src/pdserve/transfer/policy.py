@@ -82,6 +82,10 @@ class LinkEstimates:
         self._links[key] = new
         return new
 
+    def measured(self) -> list[tuple[str, str, TransportKind, LinkEstimate]]:
+        """Every link measured at least once: ``(src, dst, transport, estimate)``."""
+        return [(src, dst, kind, est) for (src, dst, kind), est in self._links.items()]
+
     def estimate(self, src: str, dst: str, transport: TransportKind) -> LinkEstimate:
         found = self._links.get((src, dst, transport))
         return found or LinkEstimate(self.default_bytes_per_s, self.latency_s, 0)

@@ -21,6 +21,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     MODE_DISAGGREGATED: _ClassVar[Mode]
     MODE_COLOCATED: _ClassVar[Mode]
+    MODE_CONDITIONAL: _ClassVar[Mode]
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ FINISH_REASON_ERROR: FinishReason
 MODE_UNSPECIFIED: Mode
 MODE_DISAGGREGATED: Mode
 MODE_COLOCATED: Mode
+MODE_CONDITIONAL: Mode
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole

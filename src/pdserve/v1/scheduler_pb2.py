@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/scheduler.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa4\x01\n\rAssignRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1e\n\x04mode\x18\x04 \x01(\x0e\x32\x10.pdserve.v1.Mode\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65\x63ode_only\x18\x07 \x01(\x08\"6\n\tWorkerRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\"\xc3\x01\n\nAssignment\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12%\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12\x0f\n\x07retries\x18\x04 \x01(\r\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1e\n\x04mode\x18\x06 \x01(\x0e\x32\x10.pdserve.v1.Mode\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\">\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"&\n\x0cRenewRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"\x1e\n\rRenewResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\":\n\x12ListWorkersRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\"\xef\x02\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\t \x01(\r\x12\x15\n\rqueued_tokens\x18\n \x01(\x04\x12\x14\n\x0crunning_seqs\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\n\n\x02ts\x18\r \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x0e \x01(\x01\x12\x17\n\x0freserved_tokens\x18\x0f \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x10 \x01(\r\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus2\x9a\x02\n\tScheduler\x12;\n\x06\x41ssign\x12\x19.pdserve.v1.AssignRequest\x1a\x16.pdserve.v1.Assignment\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/scheduler.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xbe\x01\n\rAssignRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1e\n\x04mode\x18\x04 \x01(\x0e\x32\x10.pdserve.v1.Mode\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65\x63ode_only\x18\x07 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\"\xe7\x01\n\x0cModeDecision\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0blong_prompt\x18\x02 \x01(\x08\x12\x1a\n\x12long_prompt_tokens\x18\x03 \x01(\r\x12\x1d\n\x10\x63olocated_ttft_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x64isaggregated_ttft_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07stall_s\x18\x07 \x01(\x01\x42\x13\n\x11_colocated_ttft_sB\x17\n\x15_disaggregated_ttft_s\"6\n\tWorkerRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\"\xef\x01\n\nAssignment\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12%\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.WorkerRef\x12\x0f\n\x07retries\x18\x04 \x01(\r\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x1e\n\x04mode\x18\x06 \x01(\x0e\x32\x10.pdserve.v1.Mode\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\x12*\n\x08\x64\x65\x63ision\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.ModeDecision\">\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"&\n\x0cRenewRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"\x1e\n\rRenewResponse\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\":\n\x12ListWorkersRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\"\x9c\x04\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\t \x01(\r\x12\x15\n\rqueued_tokens\x18\n \x01(\x04\x12\x14\n\x0crunning_seqs\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\n\n\x02ts\x18\r \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x0e \x01(\x01\x12\x17\n\x0freserved_tokens\x18\x0f \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x10 \x01(\r\x12\x0e\n\x06serves\x18\x11 \x03(\t\x12\x0c\n\x04lane\x18\x12 \x01(\t\x12\x0c\n\x04\x64uty\x18\x13 \x01(\t\x12\x11\n\tswitching\x18\x14 \x01(\x08\x12\x17\n\x0fstep_overhead_s\x18\x15 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_seq_s\x18\x16 \x01(\x01\x12\x17\n\x0fprefill_token_s\x18\x17 \x01(\x01\x12\x0c\n\x04\x62usy\x18\x18 \x01(\x01\x12\x16\n\x0eindexed_blocks\x18\x19 \x01(\r\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus2\x9a\x02\n\tScheduler\x12;\n\x06\x41ssign\x12\x19.pdserve.v1.AssignRequest\x1a\x16.pdserve.v1.Assignment\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.scheduler_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ASSIGNREQUEST']._serialized_start=68
-  _globals['_ASSIGNREQUEST']._serialized_end=232
-  _globals['_WORKERREF']._serialized_start=234
-  _globals['_WORKERREF']._serialized_end=288
-  _globals['_ASSIGNMENT']._serialized_start=291
-  _globals['_ASSIGNMENT']._serialized_end=486
-  _globals['_RELEASEREQUEST']._serialized_start=488
-  _globals['_RELEASEREQUEST']._serialized_end=550
-  _globals['_RELEASERESPONSE']._serialized_start=552
-  _globals['_RELEASERESPONSE']._serialized_end=587
-  _globals['_RENEWREQUEST']._serialized_start=589
-  _globals['_RENEWREQUEST']._serialized_end=627
-  _globals['_RENEWRESPONSE']._serialized_start=629
-  _globals['_RENEWRESPONSE']._serialized_end=659
-  _globals['_LISTWORKERSREQUEST']._serialized_start=661
-  _globals['_LISTWORKERSREQUEST']._serialized_end=719
-  _globals['_WORKERSTATUS']._serialized_start=722
-  _globals['_WORKERSTATUS']._serialized_end=1089
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1091
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1155
-  _globals['_SCHEDULER']._serialized_start=1158
-  _globals['_SCHEDULER']._serialized_end=1440
+  _globals['_ASSIGNREQUEST']._serialized_end=258
+  _globals['_MODEDECISION']._serialized_start=261
+  _globals['_MODEDECISION']._serialized_end=492
+  _globals['_WORKERREF']._serialized_start=494
+  _globals['_WORKERREF']._serialized_end=548
+  _globals['_ASSIGNMENT']._serialized_start=551
+  _globals['_ASSIGNMENT']._serialized_end=790
+  _globals['_RELEASEREQUEST']._serialized_start=792
+  _globals['_RELEASEREQUEST']._serialized_end=854
+  _globals['_RELEASERESPONSE']._serialized_start=856
+  _globals['_RELEASERESPONSE']._serialized_end=891
+  _globals['_RENEWREQUEST']._serialized_start=893
+  _globals['_RENEWREQUEST']._serialized_end=931
+  _globals['_RENEWRESPONSE']._serialized_start=933
+  _globals['_RENEWRESPONSE']._serialized_end=963
+  _globals['_LISTWORKERSREQUEST']._serialized_start=965
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1023
+  _globals['_WORKERSTATUS']._serialized_start=1026
+  _globals['_WORKERSTATUS']._serialized_end=1566
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1568
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1632
+  _globals['_SCHEDULER']._serialized_start=1635
+  _globals['_SCHEDULER']._serialized_end=1917
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "tenant", "exclude", "decode_only")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "tenant", "exclude", "decode_only", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class AssignRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     DECODE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -24,7 +25,26 @@ class AssignRequest(_message.Message):
     tenant: str
     exclude: _containers.RepeatedScalarFieldContainer[str]
     decode_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., tenant: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., decode_only: _Optional[bool] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., tenant: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., decode_only: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModeDecision(_message.Message):
+    __slots__ = ("reason", "long_prompt", "long_prompt_tokens", "colocated_ttft_s", "disaggregated_ttft_s", "cached_tokens", "stall_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LONG_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LONG_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    long_prompt: bool
+    long_prompt_tokens: int
+    colocated_ttft_s: float
+    disaggregated_ttft_s: float
+    cached_tokens: int
+    stall_s: float
+    def __init__(self, reason: _Optional[str] = ..., long_prompt: _Optional[bool] = ..., long_prompt_tokens: _Optional[int] = ..., colocated_ttft_s: _Optional[float] = ..., disaggregated_ttft_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., stall_s: _Optional[float] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("id", "address", "host")
@@ -37,7 +57,7 @@ class WorkerRef(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("reservation_id", "prefill", "decode", "retries", "policy", "mode", "ttl_s")
+    __slots__ = ("reservation_id", "prefill", "decode", "retries", "policy", "mode", "ttl_s", "decision")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +65,7 @@ class Assignment(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     prefill: WorkerRef
     decode: WorkerRef
@@ -52,7 +73,8 @@ class Assignment(_message.Message):
     policy: str
     mode: _common_pb2.Mode
     ttl_s: float
-    def __init__(self, reservation_id: _Optional[str] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., retries: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    decision: ModeDecision
+    def __init__(self, reservation_id: _Optional[str] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., retries: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., ttl_s: _Optional[float] = ..., decision: _Optional[_Union[ModeDecision, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "prefill_only")
@@ -87,7 +109,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "host", "model_fingerprint", "kv_blocks_total", "kv_blocks_free", "block_size", "max_batch_tokens", "queued_tokens", "running_seqs", "draining", "ts", "heartbeat_age_s", "reserved_tokens", "reserved_blocks")
+    __slots__ = ("id", "role", "address", "host", "model_fingerprint", "kv_blocks_total", "kv_blocks_free", "block_size", "max_batch_tokens", "queued_tokens", "running_seqs", "draining", "ts", "heartbeat_age_s", "reserved_tokens", "reserved_blocks", "serves", "lane", "duty", "switching", "step_overhead_s", "decode_seq_s", "prefill_token_s", "busy", "indexed_blocks")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +126,15 @@ class WorkerStatus(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    DUTY_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_FIELD_NUMBER: _ClassVar[int]
+    STEP_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -120,7 +151,16 @@ class WorkerStatus(_message.Message):
     heartbeat_age_s: float
     reserved_tokens: int
     reserved_blocks: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_seqs: _Optional[int] = ..., draining: _Optional[bool] = ..., ts: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., reserved_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
+    serves: _containers.RepeatedScalarFieldContainer[str]
+    lane: str
+    duty: str
+    switching: bool
+    step_overhead_s: float
+    decode_seq_s: float
+    prefill_token_s: float
+    busy: float
+    indexed_blocks: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_seqs: _Optional[int] = ..., draining: _Optional[bool] = ..., ts: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., reserved_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., serves: _Optional[_Iterable[str]] = ..., lane: _Optional[str] = ..., duty: _Optional[str] = ..., switching: _Optional[bool] = ..., step_overhead_s: _Optional[float] = ..., decode_seq_s: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., busy: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

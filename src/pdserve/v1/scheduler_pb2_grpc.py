@@ -61,7 +61,8 @@ class SchedulerServicer:
 
     def Assign(self, request, context):
         """Choose workers and reserve capacity. RESOURCE_EXHAUSTED when every live worker is full,
-        UNAVAILABLE when no live worker of the needed role exists.
+        or (with a TTFT SLO) the request's predicted time to first token misses it on every
+        worker; UNAVAILABLE when no live worker of the needed role exists.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.engine.block_manager import BlockEvents
 from pdserve.engine.engine import Engine, EngineStats
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
@@ -66,6 +67,7 @@ from pdserve.worker.engine_state import (
     EngineSnapshot,
     FailureTracker,
 )
+from pdserve.engine.step_meter import StepMeter
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -103,9 +105,12 @@ class AsyncEngine:
         # abort from that stream still releases them: its consumer left before it saw the end).
         self._held: dict[str, RequestStream] = {}
         self._num_steps = 0
+        self._meter = StepMeter()  # engine thread
         self._snapshot = self._failures.snapshot(engine.stats(), (), 0)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.block_events: BlockEvents | None = None
+        """The engine's prefix-cache change log, once one is installed (``kv_events``)."""
 
     @classmethod
     def from_pretrained(
@@ -402,7 +407,10 @@ class AsyncEngine:
         else:
             self._failures.step_succeeded()
         self._num_steps += 1
-        post_outputs(route_outputs(outputs, self._streams, self._held, time.perf_counter()))
+        ended = time.perf_counter()
+        shape = self._engine.last_step
+        self._meter.observe(shape.prefill_tokens, shape.decodes, started, ended)
+        post_outputs(route_outputs(outputs, self._streams, self._held, ended))
         self._publish()
 
     def _fail_requests(self, err: StepFailedError) -> None:
@@ -416,7 +424,8 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         tags = tuple(s.tag for s in self._streams.values() if s.tag)
-        self._snapshot = self._failures.snapshot(self._engine.stats(), tags, self._num_steps)
+        stats, steps = self._engine.stats(), self._meter.reading()
+        self._snapshot = self._failures.snapshot(stats, tags, self._num_steps, steps)
 
     def _shutdown(self, failure: BaseException | None) -> None:
         """Abort everything, fail every waiter, publish the final (empty) state."""

@@ -17,10 +17,11 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.engine import EngineStats
 from pdserve.errors import InvalidArgumentError
+from pdserve.engine.step_meter import StepModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class EngineSnapshot:
     """Requests those steps failed."""
     failed: bool = False
     """The engine thread stopped on a failure: it takes no more requests."""
+    steps: StepModel = field(default_factory=StepModel)
+    """The live step-time model (``engine.step_meter.StepMeter``)."""
 
 
 def _resolve(future: asyncio.Future[BaseException], err: BaseException) -> None:
@@ -83,9 +86,22 @@ class FailureTracker:
     def step_succeeded(self) -> None:
         self.consecutive = 0
 
-    def snapshot(self, stats: EngineStats, tags: tuple[str, ...], num_steps: int) -> EngineSnapshot:
+    def snapshot(
+        self,
+        stats: EngineStats,
+        tags: tuple[str, ...],
+        num_steps: int,
+        steps: StepModel | None = None,
+    ) -> EngineSnapshot:
         """A snapshot of the engine with these counts."""
-        return EngineSnapshot(stats, tags, num_steps, self.failed_steps, self.failed_requests)
+        return EngineSnapshot(
+            stats,
+            tags,
+            num_steps,
+            self.failed_steps,
+            self.failed_requests,
+            steps=steps or StepModel(),
+        )
 
     def lost(self, last: EngineSnapshot) -> EngineSnapshot:
         """The final snapshot of an engine that failed for good: its last stats (its state is

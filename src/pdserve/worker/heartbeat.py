@@ -1,16 +1,23 @@
 """A worker's heartbeat: its identity plus its engine's load, written to Redis every interval.
 
-The load comes from ``EngineBackend.capacity()`` (the engine's latest published figures), so
-building a heartbeat never waits for the engine.
+The load and the step-time model come from ``EngineBackend.capacity()`` (the engine's latest
+published figures), so building a heartbeat never waits for the engine. Each beat also reads
+the duty a planner set for the worker (``duty.Duty``) in the same round trip.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.backends import Capacity, EngineBackend
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
+from pdserve.worker.duty import Duty
+
+Links = Callable[[], tuple[tuple[str, str, float], ...]]
+"""The measured KV links of a worker: ``(peer host, transport, bytes/s)``."""
 
 
 def kv_fingerprint(layout: KVLayout) -> str:
@@ -33,6 +40,8 @@ class WorkerIdentity:
     host: str
     model_fingerprint: str
     max_batch_tokens: int
+    lane: str = "any"
+    kv_bytes_per_token: int = 0
 
 
 def worker_info(
@@ -41,9 +50,19 @@ def worker_info(
     *,
     draining: bool,
     interval_s: float = 0.0,
+    duty: Duty | None = None,
+    links: tuple[tuple[str, str, float], ...] = (),
+    now: float | None = None,
 ) -> WorkerInfo:
     """One heartbeat from the worker's identity and its engine's load; ``interval_s``: the
-    time to the next one (a scheduler takes a worker two intervals late for gone)."""
+    time to the next one (a scheduler takes a worker two intervals late for gone); ``now``
+    (``perf_counter``) ages the busy share over an idle stretch."""
+    serves: tuple[str, ...] = ()
+    duty_name, switching = "", False
+    if duty is not None:
+        idle = load.running == 0 and load.waiting == 0 and load.held == 0
+        serves, duty_name, switching = duty.state(idle=idle)
+    steps = load.steps
     return WorkerInfo(
         id=identity.id,
         role=identity.role,
@@ -59,6 +78,17 @@ def worker_info(
         draining=draining,
         reservations=load.tags,
         interval_s=interval_s,
+        serves=serves,
+        capabilities=duty.capabilities if duty is not None else (),
+        lane=identity.lane,
+        duty=duty_name,
+        switching=switching,
+        step_overhead_s=steps.overhead_s,
+        decode_seq_s=steps.decode_seq_s,
+        prefill_token_s=steps.prefill_token_s,
+        busy=steps.busy_at(time.perf_counter() if now is None else now),
+        links=links,
+        kv_bytes_per_token=identity.kv_bytes_per_token,
     )
 
 
@@ -78,12 +108,24 @@ class WorkerHeartbeat:
         engine: EngineBackend,
         *,
         interval_s: float = 1.0,
+        duty: Duty | None = None,
+        links: Links | None = None,
     ) -> None:
+        """``duty``: follow a planner's orders (mixed workers); ``links``: the prefill
+        side's measured KV links."""
         self.identity = identity
         self.engine = engine
         self.draining = False
         self.interval_s = interval_s
-        self._heartbeater = Heartbeater(registry, self.current, interval_s=interval_s)
+        self.duty = duty
+        self.links = links
+        self._heartbeater = Heartbeater(
+            registry,
+            self.current,
+            interval_s=interval_s,
+            read_key=registry.keys.duty(identity.id) if duty is not None else None,
+            on_read=duty.order if duty is not None else None,
+        )
 
     def current(self) -> WorkerInfo:
         """The heartbeat as of now."""
@@ -93,6 +135,8 @@ class WorkerHeartbeat:
             load,
             draining=self.draining or load.failed,
             interval_s=self.interval_s,
+            duty=self.duty,
+            links=self.links() if self.links is not None else (),
         )
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,11 @@ from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.outbound import SendFaults
 from pdserve.worker.placement import AUTO, TRANSPORT_CHOICES, TransferOptions
+from pdserve.worker.scheduling_options import (
+    SchedulingOptions,
+    add_scheduling_args,
+    scheduling_options,
+)
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -116,6 +121,8 @@ class WorkerOptions:
     """tensorrt-llm: the cache transceiver's communication backend (its KV transfer)."""
     trtllm_kv_fraction: float | None = None
     """tensorrt-llm: the share of free GPU memory its KV cache takes (None: its default)."""
+    scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
+    """Lane, waiting order, KV events (``scheduling_options``)."""
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -147,7 +154,10 @@ class WorkerOptions:
             "kv_cache_bytes": self.kv_cache_bytes,
             "num_threads": self.threads,
         }
-        return {k: v for k, v in fields.items() if v is not None}
+        return {
+            **{k: v for k, v in fields.items() if v is not None},
+            **self.scheduling.engine_config(),
+        }
 
     def address(self, port: int) -> str:
         """host:port that other components use to reach this worker."""
@@ -325,6 +335,7 @@ def worker_parser(
     # (hand-offs), nan[@PREFIX] or step[@PREFIX] (the engine).
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
     add_security_args(p, env)
+    add_scheduling_args(p, d)
     return p
 
 
@@ -480,4 +491,5 @@ def options_from_args(
         security=security_from_args(args, env or {}),
         trtllm_transceiver=args.trtllm_transceiver,
         trtllm_kv_fraction=args.trtllm_kv_fraction,
+        scheduling=scheduling_options(args),
     )

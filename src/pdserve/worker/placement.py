@@ -136,6 +136,14 @@ class LinkModel:
         if seconds > 0:
             self.links.observe(self.host, peer, kind, record.num_bytes, seconds)
 
+    def published(self) -> tuple[tuple[str, str, float], ...]:
+        """The links measured from this host, for heartbeats: ``(peer, transport, bytes/s)``."""
+        return tuple(
+            (dst, kind.value, est.bytes_per_s)
+            for src, dst, kind, est in self.links.measured()
+            if src == self.host
+        )
+
     def timeout_s(self, peer: str, kind: TransportKind, num_bytes: int, configured: float) -> float:
         """``configured`` if set, else ``default_timeout_s`` from the link's bandwidth."""
         if configured > 0:

@@ -1,12 +1,13 @@
 """The life of a worker process, shared by the prefill and decode services.
 
 ``open_backend`` loads the model on the engine ``--backend`` names (the torch engine, its
-steps gated by the host lease when one is configured, or TensorRT-LLM) and starts it.
-``run_worker`` then:
+steps gated by the host lease when one is configured and its prefix-cache changes logged when
+they are to be published, or TensorRT-LLM) and starts it. ``run_worker`` then:
 
 1. builds the gRPC server (the role's servicers + health + error mapping, behind the internal
    credential check and TLS of ``options.security``) and starts it; health says SERVING;
-2. starts heartbeats into Redis (when a Redis URL is configured), the shm janitor (once at
+2. starts heartbeats into Redis (when a Redis URL is configured; a mixed worker's follow a
+   planner's duty, ``duty``), the KV event publisher (``kv_events``), the shm janitor (once at
    once, then every ``janitor_interval_s``: segments of dead writers, or older than
    ``janitor_max_age_s``, are unlinked) and the caller's periodic sweeps, and writes the port
    file;
@@ -40,11 +41,13 @@ from pdserve.rpc.server import (
     serve_until_signal,
     write_port_file,
 )
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, connect
+from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.decode_stubs import DecodeStubs
-from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
+from pdserve.worker.duty import Duty, capabilities
+from pdserve.worker.heartbeat import Links, WorkerHeartbeat, WorkerIdentity
+from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, parse_engine_faults
 from pdserve.worker.prefill import PrefillWorker
@@ -70,13 +73,16 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
                 interactive_period_s=options.interactive_period_ms / 1000.0,
                 bulk_tokens=options.bulk_tokens,
             )
-        backend = TorchBackend.from_pretrained(
+        torch_backend = TorchBackend.from_pretrained(
             options.model,
             batch_window_ms=options.max_wait_ms,
             gate=gate,
             faults=parse_engine_faults(options.faults),
             **options.engine_config(),
         )
+        if options.scheduling.kv_events and options.redis_url:
+            install_events(torch_backend.engine)
+        backend = torch_backend
     await backend.start()
     return backend
 
@@ -177,12 +183,14 @@ async def run_worker(
     sweeps: Sequence[tuple[str, Callable[[], Awaitable[None]]]] = (),
     sweep_interval_s: float = 1.0,
     telemetry: WorkerTelemetry | None = None,
+    links: Links | None = None,
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
     ``on_bound`` receives the worker's advertised address once the port is bound, before it
     serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
-    ``telemetry`` (started) calls are traced and failed heartbeats counted.
+    ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
+    KV links the worker's prefill side measured, for its heartbeats.
     """
     server, port, health = build_server(
         servicers,
@@ -202,14 +210,24 @@ async def run_worker(
         host=options.host_name,
         model_fingerprint=engine.fingerprint,
         max_batch_tokens=engine.max_num_batched_tokens,
+        lane=options.scheduling.lane,
+        kv_bytes_per_token=engine.layout.num_layers * engine.layout.bytes_per_token_per_layer,
     )
+    keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
+    can = capabilities(options.role, can_prefill=options.kvstore is not None)
     heartbeat = (
         WorkerHeartbeat(
-            RedisWorkerRegistry(redis, keys=KeySpace(options.namespace)),
+            RedisWorkerRegistry(redis, keys=keys),
             identity,
             engine,
             interval_s=options.heartbeat_interval_s,
+            duty=(
+                Duty(options.role, can, options.scheduling.duty)
+                if options.role is WorkerRole.MIXED
+                else None
+            ),
+            links=links,
         )
         if redis is not None
         else None
@@ -233,6 +251,13 @@ async def run_worker(
             for name, work in sweeps
         ),
     ]
+    # Only our own engine logs its prefix cache's changes (TensorRT-LLM's is its own).
+    torch_engine = engine.engine if isinstance(engine, TorchBackend) else None
+    if redis is not None and torch_engine is not None and torch_engine.block_events is not None:
+        publisher = KVEventPublisher(
+            redis, keys, identity.id, torch_engine, torch_engine.block_events
+        )
+        tasks.append(asyncio.create_task(publisher.run(), name="kv-events"))
     try:
         await server.start()
         await health.set_serving()

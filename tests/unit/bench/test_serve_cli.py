@@ -115,3 +115,50 @@ def test_whole_run_writes_table_json_png_and_html(
     html = out["html"].read_text()
     assert "data:image/png;base64," in html and "<h2>peer</h2>" in html
     assert len(openai_server.bodies) == 2 * 2 * 6
+
+
+def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None:
+    from pdserve.bench.serve.cli_targets import cluster_spec, labels
+
+    model = tmp_path / "m"
+    args = parser().parse_args(
+        ["--model", str(model), "--worker-arg=--threads=2",
+         "--config", "conditional", "--workers", "1:2", "--scheduler-arg=--policy=least_loaded",
+         "--router-arg=--mode=colocated", "--target-worker-arg=--lane=long", "--label", "a",
+         "--config", "disaggregated"]
+    )  # fmt: skip
+    first, second = args.targets
+    spec = cluster_spec(args, first.value, first)
+    assert (spec.prefill, spec.decode) == (1, 2)
+    assert spec.scheduler_args == ("--policy=least_loaded",)
+    assert spec.router_args == ("--mode=colocated",)
+    assert spec.worker_args[-2:] == ("--threads=2", "--lane=long")
+    plain = cluster_spec(args, second.value, second)
+    assert (plain.prefill, plain.decode, plain.scheduler_args) == (1, 1, ())
+    assert labels(args) == ["a", "pdserve-disaggregated-1p1d"]
+    planned = parser().parse_args(
+        ["--config", "conditional", "--workers", "2:3", "--duties", "prefill,any,decode",
+         "--lanes", "long,any", "--planner", "--planner=--cooldown-s=5"]
+    )  # fmt: skip
+    spec = cluster_spec(planned, "conditional", planned.targets[0])
+    assert spec.duties == ("prefill", "", "decode") and spec.lanes == ("long", "")
+    assert spec.planner_args == ("--cooldown-s=5",)
+    assert cluster_spec(args, second.value, second).planner_args is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--scheduler-arg=--policy=x", "--config", "conditional"],  # before any cluster
+        ["--router", "r:1", "--workers", "1:1"],  # after a router, not a cluster
+        ["--config", "conditional", "--workers", "1:0"],
+        ["--config", "conditional", "--workers", "two"],
+        ["--config", "conditional", "--duties", "prefill,cook"],
+    ],
+)
+def test_misplaced_cluster_options_are_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(argv)
+    assert info.value.code == 2 and "error:" in capsys.readouterr().err

@@ -141,3 +141,29 @@ def test_goodput_edges() -> None:
 def test_empty_point() -> None:
     s = summarize([], Slo())
     assert s.sent == 0 and s.goodput == 0.0 and s.ttft is None and s.throughput_tok_s is None
+
+
+def test_classes_and_prefix_hit_rate() -> None:
+    slo = Slo(ttft_s=1.0, itl_s=0.5)
+
+    def done(i: int, kind: str, ttft: float, prompt: int, cached: int | None) -> RequestRecord:
+        return RequestRecord(
+            i, kind, False, 0.0, 1, prompt_tokens=prompt, send_s=0.0, chunk_s=[ttft],
+            chunk_tokens=[1], end_s=ttft, status=Status.OK, error="", cached_tokens=cached,
+        )  # fmt: skip
+
+    records = [
+        done(0, "long", 2.0, 1000, 600),  # late
+        done(1, "long", 0.5, 1000, 0),
+        done(2, "short", 0.25, 100, 50),
+        done(3, "short", 0.5, 100, None),  # its target did not say: left out of the hit rate
+        RequestRecord(4, "short", False, 0.0, 1, send_s=0.0, status=Status.REJECTED),
+    ]
+    s = summarize(records, slo)
+    assert s.classes is not None and set(s.classes) == {"long", "short"}
+    long, short = s.classes["long"], s.classes["short"]
+    assert (long.sent, long.good, short.sent, short.good) == (2, 1, 3, 2)
+    assert short.ttft is not None and short.ttft.n == 2 and short.ttft.p50 == pytest.approx(0.375)
+    assert s.prefix_hit_rate == pytest.approx(650 / 2100)
+    assert s.to_json()["classes"]["long"]["goodput"] == 0.5
+    assert summarize([done(9, "x", 0.1, 10, None)], slo).prefix_hit_rate is None

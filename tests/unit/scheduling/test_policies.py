@@ -73,7 +73,7 @@ def test_round_robin_rotates_per_phase_and_returns_every_candidate() -> None:
 
 
 def test_make_policy_builds_fresh_instances() -> None:
-    assert set(POLICIES) == {"round_robin", "least_loaded"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "kv_aware"}
     for name in POLICIES:
         policy = make_policy(name)
         assert policy.name == name

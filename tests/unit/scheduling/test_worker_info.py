@@ -81,3 +81,48 @@ def test_invalid_values_name_their_field(overrides: dict[str, object], field: st
     with pytest.raises(InvalidArgumentError) as err:
         worker("w", **overrides)
     assert err.value.field == field
+
+
+def test_scheduling_fields_round_trip_and_phases_follow_serves() -> None:
+    info = worker(
+        "m0",
+        WorkerRole.MIXED,
+        serves=("prefill",),
+        capabilities=("prefill", "decode", "colocated"),
+        lane="long",
+        duty="prefill",
+        step_overhead_s=0.01,
+        decode_seq_s=0.001,
+        prefill_token_s=0.0003,
+        busy=0.4,
+        links=(("node-b", "direct", 1.5e9),),
+        kv_bytes_per_token=8192,
+    )
+    back = WorkerInfo.from_json(info.to_json())
+    assert back == info
+    assert back.phases == ("prefill",) and back.switchable
+    assert worker("d", WorkerRole.DECODE).phases == ("decode",)  # by role
+    assert worker("m", WorkerRole.MIXED).phases == ("decode", "colocated")
+    draining = worker("m", WorkerRole.MIXED, serves=(), switching=True, duty="decode")
+    assert draining.phases == ()  # switching with nothing shared: takes nothing new
+    assert not worker("p", WorkerRole.PREFILL).switchable
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"serves": ("cook",)}, "serves"),
+        ({"capabilities": ("x",)}, "capabilities"),
+        ({"lane": "fast"}, "lane"),
+        ({"duty": "both"}, "duty"),
+        ({"busy": -0.1}, "busy"),
+        ({"prefill_token_s": "slow"}, "prefill_token_s"),
+        ({"links": (("h", "shm"),)}, "links"),
+        ({"links": (("h", "shm", 0.0),)}, "links"),
+        ({"kv_bytes_per_token": -1}, "kv_bytes_per_token"),
+    ],
+)
+def test_bad_scheduling_fields_name_their_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        worker("w", **overrides)
+    assert err.value.field == field

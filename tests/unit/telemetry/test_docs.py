@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.telemetry import spans
-from pdserve.telemetry.metrics import RouterMetrics, SchedulerMetrics, WorkerMetrics
+from pdserve.telemetry.metrics import (
+    PlannerMetrics,
+    RouterMetrics,
+    SchedulerMetrics,
+    WorkerMetrics,
+)
 
 DOC = Path(__file__).parents[3] / "docs" / "observability.md"
 
@@ -23,6 +28,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
     helpers = (
         RouterMetrics,
         SchedulerMetrics,
+        PlannerMetrics,
         lambda process: WorkerMetrics("decode", process=process),
     )
     for make in helpers:

@@ -1,4 +1,5 @@
-"""``pdserve bench serve``: the command line; see ``pdserve.bench.serve`` for the method."""
+"""``pdserve bench serve``: the command line; see ``pdserve.bench.serve`` for the method
+(``cli_targets`` has the target options)."""
 
 from __future__ import annotations
 
@@ -9,46 +10,23 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.serve.cli_targets import (
+    add_target_args,
+    labels,
+    make_targets,
+)
 from pdserve.bench.serve.mixes import MIXES
-from pdserve.bench.serve.openai import OpenAITarget
 from pdserve.bench.serve.progress import ProgressBar
 from pdserve.bench.serve.report import format_report, to_json
 from pdserve.bench.serve.settings import DEFAULT_RATE, DEFAULT_REQUESTS, Settings, settings
 from pdserve.bench.serve.sweep import RunResult, run_all
-from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
+from pdserve.bench.serve.targets import Target
 from pdserve.errors import InvalidArgumentError, PdServeError
 
 Log = Callable[[str], None]
-
-
-@dataclass(slots=True)
-class TargetArg:
-    """One target named on the command line, in the order given."""
-
-    kind: str
-    """``router``, ``config`` or ``openai_url``."""
-    value: str
-    label: str | None = None
-
-
-class _AddTarget(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
-        ns.targets = [*(ns.targets or []), TargetArg(self.dest, str(values))]
-
-
-class _Label(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
-        if not ns.targets:
-            parser.error("--label names the target given before it: put it after one")
-        if ns.targets[-1].label is not None:
-            parser.error(f"{ns.targets[-1].value} has two labels")
-        ns.targets[-1].label = str(values)
 
 
 def _duration(default_unit: str) -> Any:
@@ -96,42 +74,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(targets=[])
-    t = p.add_argument_group("targets (one or more, measured in the order given)")
-    t.add_argument("--router", action=_AddTarget, metavar="HOST:PORT", help="a running router")
-    t.add_argument(
-        "--config",
-        action=_AddTarget,
-        choices=["disaggregated", "colocated"],
-        help="start a local pdserve cluster of this kind",
-    )
-    t.add_argument(
-        "--openai-url",
-        action=_AddTarget,
-        metavar="URL",
-        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000",
-    )
-    t.add_argument("--label", action=_Label, help="name of the target given just before")
-    t.add_argument("--openai-model", help="model name to send (default: ask GET /v1/models)")
-    c = p.add_argument_group("clusters started with --config")
-    c.add_argument("--model", type=Path, help="checkpoint dir (default: the --preset demo model)")
-    c.add_argument("--preset", default="small", choices=["tiny", "small", "base"])
-    c.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
-    c.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
-    c.add_argument(
-        "--colocated-workers",
-        type=int,
-        help="mixed workers when colocated (default: prefill + decode)",
-    )
-    c.add_argument("--threads", type=int, help="torch threads per worker (--threads)")
-    c.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
-    c.add_argument(
-        "--worker-arg",
-        action="append",
-        default=[],
-        metavar="FLAG",
-        help="extra worker flag, repeatable: --worker-arg=--max-num-seqs=64",
-    )
-    c.add_argument("--log-dir", type=Path, help="keep the clusters' logs here")
+    add_target_args(p)
     w = p.add_argument_group("workload")
     w.add_argument("--mix", default="long-prompt-heavy", choices=sorted(MIXES))
     w.add_argument("--trace", type=Path, help="JSONL trace instead of a mix (see docs)")
@@ -183,56 +126,6 @@ def parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--wait-minutes", type=float, default=0.0)
     return p
-
-
-def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log) -> list[Target]:
-    """The targets in command-line order; clusters are started here and stopped by ``stack``."""
-    from pdserve.launcher import Cluster
-
-    targets: list[Target] = []
-    for arg, label in zip(args.targets, labels(args), strict=True):
-        if arg.kind == "router":
-            targets.append(RouterTarget(arg.value, label))
-        elif arg.kind == "openai_url":
-            targets.append(OpenAITarget(arg.value, label, model=args.openai_model))
-        else:
-            spec = cluster_spec(args, arg.value)
-            log(f"starting {label} ...")
-            cluster = Cluster(
-                spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
-                worker_args=spec.worker_args, startup_timeout_s=600.0,
-                log_dir=args.log_dir / label if args.log_dir is not None else None,
-            )  # fmt: skip
-            stack.enter_context(cluster)
-            log(f"{label}: router at {cluster.router_address}")
-            targets.append(RouterTarget(cluster.router_address, label, cluster=cluster, spec=spec))
-    return targets
-
-
-def labels(args: argparse.Namespace) -> list[str]:
-    """Each target's label: given with ``--label``, else made from what it is."""
-    out = []
-    for arg in args.targets:
-        if arg.label is not None:
-            out.append(arg.label)
-        elif arg.kind == "router":
-            out.append(f"router-{arg.value}")
-        elif arg.kind == "openai_url":
-            out.append("openai-" + arg.value.split("//", 1)[-1].split("/", 1)[0])
-        else:
-            out.append(cluster_spec(args, arg.value).default_label)
-    return out
-
-
-def cluster_spec(args: argparse.Namespace, mode: str) -> ClusterSpec:
-    """The cluster ``--config mode`` asks for (the demo model is made on first use)."""
-    from pdserve.launcher import default_model
-
-    workers = args.colocated_workers or args.prefill + args.decode
-    extra = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
-    model = args.model or default_model(args.preset)
-    decode = workers if mode == "colocated" else args.decode
-    return ClusterSpec(mode, model, args.prefill, decode, (*extra, *args.worker_arg))
 
 
 def check_command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

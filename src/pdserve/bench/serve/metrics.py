@@ -10,6 +10,10 @@ Over the measured requests (warm-up ones left out):
 * throughput: output tokens of completed requests over the point's span (first send to last
   end of a measured request).
 * admitted then failed: requests the target accepted (not refused) that did not complete.
+* per request class (``long``, ``short``, ``turn``, ...): sent, goodput and TTFT, so that one
+  class's latency is not hidden in the mix's (a lane's short requests, say).
+* prefix hit rate: prompt tokens the target served from its prefix cache over all prompt
+  tokens, over completed requests whose target reports it.
 
 Percentiles interpolate linearly between closest ranks (``telemetry.breakdown.percentile``).
 """
@@ -75,6 +79,27 @@ def is_good(rec: RequestRecord, slo: Slo) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassSummary:
+    """One request class of a point."""
+
+    sent: int
+    good: int
+    ttft: Percentiles | None
+
+    @property
+    def goodput(self) -> float:
+        return self.good / self.sent if self.sent else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "good": self.good,
+            "goodput": self.goodput,
+            "ttft_s": None if self.ttft is None else self.ttft.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class PointSummary:
     """Everything the table, the plot and the rate search read of one point."""
 
@@ -93,6 +118,10 @@ class PointSummary:
     send_lag: Percentiles | None
     """Actual minus planned send time: the client falling behind its schedule (or, in a
     conversation, a turn waiting for the previous answer)."""
+    classes: dict[str, ClassSummary] | None = None
+    """Per request class, by name."""
+    prefix_hit_rate: float | None = None
+    """Cached over all prompt tokens of the completed requests that report it."""
 
     @property
     def goodput(self) -> float:
@@ -138,6 +167,8 @@ class PointSummary:
             "tpot_s": stats(self.tpot),
             "e2e_s": stats(self.e2e),
             "send_lag_s": stats(self.send_lag),
+            "classes": {k: c.to_json() for k, c in (self.classes or {}).items()},
+            "prefix_hit_rate": self.prefix_hit_rate,
         }
 
 
@@ -165,4 +196,25 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> PointSummary:
         send_lag=Percentiles.of(
             [r.send_s - r.scheduled_s for r in measured if r.send_s is not None]
         ),
+        classes=_classes(measured, slo),
+        prefix_hit_rate=_hit_rate(done),
     )
+
+
+def _classes(measured: Sequence[RequestRecord], slo: Slo) -> dict[str, ClassSummary]:
+    out: dict[str, ClassSummary] = {}
+    for kind in sorted({r.kind for r in measured}):
+        of = [r for r in measured if r.kind == kind]
+        ok = [r for r in of if r.status is Status.OK]
+        out[kind] = ClassSummary(
+            len(of),
+            sum(is_good(r, slo) for r in of),
+            Percentiles.of([t for r in ok if (t := r.ttft_s) is not None]),
+        )
+    return out
+
+
+def _hit_rate(done: Sequence[RequestRecord]) -> float | None:
+    reporting = [r for r in done if r.cached_tokens is not None and r.prompt_tokens > 0]
+    prompt = sum(r.prompt_tokens for r in reporting)
+    return sum(r.cached_tokens or 0 for r in reporting) / prompt if prompt else None

@@ -50,6 +50,8 @@ class RequestRecord:
     an admitted request that fails is what SLO-aware admission must avoid."""
     reported_tokens: int | None = None
     """Output tokens by the target's own count (usage), where it gives one."""
+    cached_tokens: int | None = None
+    """Prompt tokens the target says it served from its prefix cache, where it does."""
 
     @classmethod
     def planned(cls, req: PlannedRequest) -> RequestRecord:
@@ -106,6 +108,7 @@ class RequestRecord:
             "admitted": self.admitted,
             "output_tokens": self.output_tokens,
             "reported_tokens": self.reported_tokens,
+            "cached_tokens": self.cached_tokens,
             "ttft_s": self.ttft_s,
             "e2e_s": self.e2e_s,
             "tpot_s": self.tpot_s,

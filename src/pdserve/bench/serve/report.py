@@ -89,6 +89,7 @@ def format_report(result: RunResult, targets: Sequence[Target], *, slo: Slo, hea
         out.append(f"{t.label}: {_describe(t)}")
         rows = [summary_row(p.rate, p.summary) for p in points.get(t.label, [])]
         out += format_table([SUMMARY_HEAD, *rows]) if rows else ["  (no points)"]
+        out += class_rows(points.get(t.label, []))
         line = search_line(t.label, result)
         if line is not None:
             out.append(line)
@@ -98,6 +99,26 @@ def format_report(result: RunResult, targets: Sequence[Target], *, slo: Slo, hea
     if len(points) > 1:
         out += ["side by side:", *format_table(side_by_side(result, [t.label for t in targets]))]
     return "\n".join(out).rstrip() + "\n"
+
+
+def class_rows(points: Sequence[PointResult]) -> list[str]:
+    """Per request class (when a point has several) and the prefix hit rate (when reported):
+    one line per point."""
+    out = []
+    for p in points:
+        s = p.summary
+        parts = [
+            f"{kind} {c.sent} sent, goodput {c.goodput:.2f}, TTFT p50/p99 "
+            f"{'/'.join(_pcts(c.ttft, 1.0, ('p50', 'p99')))} s"
+            for kind, c in (s.classes or {}).items()
+        ]
+        if len(parts) < 2:
+            parts = []
+        if s.prefix_hit_rate is not None:
+            parts.append(f"prefix hit rate {s.prefix_hit_rate:.2f}")
+        if parts:
+            out.append(f"  {rate_text(p.rate)} req/s: " + "; ".join(parts))
+    return out
 
 
 def side_by_side(result: RunResult, labels: Sequence[str]) -> list[list[str]]:
@@ -129,9 +150,17 @@ def _describe(t: Target) -> str:
         c = d["cluster"]
         workers = (
             f"{c['decode']} mixed workers" if c["mode"] == "colocated"
+            else f"{c['prefill']} prefill + {c['decode']} mixed" if c["mode"] == "conditional"
             else f"{c['prefill']} prefill + {c['decode']} decode"
         )  # fmt: skip
-        extra = " ".join(c["worker_args"])
+        extra = " ".join([*c["worker_args"], *c.get("scheduler_args", []),
+                          *c.get("router_args", [])])  # fmt: skip
+        if any(c.get("duties", [])):
+            extra += " duties " + ",".join(d or "any" for d in c["duties"])
+        if any(c.get("lanes", [])):
+            extra += " lanes " + ",".join(lane or "any" for lane in c["lanes"])
+        if c.get("planner_args") is not None:
+            extra += " + planner " + " ".join(c["planner_args"])
         return f"pdserve {c['mode']} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
     if d.get("kind") == "openai":
         return f"OpenAI-compatible {d['url']} (model {d['model']})"

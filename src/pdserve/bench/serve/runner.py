@@ -92,6 +92,8 @@ async def run_point(
                         answer += chunk.token_ids or ()
                     if chunk.usage_tokens is not None:
                         rec.reported_tokens = chunk.usage_tokens
+                    if chunk.cached_tokens is not None:
+                        rec.cached_tokens = chunk.cached_tokens
             rec.admitted = True
             if rec.output_tokens == req.output_tokens:
                 rec.status, rec.error = Status.OK, ""

@@ -33,6 +33,8 @@ class Chunk:
     """How many new tokens it carries (0: a message with only a finish reason or usage)."""
     usage_tokens: int | None = None
     """The target's own count of output tokens so far, where it sends one."""
+    cached_tokens: int | None = None
+    """Prompt tokens the target served from its prefix cache, where it says so."""
 
 
 class TargetError(PdServeError):
@@ -100,22 +102,37 @@ class ClusterSpec:
     model: Path
     prefill: int
     decode: int
-    """Decode workers; mixed workers when colocated."""
+    """Decode workers; mixed workers unless disaggregated."""
     worker_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    duties: tuple[str, ...] = ()
+    """Initial duty of each mixed worker ("" for everything it can)."""
+    planner_args: tuple[str, ...] | None = None
+    """Start the P:D planner with these flags; None: no planner."""
+    lanes: tuple[str, ...] = ()
+    """Lane of each prefill worker ("" for any)."""
 
     @property
     def default_label(self) -> str:
         if self.mode == "colocated":
             return f"pdserve-colocated-{self.decode}w"
+        if self.mode == "conditional":
+            return f"pdserve-conditional-{self.prefill}p{self.decode}m"
         return f"pdserve-disaggregated-{self.prefill}p{self.decode}d"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "model": str(self.model),
-            "prefill": self.prefill if self.mode == "disaggregated" else 0,
+            "prefill": self.prefill if self.mode != "colocated" else 0,
             "decode": self.decode,
             "worker_args": list(self.worker_args),
+            "scheduler_args": list(self.scheduler_args),
+            "router_args": list(self.router_args),
+            "duties": list(self.duties),
+            "planner_args": None if self.planner_args is None else list(self.planner_args),
+            "lanes": list(self.lanes),
         }
 
 
@@ -155,9 +172,10 @@ class RouterTarget:
                 if delta.finish_reason in ("abort", "error"):
                     raise TargetError(f"finish_reason {delta.finish_reason}", admitted=True)
                 usage = delta.usage.completion_tokens if delta.usage is not None else None
+                cached = delta.usage.cached_tokens if delta.usage is not None else None
                 if delta.token_ids or usage is not None:
                     started = started or bool(delta.token_ids)
-                    yield Chunk(tuple(delta.token_ids), len(delta.token_ids), usage)
+                    yield Chunk(tuple(delta.token_ids), len(delta.token_ids), usage, cached)
         except Overloaded as e:
             raise RejectedError(f"RESOURCE_EXHAUSTED: {e.message}") from e
         except PdServeClientError as e:

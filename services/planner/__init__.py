@@ -1,0 +1,1 @@
+"""Planner service: moves mixed workers between prefill and decode duty."""

@@ -1,0 +1,77 @@
+"""What a worker serves, and the duty a planner gives a mixed worker.
+
+A worker's *capabilities* follow from how it was started: a prefill worker prefills, a decode
+worker decodes, a mixed worker decodes and serves colocated requests, and prefills too when
+it has a KV store to hand its KV over through. A planner (``services.planner``) may give a
+mixed worker a *duty* by writing it to ``{ns}:duty:{worker_id}``, read with every heartbeat:
+
+* ``prefill``: prefills only;  * ``decode``: decode and colocated requests;
+* ``""`` (or no key): everything it can.
+
+A change of duty drains first: until the engine is idle the worker takes new work only of
+the phases both duties share (usually none), so that what it still runs of its old duty
+finishes undisturbed; then it serves the new duty. Nothing is refused meanwhile: the worker
+keeps answering every call, and the scheduler simply places no new work of the old duty on
+it (its heartbeat says what it serves, and the scheduler re-checks that before committing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.scheduling.worker_info import DUTIES, WorkerRole
+
+logger = logging.getLogger(__name__)
+
+_DUTY_PHASES = {"prefill": ("prefill",), "decode": ("decode", "colocated")}
+
+
+def capabilities(role: WorkerRole, *, can_prefill: bool) -> tuple[str, ...]:
+    """The phases a worker started as ``role`` can serve."""
+    if role is WorkerRole.PREFILL:
+        return ("prefill",)
+    if role is WorkerRole.DECODE:
+        return ("decode",)
+    return ("prefill", "decode", "colocated") if can_prefill else ("decode", "colocated")
+
+
+class Duty:
+    """A worker's duty and whether it is still draining towards it (see the module docstring).
+
+    ``order(value)`` takes what the planner wrote (bytes or None); ``state(idle)`` advances a
+    pending change once the engine is idle and returns ``(serves, duty, switching)``.
+    """
+
+    def __init__(self, role: WorkerRole, capabilities: tuple[str, ...], duty: str = "") -> None:
+        self.role = role
+        self.capabilities = capabilities
+        self.duty = duty
+        self.target = duty
+        self.switches = 0
+        """Completed changes of duty."""
+
+    def _phases(self, duty: str) -> tuple[str, ...]:
+        wanted = _DUTY_PHASES.get(duty, self.capabilities)
+        return tuple(p for p in self.capabilities if p in wanted)
+
+    def order(self, value: bytes | str | None) -> None:
+        """The planner's order for this worker (None: no order, everything it can)."""
+        duty = value.decode() if isinstance(value, bytes) else (value or "")
+        if duty == self.target:
+            return
+        if self.role is not WorkerRole.MIXED or duty not in DUTIES or not self._phases(duty):
+            logger.warning("ignoring duty %r: this %s worker cannot serve it", duty, self.role)
+            return
+        logger.info("duty %r -> %r: draining first", self.duty, duty)
+        self.target = duty
+
+    def state(self, *, idle: bool) -> tuple[tuple[str, ...], str, bool]:
+        """``(serves, duty, switching)`` for the next heartbeat."""
+        if self.target != self.duty and idle:
+            logger.info("duty now %r", self.target or "any")
+            self.duty = self.target
+            self.switches += 1
+        if self.target == self.duty:
+            return self._phases(self.duty), self.duty, False
+        shared = tuple(p for p in self._phases(self.duty) if p in self._phases(self.target))
+        return shared, self.target, True

@@ -1,0 +1,112 @@
+"""Publishes this worker's prefix-cache changes to the cluster's KV event stream.
+
+The engine logs every block hash it stores in or evicts from its prefix cache
+(``engine.block_manager.BlockEvents``); ``KVEventPublisher.run`` drains that log every
+``interval_s`` and appends what it found as one entry of the Redis stream ``{ns}:kvevents``
+(the format is in ``scheduling.prefix_index``, whose index the scheduler keeps). First, and
+then every ``snapshot_interval_s`` or when the log overflowed, it sends a full snapshot
+instead, taken on the engine thread between two steps so that no event is lost or counted
+twice. Redis errors are logged once per outage and the next pass sends a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
+
+from pdserve.engine.block_manager import BlockEvents
+from pdserve.engine.engine import Engine
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.prefix_index import encode_events
+from pdserve.worker.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 20_000
+"""Entries the stream keeps (approximately): a scheduler that starts later replays these."""
+
+
+def install_events(engine: AsyncEngine) -> BlockEvents:
+    """Make the engine log its prefix-cache changes (call before ``engine.start()``)."""
+    events = BlockEvents()
+    engine.engine.block_manager.events = events
+    engine.block_events = events
+    return events
+
+
+class KVEventPublisher:
+    """Drains one engine's ``BlockEvents`` into the stream (see the module docstring)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: KeySpace,
+        worker_id: str,
+        engine: AsyncEngine,
+        events: BlockEvents,
+        *,
+        interval_s: float = 0.05,
+        snapshot_interval_s: float = 30.0,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.engine = engine
+        self.events = events
+        self.interval_s = interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.epoch = uuid.uuid4().hex.encode()
+        self.block_size = engine.layout.block_size
+        self.published = 0
+        """Stream entries written."""
+        self._next_snapshot = 0.0  # monotonic time; 0: the next pass sends one
+
+    async def run(self) -> None:
+        """Publish until cancelled."""
+        failing = False
+        while True:
+            try:
+                await self.publish_once()
+            except (RedisError, OSError) as err:
+                if not failing:
+                    logger.warning("publishing KV events failed, retrying: %s", err)
+                failing = True
+                self._next_snapshot = 0.0  # entries may be lost: resynchronise
+            else:
+                failing = False
+            await asyncio.sleep(self.interval_s)  # the publishing period, a timer
+
+    async def publish_once(self) -> None:
+        """One pass: a snapshot when due, else the events logged since the last pass."""
+        now = time.monotonic()
+        if now >= self._next_snapshot or self.events.overflowed:
+            hashes = await self.engine.call(self._snapshot)
+            self._next_snapshot = now + self.snapshot_interval_s
+            await self._append(encode_events([(True, h) for h in hashes]), snapshot=True)
+            return
+        drained = self.events.drain()
+        if drained:
+            await self._append(encode_events(drained), snapshot=False)
+
+    def _snapshot(self, engine: Engine) -> list[bytes]:
+        """On the engine thread: every cached hash, and a fresh log from this point on."""
+        self.events.reset()
+        return engine.block_manager.cached_hashes()
+
+    async def _append(self, payload: bytes, *, snapshot: bool) -> None:
+        fields: dict[FieldT, EncodableT] = {
+            "w": self.worker_id,
+            "e": self.epoch,
+            "b": self.block_size,
+            "x": payload,
+        }
+        if snapshot:
+            fields["f"] = b"1"
+        await self.redis.xadd(self.keys.kv_events, fields, maxlen=STREAM_MAXLEN, approximate=True)
+        self.published += 1

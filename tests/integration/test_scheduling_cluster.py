@@ -1,0 +1,289 @@
+"""Scheduling in a real cluster on the tiny preset: KV events reaching the scheduler's index
+and steering placement, a duty switch that drains first and loses nothing, the rollout split
+followed by the router, and the planner's leader lease and moves against a real Redis.
+
+Waiting is polling against a deadline (heartbeats, the scheduler's worker list, metrics),
+never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis as sync_redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.client import AsyncClient, Client
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launcher import Cluster, read_heartbeats
+from pdserve.models.demo import init_checkpoint
+from pdserve.router.rollout import Rollout, write_rollout
+from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, WorkerRole, connect
+from pdserve.scheduling.planner import LeaderLease, PlannerConfig
+from pdserve.scheduling.planner_loop import PlannerLoop
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+WORKER_ARGS = ("--dtype", "float32", "--threads", "1", "--kv-blocks", "256",
+               "--heartbeat-interval-s", "0.2")  # fmt: skip
+DEADLINE_S = 60.0
+
+
+def poll(check: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Call ``check`` until it returns something truthy; fail naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)  # a poll interval against the deadline, not synchronisation
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of samples ``name`` whose labels include ``labels``."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_checkpoint(tmp_path_factory.mktemp("sched_model"), "tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[Cluster]:
+    """Two mixed workers with a KV store: each can prefill, decode and serve colocated."""
+    with Cluster(
+        model_dir, mode="conditional", num_prefill=0, num_decode=2, worker_args=WORKER_ARGS
+    ) as c:
+        yield c
+
+
+def listed(cluster: Cluster) -> dict[str, scheduler_pb2.WorkerStatus]:
+    with grpc.insecure_channel(cluster.scheduler_address) as channel:
+        reply = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=10
+        )
+    return {w.id: w for w in reply.workers}
+
+
+def test_kv_events_reach_the_index_and_a_follow_up_finds_its_prefix(cluster: Cluster) -> None:
+    history = list(range(100, 100 + 200))
+    with Client(cluster.router_address, timeout=60) as client:
+        first = client.generate(history, max_tokens=4, temperature=0, ignore_eos=True)
+        assert first.usage.cached_tokens == 0
+        # The blocks the first request left behind appear in the scheduler's index, and its
+        # reservation is gone.
+        poll(lambda: any(w.indexed_blocks >= 12 for w in listed(cluster).values())
+             and not any(w.reserved_tokens for w in listed(cluster).values()),
+             "the scheduler's index to hold the first prompt's blocks")  # fmt: skip
+        follow_up = [*history, *first.token_ids, *range(50, 70)]
+        for _ in range(3):
+            again = client.generate(follow_up, max_tokens=4, temperature=0, ignore_eos=True)
+            # KV-aware placement sent it to the worker holding the history: 12 blocks hit.
+            assert again.usage.cached_tokens >= 12 * 16
+
+
+def test_a_duty_switch_drains_first_and_loses_nothing(cluster: Cluster, model_dir: Path) -> None:
+    prompt = list(range(200, 230))
+    expected = (
+        Engine.from_pretrained(model_dir, dtype="float32")
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))[0]
+        .token_ids
+    )
+    assert cluster.redis_url is not None
+    keys = KeySpace(cluster.namespace)
+    store = sync_redis.Redis.from_url(cluster.redis_url)
+
+    async def scenario() -> list[int]:
+        tokens: list[int] = []
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            stream = client.stream(prompt, max_tokens=1500, temperature=0, ignore_eos=True)
+            async with stream:
+                async for delta in stream:
+                    tokens += delta.token_ids
+                    if len(tokens) == 1:
+                        busy = await asyncio.to_thread(_decoding_worker, cluster)
+                        store.set(keys.duty(busy.id), "prefill")
+                        switching = await asyncio.to_thread(_heartbeat_of, cluster, busy.id,
+                                                            lambda w: w.switching)  # fmt: skip
+                        # Draining: only what both duties share (prefill), no new decode.
+                        assert switching.duty == "prefill" and switching.phases == ("prefill",)
+        return tokens
+
+    try:
+        tokens = asyncio.run(scenario())
+        assert tokens == expected  # the stream of the draining worker ran to its end
+        switched = poll(lambda: [w for w in read_heartbeats(cluster.redis_url or "",
+                                                            cluster.namespace)
+                                 if w.duty == "prefill" and not w.switching],
+                        "the worker to finish its switch")  # fmt: skip
+        assert switched[0].phases == ("prefill",)
+        # Requests go on being served, decoded on the other worker.
+        with Client(cluster.router_address, timeout=60) as client:
+            done = client.generate(list(range(300, 340)), max_tokens=8, temperature=0,
+                                   ignore_eos=True)  # fmt: skip
+            assert done.usage.completion_tokens == 8
+    finally:
+        for w in read_heartbeats(cluster.redis_url or "", cluster.namespace):
+            store.delete(keys.duty(w.id))
+        store.close()
+    poll(lambda: all(not w.duty and not w.switching
+                     for w in read_heartbeats(cluster.redis_url or "", cluster.namespace)),
+         "every worker back on every duty")  # fmt: skip
+
+
+def _decoding_worker(cluster: Cluster) -> WorkerInfo:
+    url = cluster.redis_url or ""
+    found = poll(lambda: [w for w in read_heartbeats(url, cluster.namespace) if w.running_seqs],
+                 "a worker to report the running stream")  # fmt: skip
+    return found[0]  # type: ignore[no-any-return]
+
+
+def _heartbeat_of(
+    cluster: Cluster, worker_id: str, test: Callable[[WorkerInfo], bool]
+) -> WorkerInfo:
+    url = cluster.redis_url or ""
+    found = poll(lambda: [w for w in read_heartbeats(url, cluster.namespace)
+                          if w.id == worker_id and test(w)],
+                 f"the heartbeat of {worker_id}")  # fmt: skip
+    return found[0]  # type: ignore[no-any-return]
+
+
+def test_the_router_follows_the_rollout_split_and_rolls_back(cluster: Cluster) -> None:
+    url = cluster.metrics_urls()["router"]
+    assert cluster.redis_url is not None
+
+    async def set_split(rollout: Rollout) -> None:
+        redis = connect(cluster.redis_url or "")
+        try:
+            await write_rollout(redis, KeySpace(cluster.namespace), rollout)
+        finally:
+            await redis.aclose()
+
+    def arm_count(arm: str) -> float:
+        return metric(url, "pdserve_arm_requests_total", arm=arm, outcome="ok")
+
+    def send(ids: list[str]) -> None:
+        with Client(cluster.router_address, timeout=60) as client:
+            for rid in ids:
+                client.generate([5, 6, 7, 8], max_tokens=2, request_id=rid, ignore_eos=True)
+
+    split = Rollout({"disaggregated": 50.0}, rest="colocated")
+    asyncio.run(set_split(split))
+    probe = "probe-" + "x" * 8
+    # The router applies the split within a moment: poll with a request whose arm is known.
+    poll(lambda: (send([probe]), arm_count(split.arm(probe)))[1] > 0, "the router to follow")
+    before = {a: arm_count(a) for a in ("disaggregated", "colocated")}
+    ids = [f"roll-{i}" for i in range(12)]
+    send(ids)
+    for arm in ("disaggregated", "colocated"):
+        want = sum(split.arm(i) == arm for i in ids)
+        assert arm_count(arm) - before[arm] == want, arm
+    # Roll back: everything colocated. Poll with a request id the split sent disaggregated.
+    asyncio.run(set_split(Rollout({"disaggregated": 0.0}, rest="colocated")))
+    moved = next(r for r in (f"rb-{k}" for k in range(200)) if split.arm(r) == "disaggregated")
+
+    def rolled_back() -> bool:
+        colocated = arm_count("colocated")
+        send([moved])
+        return arm_count("colocated") > colocated
+
+    poll(rolled_back, "the roll-back")
+    after = arm_count("disaggregated")
+    send([f"back-{i}" for i in range(6)])
+    assert arm_count("disaggregated") == after
+    asyncio.run(_clear_split(cluster))
+
+
+async def _clear_split(cluster: Cluster) -> None:
+    redis = connect(cluster.redis_url or "")
+    try:
+        await write_rollout(redis, KeySpace(cluster.namespace), None)
+    finally:
+        await redis.aclose()
+
+
+# -- the planner against a real Redis (no workers: heartbeats written by the test) ------------
+
+
+def _mixed(worker_id: str, **kw: Any) -> WorkerInfo:
+    fields: dict[str, Any] = {
+        "id": worker_id, "role": WorkerRole.MIXED, "address": "127.0.0.1:1", "host": "h",
+        "model_fingerprint": "f", "kv_blocks_total": 1000, "kv_blocks_free": 1000,
+        "block_size": 16, "max_batch_tokens": 2048, "step_overhead_s": 0.01,
+        "decode_seq_s": 0.001, "prefill_token_s": 0.0005,
+        "capabilities": ("prefill", "decode", "colocated"),
+    }  # fmt: skip
+    fields.update(kw)
+    return WorkerInfo(**fields)
+
+
+def test_one_planner_leads_and_orders_a_move(redis_url: str) -> None:
+    keys = KeySpace(f"planner-{time.monotonic_ns()}")
+
+    async def scenario() -> None:
+        redis = connect(redis_url)
+        try:
+            registry = RedisWorkerRegistry(redis, keys=keys)
+            await registry.heartbeat(_mixed("p", serves=("prefill",), duty="prefill",
+                                            queued_tokens=7000), ttl_s=60)  # fmt: skip
+            for name in ("d1", "d2"):
+                await registry.heartbeat(_mixed(name, serves=("decode", "colocated"),
+                                                duty="decode"), ttl_s=60)  # fmt: skip
+            config = PlannerConfig(cooldown_s=60.0)
+            a = PlannerLoop(redis, keys, config, holder="a", settle_passes=2)
+            b = PlannerLoop(redis, keys, config, holder="b", settle_passes=0)
+            # The view must settle (the same workers twice in a row) before a move.
+            assert [(await a.run_once()).move for _ in range(2)] == [None, None]
+            first = await a.run_once()
+            second = await b.run_once()
+            assert first.leading and not second.leading
+            assert first.move is not None and first.move.duty == "prefill"
+            assert (await redis.get(keys.duty(first.move.worker_id))) == b"prefill"
+            assert (await a.run_once()).move is None  # cooling down
+            await a.lease.release()
+            assert (await b.run_once()).leading  # b takes over at once
+            assert await LeaderLease(redis, keys, "c").leader() == "b"
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_planner_service_moves_a_worker_and_requests_keep_flowing(model_dir: Path) -> None:
+    # Both mixed workers start on decode duty; the planner's bounds ask for one prefill worker.
+    with Cluster(
+        model_dir, mode="conditional", num_prefill=0, num_decode=2, worker_args=WORKER_ARGS,
+        duties=("decode", "decode"), planner=True,
+        planner_args=("--min-prefill", "1", "--interval-s", "0.2", "--cooldown-s", "1"),
+    ) as c:  # fmt: skip
+        url = c.redis_url or ""
+        planner_metrics = c.metrics_urls()["planner"]
+        moved = poll(lambda: [w for w in read_heartbeats(url, c.namespace)
+                              if w.duty == "prefill" and not w.switching],
+                     "the planner's move to take effect")  # fmt: skip
+        assert moved[0].phases == ("prefill",)
+        assert metric(planner_metrics, "pdserve_planner_leader") == 1
+        assert metric(planner_metrics, "pdserve_planner_moves_total", duty="prefill") == 1
+        with Client(c.router_address, timeout=60) as client:
+            for n in (20, 300):
+                done = client.generate(list(range(16, 16 + n)), max_tokens=6, temperature=0,
+                                       ignore_eos=True)  # fmt: skip
+                assert done.usage.completion_tokens == 6

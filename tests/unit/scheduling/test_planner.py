@@ -1,0 +1,114 @@
+"""The P:D planner's decisions on fake worker views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdserve.errors import InvalidArgumentError
+from pdserve.scheduling import CostModel, WorkerRole, WorkerView
+from pdserve.scheduling.planner import Bounds, PlannerConfig, Profile, decide, pressure
+
+from .factories import view
+
+MODEL = CostModel()
+CONFIG = PlannerConfig(ttft_slo_s=3.0, itl_slo_s=0.150, high=0.6, low=0.3)
+CAN = ("prefill", "decode", "colocated")
+MEASURED: dict[str, Any] = {
+    "step_overhead_s": 0.010,
+    "decode_seq_s": 0.001,
+    "prefill_token_s": 0.0005,
+    "max_batch_tokens": 2048,
+    "capabilities": CAN,
+}
+
+
+def on_prefill(worker_id: str, **kw: Any) -> WorkerView:
+    return view(worker_id, WorkerRole.MIXED, serves=("prefill",), duty="prefill",
+                **{**MEASURED, **kw})  # fmt: skip
+
+
+def on_decode(worker_id: str, **kw: Any) -> WorkerView:
+    return view(worker_id, WorkerRole.MIXED, serves=("decode", "colocated"), duty="decode",
+                **{**MEASURED, **kw})  # fmt: skip
+
+
+def test_a_prefill_backlog_takes_the_least_busy_decode_worker() -> None:
+    views = [
+        on_prefill("p", queued_tokens=6000),  # 3 s of queue: pressure 1
+        on_decode("d1", running_seqs=4),
+        on_decode("d2", running_seqs=1),
+    ]
+    pr = pressure(views, MODEL, CONFIG)
+    assert pr.prefill > CONFIG.high and pr.decode < CONFIG.low
+    move = decide(views, MODEL, CONFIG, hour=12)
+    assert move is not None and (move.worker_id, move.duty) == ("d2", "prefill")
+    assert move.reason == "prefill pressure"
+
+
+def test_decode_pressure_takes_an_idle_prefill_worker() -> None:
+    views = [
+        on_prefill("p1", queued_tokens=100),
+        on_prefill("p2"),
+        on_decode("d", running_seqs=150, kv_blocks_free=10),  # 160 ms steps, KV 90% used
+    ]
+    move = decide(views, MODEL, CONFIG, hour=12)
+    assert move is not None and (move.worker_id, move.duty) == ("p2", "decode")
+
+
+def test_a_side_at_most_half_as_loaded_gives_a_worker() -> None:
+    # Decode steps of 60 ms (0.4 of the ITL SLO) are not idle, but the prefill queue is at
+    # twice that pressure.
+    views = [
+        on_prefill("p", queued_tokens=7000),  # about 3.5 s of queue: pressure ~1.2
+        on_decode("d1", running_seqs=50),  # 10 + 50 ms steps: pressure 0.4
+        on_decode("d2", running_seqs=50),
+    ]
+    pr = pressure(views, MODEL, CONFIG)
+    assert pr.decode > CONFIG.low and pr.prefill >= 2 * pr.decode
+    move = decide(views, MODEL, CONFIG, hour=12)
+    assert move is not None and move.duty == "prefill"
+
+
+def test_no_move_when_both_sides_are_busy_or_both_idle() -> None:
+    both = [on_prefill("p", queued_tokens=6000), on_decode("d", running_seqs=150)]
+    assert decide(both, MODEL, CONFIG, hour=12) is None
+    idle = [on_prefill("p"), on_decode("d1"), on_decode("d2")]
+    assert decide(idle, MODEL, CONFIG, hour=12) is None
+
+
+def test_bounds_hold_and_a_switch_in_progress_blocks_moves() -> None:
+    views = [on_prefill("p", queued_tokens=6000), on_decode("d", running_seqs=1)]
+    assert decide(views, MODEL, CONFIG, hour=12) is None  # min_decode = 1
+    switching = [on_prefill("p", queued_tokens=6000), on_decode("d1"),
+                 view("d2", WorkerRole.MIXED, serves=(), duty="decode", switching=True,
+                      **MEASURED)]  # fmt: skip
+    assert decide(switching, MODEL, CONFIG, hour=12) is None
+
+
+def test_profiles_set_the_bounds_by_hour() -> None:
+    config = PlannerConfig(profiles=(Profile.parse("20-6:prefill=2..2,decode=1..1"),))
+    views = [on_prefill("p"), on_decode("d1"), on_decode("d2")]
+    night = decide(views, MODEL, config, hour=23)
+    assert night is not None and night.duty == "prefill" and night.reason == "bounds"
+    assert decide(views, MODEL, config, hour=12) is None
+
+
+def test_only_switchable_workers_move() -> None:
+    fixed_decode = view("d", WorkerRole.DECODE, running_seqs=1, **{**MEASURED, "capabilities": ()})
+    views = [view("p", WorkerRole.PREFILL, queued_tokens=6000, **MEASURED), fixed_decode]
+    assert decide(views, MODEL, CONFIG, hour=12) is None
+
+
+@pytest.mark.parametrize("spec", ["8-20", "x-y:prefill=1..2", "8-20:prefill=2..1"])
+def test_bad_profiles_are_refused(spec: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        Profile.parse(spec)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError):
+        PlannerConfig(high=0.2, low=0.5)
+    with pytest.raises(InvalidArgumentError):
+        Bounds(min_decode=3, max_decode=2)
