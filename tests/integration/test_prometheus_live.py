@@ -34,8 +34,10 @@ pytestmark = [
         reason="prometheus is not installed (Debian: apt-get install prometheus)",
     ),
 ]
-UP_ARGS = ("--port", "0", "--http-port", "0", "--worker-arg=--dtype=float32",
-           "--worker-arg=--threads=1", "--worker-arg=--kv-blocks=256")  # fmt: skip
+# Disaggregated: the hand-off ratios need hand-offs, and the jobs are those of the compose file.
+UP_ARGS = ("--port", "0", "--http-port", "0", "--mode", "disaggregated",
+           "--worker-arg=--dtype=float32", "--worker-arg=--threads=1",
+           "--worker-arg=--kv-blocks=256")  # fmt: skip
 WAIT_S = 90.0
 # A labelled counter has no series before its first increment; nothing fails Redis here.
 ONLY_ON_ERRORS = {"pdserve_redis_errors_total"}

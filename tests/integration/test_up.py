@@ -27,7 +27,8 @@ def up(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_banner_names_every_endpoint(up: UpProcess) -> None:
     assert up.router and up.http_url is not None, "\n".join(up.banner)
-    assert set(up.metrics) == {"kvstore", "scheduler", "prefill-0", "decode-0", "router",
+    # The default cluster is conditional: a prefill worker and a mixed one.
+    assert set(up.metrics) == {"kvstore", "scheduler", "prefill-0", "mixed-0", "router",
                                "gateway"}  # fmt: skip
     for url in up.metrics.values():
         assert "# TYPE" in httpx.get(url).text

@@ -372,8 +372,9 @@ class ReservationLedger:
                     await pipe.execute()
                 except WatchError:
                     continue  # a concurrent renew/release touched the record; read it again
-                if on_released is not None:
-                    _report_released(drops, rewrites, on_released)
+                if on_released is not None:  # the workers' shares (not the tenant's count)
+                    worker_drops = [d for d in drops if d[0] != tenant_key]
+                    _report_released(worker_drops, rewrites, on_released)
                 return True
         raise WatchError(f"reservation {reservation_id}: too many concurrent updates")
 
