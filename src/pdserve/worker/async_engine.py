@@ -48,6 +48,7 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
+from pdserve.engine.step_meter import StepMeter
 from pdserve.errors import WorkerUnavailableError
 from pdserve.worker.batch_window import BatchWindow
 from pdserve.worker.coalesce import merge_ready
@@ -67,7 +68,6 @@ from pdserve.worker.engine_state import (
     EngineSnapshot,
     FailureTracker,
 )
-from pdserve.engine.step_meter import StepMeter
 from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
