@@ -26,6 +26,7 @@ from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
@@ -36,7 +37,6 @@ from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR, segment_name
 from pdserve.transfer.stream import StreamHeader
 from pdserve.worker import frames, outbound
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, frame_bytes, stream_bytes
 from pdserve.worker.outbound import SendFaults, StreamSender

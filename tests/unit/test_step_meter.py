@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from pdserve.engine.step_meter import StepMeter
 from pdserve.scheduling import WorkerRole
 from pdserve.worker.duty import Duty, capabilities
-from pdserve.engine.step_meter import StepMeter
 
 
 def run_steps(meter: StepMeter, steps: list[tuple[int, int]], *, gap_s: float = 0.0) -> float:

@@ -61,11 +61,12 @@ from pdserve.errors import (
 )
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
 from pdserve.transfer.slots import SlotMappings
-from pdserve.worker import decode_prefix
 from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
@@ -73,7 +74,6 @@ from pdserve.worker.migration import Resumed, resume
 from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
-from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.timing import RequestTiming
 from pdserve.worker.handoff import TransferRecord
-from pdserve.worker.timing import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)

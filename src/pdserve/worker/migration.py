@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pdserve.backends import EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
 from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.timing import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)

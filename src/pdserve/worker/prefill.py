@@ -44,11 +44,13 @@ from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.prefix import decode as decode_prefix
+from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmSender
 from pdserve.transfer.slots import SlotPool, slot_budget
-from pdserve.worker import decode_prefix
 from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.engine_handoff import finish_at_first, in_engine_kind, prefill_in_engine
@@ -56,8 +58,6 @@ from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.outbound import Outbound, ShmOutbound, StreamSender
 from pdserve.worker.outbound_wrappers import Deferred, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
-from pdserve.worker.prefix import PrefixReuse
-from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 

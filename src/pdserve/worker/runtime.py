@@ -34,6 +34,7 @@ from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMCon
 from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
     AddServicerFn,
     ServiceHealth,
@@ -51,7 +52,6 @@ from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, parse_engine_faults
 from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.prefix import PrefixReuse
 from pdserve.worker.traced import TracedPrefillWorker
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 
 from pdserve.engine.engine import EngineStats
-from pdserve.errors import InvalidArgumentError
 from pdserve.engine.step_meter import StepModel
+from pdserve.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
