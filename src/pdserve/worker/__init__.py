@@ -7,7 +7,7 @@ the per-request timing record in ``pdserve.timing``.
 from __future__ import annotations
 
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.delta import DecodeDelta, StreamTiming
+from pdserve.worker.delta import DecodeDelta, Finished
 from pdserve.worker.handoff import KVLocation, TransferRecord, store_key
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, worker_info
 from pdserve.worker.placement import TransferOptions
@@ -16,10 +16,10 @@ from pdserve.worker.prefill import PrefillResult, PrefillWorker, check_request
 __all__ = [
     "DecodeDelta",
     "DecodeWorker",
+    "Finished",
     "KVLocation",
     "PrefillResult",
     "PrefillWorker",
-    "StreamTiming",
     "TransferOptions",
     "TransferRecord",
     "WorkerHeartbeat",
