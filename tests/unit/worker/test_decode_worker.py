@@ -48,11 +48,14 @@ def test_decode_after_a_hand_off_gives_the_whole_requests_tokens(
             try:
                 expected = await whole(d_engine, "w")
                 result = await prefill.prefill(
-                    "r", PROMPT, GREEDY, decode_host=HOST, transport=transport
+                    f"r-{transport}", PROMPT, GREEDY, decode_host=HOST, transport=transport
                 )
                 assert result.kv is not None
                 first = (result.first_token_id, result.first_logprob)
-                deltas = [d async for d in decode.decode("r", PROMPT, first, GREEDY, result.kv)]
+                deltas = [
+                    d
+                    async for d in decode.decode(f"r-{transport}", PROMPT, first, GREEDY, result.kv)
+                ]
                 assert [first[0], *tokens_of(deltas)] == expected
                 assert all(d.finished is None for d in deltas[:-1])
                 last = deltas[-1].finished

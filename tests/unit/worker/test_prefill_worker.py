@@ -4,6 +4,8 @@ worker's own logic is under test: its checks, its hand-off and the timing it der
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,15 @@ PROMPT = [7, 300, 41, 1000, 5, 5, 12, 99, 1500, 3, 8]
 HOST = "h"
 
 
+@pytest.fixture(autouse=True)
+def no_segment_left() -> Iterator[None]:
+    """A prefill whose KV no decode worker reads leaves its shm segment for the janitor;
+    remove this process's here so that no test leaves one behind."""
+    yield
+    for leftover in Path("/dev/shm").glob(f"pdserve-kv-{os.getpid()}-*"):
+        leftover.unlink(missing_ok=True)
+
+
 def test_prefill_hands_over_through_shm_with_the_engines_first_token(
     tiny_llama_dir: Path,
 ) -> None:
@@ -33,7 +44,7 @@ def test_prefill_hands_over_through_shm_with_the_engines_first_token(
                 whole = [t async for o in engine.generate("w", PROMPT, GREEDY)
                          for t in o.new_token_ids]  # fmt: skip
                 result = await worker.prefill(
-                    "r", PROMPT, GREEDY, decode_host=HOST, transport="shm"
+                    "r-shm", PROMPT, GREEDY, decode_host=HOST, transport="shm"
                 )
                 assert result.first_token_id == whole[0]
                 assert result.finish_reason is None
@@ -59,7 +70,7 @@ def test_recompute_sends_nothing(tiny_llama_dir: Path) -> None:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
             worker = PrefillWorker(engine, store, host=HOST)
             try:
-                result = await worker.prefill("r", PROMPT, GREEDY, transport="recompute")
+                result = await worker.prefill("r-rc", PROMPT, GREEDY, transport="recompute")
                 assert result.kv is not None and result.kv.kind is TransportKind.RECOMPUTE
                 assert result.timing.transfer_bytes == 0
                 assert result.transfer is not None
@@ -78,7 +89,9 @@ def test_a_request_that_ends_at_its_first_token_hands_nothing_over(tiny_llama_di
             worker = PrefillWorker(engine, store, host=HOST)
             try:
                 one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-                result = await worker.prefill("r", PROMPT, one, decode_host=HOST, transport="shm")
+                result = await worker.prefill(
+                    "r-one", PROMPT, one, decode_host=HOST, transport="shm"
+                )
                 assert result.finish_reason is FinishReason.LENGTH
                 assert result.kv is None and result.timing.transfer_bytes == 0
             finally:
