@@ -24,10 +24,11 @@ from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
-from pdserve.worker.traced import TracedDecodeWorker
+from pdserve.worker.stages import StageRecorder
 from services.decode.inbox import InboxServicer
 from services.decode.servicer import DecodeServicer, MixedServicer
 from services.prefill.servicer import PrefillServicer
@@ -38,10 +39,10 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
     telemetry = WorkerTelemetry.start(
         SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint
     )
+    stages = StageRecorder(telemetry)  # the calls' spans and transfer metrics
     inbox = KVStore(options.inbox_bytes, default_lease_s=options.kv_lease_s)
-    worker = TracedDecodeWorker(
+    worker = DecodeWorker(
         engine,
-        telemetry=telemetry,
         store_timeout_s=options.kv_timeout_s,
         inbox=inbox,
         host=options.host_name,
@@ -54,7 +55,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         stack.push_async_callback(worker.close)
         stack.callback(inbox.close)
         servicers: list[tuple[AddServicerFn, object]] = [
-            (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker)),
+            (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker, stages)),
             (
                 add_kvstore_servicer,
                 InboxServicer(inbox, expected_layout=engine.layout),
@@ -62,17 +63,22 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         ]
         links = None
         if options.role is WorkerRole.MIXED:
-            servicers.append((decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker)))
+            servicers.append(
+                (decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker, stages))
+            )
             if options.kvstore:
                 store = KVStoreClient(
                     options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
                 )
                 stack.push_async_callback(store.close)
-                prefill = prefill_worker(options, engine, store, telemetry)
+                prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.chooser.model.published
                 servicers.append(
-                    (prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(prefill))
+                    (
+                        prefill_pb2_grpc.add_PrefillServicer_to_server,
+                        PrefillServicer(prefill, stages),
+                    )
                 )
 
         def bound(address: str) -> None:

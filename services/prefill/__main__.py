@@ -22,6 +22,7 @@ from pdserve.v1 import prefill_pb2_grpc
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
+from pdserve.worker.stages import StageRecorder
 from services.prefill.servicer import PrefillServicer
 
 
@@ -36,9 +37,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         async with KVStoreClient(
             options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
         ) as store:
-            worker = prefill_worker(options, engine, store, telemetry)
+            worker = prefill_worker(options, engine, store)
             try:
-                servicer = PrefillServicer(worker)
+                servicer = PrefillServicer(worker, StageRecorder(telemetry))
                 await run_worker(
                     options,
                     engine,

@@ -6,14 +6,11 @@ from typing import Any, TypeAlias
 
 from grpc.aio import ServicerContext
 
+from pdserve.rpc.convert import sampling_from_proto
+from pdserve.rpc.convert.worker import prefill_response
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.protocol import (
-    finish_reason_to_proto,
-    handle_to_proto,
-    sampling_from_proto,
-    transfer_to_proto,
-)
+from pdserve.worker.stages import StageRecorder
 
 Context: TypeAlias = ServicerContext[Any, Any]
 
@@ -21,12 +18,14 @@ Context: TypeAlias = ServicerContext[Any, Any]
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """pdserve.v1.Prefill on top of one PrefillWorker."""
 
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, stages: StageRecorder | None = None) -> None:
         self.worker = worker
+        self.stages = stages or StageRecorder()
 
     async def Prefill(  # noqa: N802 - gRPC method names
         self, request: prefill_pb2.PrefillRequest, context: Context
     ) -> prefill_pb2.PrefillResponse:
+        call = self.stages.prefill(request.request_id, len(request.prompt_token_ids))
         result = await self.worker.prefill(
             request.request_id,
             list(request.prompt_token_ids),
@@ -37,18 +36,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             decode_host=request.decode_host,
             transport=request.transport,
         )
-        response = prefill_pb2.PrefillResponse(
-            first_token_id=result.first_token_id,
-            first_logprob=result.first_logprob,
-            finish_reason=finish_reason_to_proto(result.finish_reason),
-            queue_ms=result.queue_ms,
-            compute_ms=result.compute_ms,
-            transfer_ms=result.transfer_ms,
-            transfer_bytes=result.transfer_bytes,
-            num_cached_tokens=result.num_cached_tokens,
-        )
-        if result.kv is not None:
-            response.kv.CopyFrom(handle_to_proto(result.kv))
-        if result.transfer is not None:
-            response.transfer.CopyFrom(transfer_to_proto(result.transfer))
-        return response
+        call.returned(result)
+        return prefill_response(result)

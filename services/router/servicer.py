@@ -21,13 +21,14 @@ from grpc.aio import ServicerContext
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import UnauthenticatedError
-from pdserve.router import RequestFlow, RequestPreparer, RouteChunk, RouteRequest
+from pdserve.router import RequestFlow, RequestPreparer, RouteRequest
 from pdserve.router.limits import check_message
 from pdserve.router.telemetry import RouterTelemetry
-from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
+from pdserve.rpc.convert import sampling_from_proto
+from pdserve.rpc.convert.router import generate_chunk, generate_response
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.auth import bearer
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import router_pb2, router_pb2_grpc
 
 TENANT_METADATA_KEY = "x-pdserve-tenant"
 """gRPC metadata key naming the tenant; takes precedence over GenerateRequest.tenant. Ignored
@@ -47,33 +48,6 @@ def _tenant(request: router_pb2.GenerateRequest, context: Context, api_keys: Api
         if key == TENANT_METADATA_KEY:
             return value if isinstance(value, str) else value.decode()
     return request.tenant
-
-
-def _usage(chunk: RouteChunk) -> common_pb2.Usage | None:
-    u = chunk.usage
-    if u is None:
-        return None
-    return common_pb2.Usage(
-        prompt_tokens=u.prompt_tokens,
-        completion_tokens=u.completion_tokens,
-        cached_tokens=u.cached_tokens,
-    )
-
-
-def _timing(chunk: RouteChunk) -> common_pb2.Timing | None:
-    t = chunk.timing
-    if t is None:
-        return None
-    return common_pb2.Timing(
-        queue_ms=t.queue_ms,
-        prefill_ms=t.prefill_ms,
-        transfer_ms=t.transfer_ms,
-        decode_ms=t.decode_ms,
-        ttft_ms=t.ttft_ms,
-        e2e_ms=t.e2e_ms,
-        transfer_bytes=t.transfer_bytes,
-        transport=t.transport,
-    )
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -128,15 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 first = True
                 async for chunk in stream:
                     observed.chunk(chunk)
-                    message = router_pb2.GenerateChunk(
-                        token_ids=chunk.token_ids,
-                        text=chunk.text,
-                        logprobs=chunk.logprobs,
-                        finish_reason=finish_reason_to_proto(chunk.finish_reason),
-                        usage=_usage(chunk),
-                        timing=_timing(chunk),
-                        request_id=chunk.request_id if first else "",
-                    )
+                    message = generate_chunk(chunk, first=first)
                     first = False
                     if chunk.finished:
                         observed.finish()  # the last chunk goes out now
@@ -155,12 +121,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             total = await self.flow.collect(
                 route, timeout_s=context.time_remaining(), observed=observed
             )
-        return router_pb2.GenerateResponse(
-            text=total.text,
-            token_ids=total.token_ids,
-            logprobs=total.logprobs,
-            finish_reason=finish_reason_to_proto(total.finish_reason),
-            usage=_usage(total),
-            timing=_timing(total),
-            request_id=total.request_id,
-        )
+        return generate_response(total)

@@ -26,6 +26,7 @@ from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
@@ -36,7 +37,6 @@ from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR, segment_name
 from pdserve.transfer.stream import StreamHeader
 from pdserve.worker import frames, outbound
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, frame_bytes, stream_bytes
 from pdserve.worker.outbound import SendFaults, StreamSender
@@ -135,7 +135,7 @@ async def hand_off(
     async with aclosing(stream):
         async for delta in stream:
             tokens += delta.token_ids
-            timing = delta.timing or timing
+            timing = delta.finished or timing
     return tokens, result, timing
 
 
@@ -159,14 +159,14 @@ def test_each_transport_gives_the_engine_alone_tokens(
                 assert sent is not None and got is not None
                 assert got.transport == transport
                 if transport == "recompute":
-                    assert result.transfer_bytes == 0 and got.num_bytes == 0
+                    assert result.timing.transfer_bytes == 0 and got.num_bytes == 0
                     assert got.fallback_reason == "recompute was asked for"
                     continue
                 assert not got.fallback_reason
                 # KV bytes from the model's shape, independently of the transport's framing.
                 kv = n * layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 4
                 assert kv <= sent.num_bytes < kv + 4096
-                assert got.num_bytes == sent.num_bytes == result.transfer_bytes
+                assert got.num_bytes == sent.num_bytes == result.timing.transfer_bytes
                 # Measured on both sides, in order.
                 assert sent.send_start_ns <= sent.first_layer_ns <= sent.last_layer_ns
                 assert sent.last_layer_ns <= sent.compute_end_ns <= sent.send_end_ns
@@ -188,7 +188,7 @@ def test_int8_compression_moves_about_half_the_bytes(tiny_llama_dir: Path) -> No
             per_part = t * h * d + (t // 16) * h * 4  # int8 values + fp32 scale per 16 tokens
             frames = layout.num_layers * 2 * per_part
             assert result.transfer is not None and result.transfer.compression == "int8"
-            assert frames <= result.transfer_bytes < frames + 4096
+            assert frames <= result.timing.transfer_bytes < frames + 4096
             assert timing.transfer.compression == "int8"  # type: ignore[attr-defined]
 
     run(body)
@@ -402,7 +402,7 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
             entry = p.inbox.get(result.kv.key)
             payload = entry.attachment
             assert isinstance(payload, KVPayload) and payload.num_tokens == len(prompt)
-            assert entry.num_bytes == result.transfer_bytes
+            assert entry.num_bytes == result.timing.transfer_bytes
             # The frames hold exactly the layer stream the prefill worker sent.
             header = StreamHeader.decode(entry.header)
             again = FrameCollector(header)
@@ -416,7 +416,7 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
             )
             async with aclosing(stream):
                 async for delta in stream:
-                    final = delta.timing
+                    final = delta.finished
             assert final is not None and final.transfer is not None
             assert final.transfer.transport == "direct"
 

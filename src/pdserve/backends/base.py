@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from pdserve.engine.outputs import RequestOutput
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.sequence import LayerHook
-    from pdserve.worker.timing import RequestTiming
+    from pdserve.timing import RequestTiming
 
 TORCH = "torch"
 TENSORRT_LLM = "tensorrt-llm"

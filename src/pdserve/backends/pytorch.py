@@ -25,14 +25,13 @@ from pdserve.backends.base import (
 )
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
+from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
-from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.heartbeat import kv_fingerprint
-from pdserve.worker.timing import RequestTiming
+from pdserve.timing import RequestTiming
 
 FEATURES = BackendFeatures(kv_payload=True, layer_hook=True, prefix_cache=True, native_kv=False)
 

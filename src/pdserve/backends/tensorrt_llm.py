@@ -64,7 +64,7 @@ from pdserve.backends.tensorrt_llm_api import (
 )
 from pdserve.backends.tensorrt_llm_requests import LiveRequests, finished_at_first
 from pdserve.engine.gate import UNGATED, ComputeGate
-from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
+from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
@@ -74,8 +74,7 @@ from pdserve.errors import (
     WorkerUnavailableError,
 )
 from pdserve.models.loader import checkpoint_fingerprint
-from pdserve.worker.heartbeat import kv_fingerprint
-from pdserve.worker.timing import RequestTiming
+from pdserve.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pdserve.backends.tensorrt_llm_api import finish_reason, new_logprobs
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import DuplicateRequestError, WorkerUnavailableError
-from pdserve.worker.timing import RequestTiming
+from pdserve.timing import RequestTiming
 
 
 @dataclass(slots=True)

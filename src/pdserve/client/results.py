@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.rpc.convert import finish_reason_name
+from pdserve.rpc.convert import finish_reason_name, timing_from_proto
+from pdserve.timing import Timing
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -20,33 +21,6 @@ class Usage:
     @classmethod
     def from_proto(cls, msg: common_pb2.Usage) -> Usage:
         return cls(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """Where the time of one request went (milliseconds; bytes for ``transfer_bytes``)."""
-
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    transfer_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    e2e_ms: float = 0.0
-    transfer_bytes: int = 0
-    transport: str = ""
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.Timing) -> Timing:
-        return cls(
-            queue_ms=msg.queue_ms,
-            prefill_ms=msg.prefill_ms,
-            transfer_ms=msg.transfer_ms,
-            decode_ms=msg.decode_ms,
-            ttft_ms=msg.ttft_ms,
-            e2e_ms=msg.e2e_ms,
-            transfer_bytes=msg.transfer_bytes,
-            transport=msg.transport,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +49,7 @@ class Delta:
             logprobs=list(msg.logprobs),
             finish_reason=finish_reason_name(msg.finish_reason),
             usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
-            timing=Timing.from_proto(msg.timing) if msg.HasField("timing") else None,
+            timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
             request_id=msg.request_id,
         )
 
@@ -100,7 +74,7 @@ class Completion:
             logprobs=list(msg.logprobs),
             finish_reason=finish_reason_name(msg.finish_reason),
             usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
-            timing=Timing.from_proto(msg.timing) if msg.HasField("timing") else None,
+            timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
             request_id=msg.request_id,
         )
 

@@ -54,6 +54,15 @@ class KVLayout:
                 )
 
 
+def kv_fingerprint(layout: KVLayout) -> str:
+    """What must match between a KV writer and reader: the weights and the KV dtype.
+
+    The block size is left out on purpose: payloads are token-major, so engines with different
+    block sizes exchange them fine.
+    """
+    return f"{layout.model_fingerprint}-{layout.dtype}"
+
+
 @dataclass(frozen=True, slots=True)
 class KVPayload:
     """The prompt KV of one sequence, all layers."""

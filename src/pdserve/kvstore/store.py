@@ -220,7 +220,7 @@ class KVStore:
     def route_lookups(self, prefix: str, answer: LookupRoute) -> None:
         """Let lookups whose first key starts with ``prefix`` be answered by ``answer(keys)``
         instead of this store's entries (a decode worker answers ``blk/`` keys from its
-        engine's prefix cache: ``worker.decode_prefix``). See ``lookup_route``."""
+        engine's prefix cache: ``prefix.decode``). See ``lookup_route``."""
         self._lookup_routes[prefix] = answer
 
     def lookup_route(self, keys: Sequence[str]) -> LookupRoute | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdserve.router.channels import ChannelPool
 from pdserve.router.flow import FlowConfig, RequestFlow
 from pdserve.router.limits import RequestLimits
-from pdserve.router.output import RouteChunk, RouteTiming, RouteUsage
+from pdserve.router.output import RouteChunk, RouteUsage
 from pdserve.router.request import ModelLimits, RequestPreparer, RouteRequest, prepare_request
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "RequestPreparer",
     "RouteChunk",
     "RouteRequest",
-    "RouteTiming",
     "RouteUsage",
     "prepare_request",
 ]

@@ -26,10 +26,11 @@ went out the request is placed again elsewhere, after that it migrates to anothe
 worker, which resumes after the tokens already streamed (``failover``; bounded by
 ``FlowConfig.prefill_attempts`` and ``migration_limit``).
 
-Tracing (``observed``): the flow records ``router.mode_decision`` (with the scheduler's
-reasons), names the mode on ``router.request`` and hands it, with the last stage's end, to
-every call (``handover``), so the stages tile the request. A stream that sent its last chunk is
-read to its end, not cancelled.
+Tracing and timing (``observed``) are the request's ``RequestTrace`` (``trace``): it records
+``router.mode_decision`` (with the scheduler's reasons), names the mode on ``router.request``
+and hands it, with the last stage's end, to every call (``handover``), so the stages tile the
+request; each worker's answer adds to its ``Timing``. A stream that sent its last chunk is read
+to its end, not cancelled.
 """
 
 from __future__ import annotations
@@ -57,11 +58,17 @@ from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
-from pdserve.router.state import Clock, RequestState
-from pdserve.router.telemetry import ObservedRequest, name_mode, record_mode_decision
+from pdserve.router.state import RequestState
+from pdserve.router.telemetry import ObservedRequest
 from pdserve.router.text import ResponseText
-from pdserve.rpc.convert import finish_reason_from_proto, mode_from_name, sampling_to_proto
-from pdserve.telemetry.handover import handing_over, stage_end_of
+from pdserve.router.trace import Clock, RequestTrace
+from pdserve.rpc.convert import (
+    finish_reason_from_proto,
+    mode_from_name,
+    prefill_timing_from_proto,
+    sampling_to_proto,
+    timing_from_proto,
+)
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
     common_pb2,
@@ -146,23 +153,19 @@ class RequestFlow:
         ``finish_reason``, usage and timing. ``timeout_s`` is the caller's remaining deadline;
         ``observed`` the request's root span and arrival (see the module docstring)."""
         params = request.params
-        run = RequestState(
-            request,
-            Clock(timeout_s),
-            ResponseText(
-                self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
-            ),
+        clock = Clock(timeout_s)
+        text = ResponseText(
+            self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
         )
-        if observed is not None:
-            run.root, run.stage_end_ns = observed.span, observed.accepted_ns
+        run = RequestState(request, clock, text, RequestTrace.of(clock, observed))
         try:
             arm = self.arms.arm(request.request_id, request.tenant) if self.arms else None
-            run.arm = arm or ""
+            run.trace.arm = arm or ""
             if observed is not None:
-                observed.arm = run.arm
+                observed.arm = run.trace.arm
             mode = mode_from_name(arm) if arm else self.config.mode
             assignment = await self._assign(run, mode)
-            name_mode(run.root, assignment.mode)  # the scheduler has the last word
+            run.trace.serving_mode(assignment.mode)  # the scheduler has the last word
             stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
@@ -256,12 +259,11 @@ class RequestFlow:
         # the request arrived), and the rollout arm; ``router.mode_decision`` is recorded once
         # the scheduler said which mode and why.
         asked_ns = time.time_ns()
-        decided_from = run.stage_end_ns or asked_ns
         decides = not run.failed_workers  # a placement after a failure decides nothing new
         # The call runs to completion even when the caller's deadline or a cancellation cuts the
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
-        with handing_over(asked_ns, run.root):
+        with run.trace.handing_over(asked_ns):
             call = self._scheduler.Assign(
                 scheduler_pb2.AssignRequest(
                     request_id=req.request_id,
@@ -282,18 +284,18 @@ class RequestFlow:
             )
         except TimeoutError:
             if decides:
-                record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, None)
+                run.trace.mode_decided(asked_ns, mode, req, None)
             raise DeadlineExceededError(f"deadline exceeded during {step}") from None
         except PdServeError:
             if decides:
-                record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, None)
+                run.trace.mode_decided(asked_ns, mode, req, None)
             run.assign_task = None  # Assign itself failed: nothing was reserved
             raise
         if decides:
-            record_mode_decision(run.root, decided_from, asked_ns, mode, req, run.arm, assignment)
+            run.trace.mode_decided(asked_ns, mode, req, assignment)
         run.reservation_id = assignment.reservation_id
-        run.stage_end_ns = await stage_end_of(call)
-        run.timing.queue_ms = run.clock.elapsed_ms()
+        await run.trace.stage_ended(call)
+        run.trace.placed()
         if assignment.ttl_s > 0:
             run.renewer = asyncio.create_task(
                 self.housekeeper.renew_forever(assignment.reservation_id, assignment.ttl_s),
@@ -309,7 +311,7 @@ class RequestFlow:
         step = f"Prefill on {worker.id} ({worker.address})"
         run.serving = worker.id
         prefill = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
-        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+        with run.trace.handing_over():
             call = prefill.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=req.request_id,
@@ -327,15 +329,10 @@ class RequestFlow:
         run.calls.append(call)
         run.prefill_call = call
         resp: prefill_pb2.PrefillResponse = await unary_call(step, call)
-        run.stage_end_ns = await stage_end_of(call)
+        await run.trace.stage_ended(call)
         if resp.HasField("kv"):
             run.kv = resp.kv
-        t = run.timing
-        t.queue_ms += resp.queue_ms
-        t.prefill_ms = resp.compute_ms
-        t.transfer_ms = resp.transfer_ms
-        t.transfer_bytes = resp.transfer_bytes
-        t.transport = (resp.kv.WhichOneof("location") or "") if run.kv is not None else ""
+        run.trace.prefilled(prefill_timing_from_proto(resp))
         run.cached_tokens = resp.num_cached_tokens
 
         finish = finish_reason_from_proto(resp.finish_reason, field="PrefillResponse.finish_reason")
@@ -352,7 +349,7 @@ class RequestFlow:
         step, stream = self._start_decode(run, assignment.decode, resp)
 
         def absorb(last: decode_pb2.DecodeChunk) -> None:
-            t.absorb_decode(last.timing)
+            run.trace.decoded(timing_from_proto(last.timing))
 
         async for chunk in self._relay(run, step, stream, absorb):
             yield chunk
@@ -373,7 +370,7 @@ class RequestFlow:
         step = f"Decode on {worker.id} ({worker.address})"
         run.serving = worker.id
         decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
-        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+        with run.trace.handing_over():
             stream = decode.Decode(
                 decode_pb2.DecodeRequest(
                     request_id=req.request_id,
@@ -398,7 +395,7 @@ class RequestFlow:
         step = f"Mixed.Generate on {worker.id} ({worker.address})"
         run.serving = worker.id
         mixed = decode_pb2_grpc.MixedStub(self.channels.get(worker.address))
-        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+        with run.trace.handing_over():
             stream = mixed.Generate(
                 decode_pb2.ColocatedRequest(
                     request_id=req.request_id,
@@ -410,12 +407,9 @@ class RequestFlow:
                 timeout=run.clock.remaining(step),
             )
         run.calls.append(stream)
-        t = run.timing
 
         def absorb(last: decode_pb2.DecodeChunk) -> None:
-            t.queue_ms += last.timing.queue_ms
-            t.prefill_ms = last.timing.prefill_ms
-            t.decode_ms = last.timing.decode_ms
+            run.trace.generated(timing_from_proto(last.timing))
             run.cached_tokens = last.num_cached_tokens
 
         async for chunk in self._relay(run, step, stream, absorb):
@@ -437,12 +431,12 @@ class RequestFlow:
             reason=f"migrated from {run.failed_workers[-1]} after {len(run.streamed)} tokens",
         )
         decode = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
-        with handing_over(run.stage_end_ns or time.time_ns(), run.root):
+        with run.trace.handing_over():
             stream = decode.Decode(request, timeout=run.clock.remaining(step))
         run.calls.append(stream)
 
         def absorb(last: decode_pb2.DecodeChunk) -> None:
-            run.timing.absorb_decode(last.timing)
+            run.trace.decoded(timing_from_proto(last.timing))
 
         async for chunk in self._relay(run, step, stream, absorb):
             yield chunk

@@ -145,7 +145,7 @@ class Housekeeper:
         if run.renewer is not None:
             run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
         run.tasks.append(asyncio.create_task(self.drain(stream)))
-        track(self.release_after(run.request.request_id, run.reservation_id, run.root))
+        track(self.release_after(run.request.request_id, run.reservation_id, run.trace.root))
         run.wound_up = True
 
     async def release_after(

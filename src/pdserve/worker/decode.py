@@ -61,19 +61,19 @@ from pdserve.errors import (
 )
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
+from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver
 from pdserve.transfer.slots import SlotMappings
-from pdserve.worker import decode_prefix
-from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
+from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
 from pdserve.worker.migration import Resumed, resume
 from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
-from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -282,17 +282,14 @@ class DecodeWorker:
             async for out in stream:
                 final = None
                 if out.finished:
-                    final = StreamTiming(
-                        queue_ms=timing.queue_ms,
-                        prefill_ms=arrival.recompute_ms,
+                    figures = timing.decode(
+                        started=started,
+                        recompute_ms=arrival.recompute_ms,
                         transfer_ms=arrival.transfer_ms,
-                        decode_ms=timing.steps_ms,
-                        e2e_ms=(time.perf_counter() - started) * 1000.0,
                         transfer_bytes=arrival.record.num_bytes,
                         transport=arrival.record.transport,
-                        transfer=arrival.record,
-                        stamps=timing,
                     )
+                    final = Finished(figures, timing, arrival.record)
                 yield delta_of(out, final, num_cached_tokens=0)
 
     async def _arrive(
@@ -395,14 +392,7 @@ class DecodeWorker:
             async for out in stream:
                 final = None
                 if out.finished:
-                    final = StreamTiming(
-                        queue_ms=timing.queue_ms,
-                        prefill_ms=timing.first_output_ms,
-                        decode_ms=timing.after_first_ms,
-                        ttft_ms=timing.ttft_ms,
-                        e2e_ms=timing.e2e_ms,
-                        stamps=timing,
-                    )
+                    final = Finished(timing.generate(), timing)
                 yield delta_of(
                     out, final, num_cached_tokens=out.num_cached_tokens if out.finished else 0
                 )

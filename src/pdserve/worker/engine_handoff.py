@@ -17,9 +17,9 @@ from pdserve.backends import EngineBackend, Handoff
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
 from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.timing import RequestTiming
 
 
 def finish_at_first(

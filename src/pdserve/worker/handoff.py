@@ -36,7 +36,7 @@ class KVLocation:
     num_bytes: int
     """Size of the payload as it lies there (layer stream, or shm segment)."""
     model_fingerprint: str
-    """``heartbeat.kv_fingerprint`` of the writer; a reader with another one refuses it."""
+    """``kv_payload.kv_fingerprint`` of the writer; a reader with another one refuses it."""
     address: str = ""
     """store/direct: host:port of the KVStore endpoint holding it."""
     key: str = ""

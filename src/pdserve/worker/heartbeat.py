@@ -12,21 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.backends import Capacity, EngineBackend
-from pdserve.engine.kv_payload import KVLayout
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
 from pdserve.worker.duty import Duty
 
 Links = Callable[[], tuple[tuple[str, str, float], ...]]
 """The measured KV links of a worker: ``(peer host, transport, bytes/s)``."""
-
-
-def kv_fingerprint(layout: KVLayout) -> str:
-    """What must match between a KV writer and reader: the weights and the KV dtype.
-
-    The block size is left out on purpose: payloads are token-major, so engines with different
-    block sizes exchange them fine.
-    """
-    return f"{layout.model_fingerprint}-{layout.dtype}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,9 @@ from redis.typing import EncodableT, FieldT
 
 from pdserve.engine.block_manager import BlockEvents
 from pdserve.engine.engine import Engine
+from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.prefix_index import encode_events
-from pdserve.worker.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

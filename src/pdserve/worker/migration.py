@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pdserve.backends import EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
+from pdserve.timing import RequestTiming
 from pdserve.transfer.base import TransportKind
-from pdserve.worker.delta import DecodeDelta, StreamTiming, delta_of
+from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.timing import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +79,6 @@ async def resume(
         async for out in stream:
             final = None
             if out.finished:
-                final = StreamTiming(
-                    queue_ms=timing.queue_ms,
-                    prefill_ms=timing.first_output_ms,
-                    decode_ms=timing.after_first_ms,
-                    e2e_ms=(time.perf_counter() - started) * 1000.0,
-                    transport=record.transport,
-                    transfer=record,
-                    stamps=timing,
-                )
+                figures = timing.generate(started=started, transport=record.transport)
+                final = Finished(figures, timing, record)
             yield delta_of(out, final, num_cached_tokens=0)

@@ -53,8 +53,8 @@ from pdserve.telemetry.spans import (
     PREFILL_QUEUE,
 )
 from pdserve.telemetry.tracing import perf_to_epoch_ns, record_span
+from pdserve.timing import RequestTiming
 from pdserve.worker.heartbeat import WorkerHeartbeat
-from pdserve.worker.timing import RequestTiming
 
 SEND = "send"
 RECV = "recv"

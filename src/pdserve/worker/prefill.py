@@ -44,11 +44,13 @@ from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.prefix import decode as decode_prefix
+from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
+from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmSender
 from pdserve.transfer.slots import SlotPool, slot_budget
-from pdserve.worker import decode_prefix
 from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.engine_handoff import finish_at_first, in_engine_kind, prefill_in_engine
@@ -56,8 +58,6 @@ from pdserve.worker.handoff import KVLocation, TransferRecord
 from pdserve.worker.outbound import Outbound, ShmOutbound, StreamSender
 from pdserve.worker.outbound_wrappers import Deferred, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
-from pdserve.worker.prefix import PrefixReuse
-from pdserve.worker.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +91,14 @@ class PrefillResult:
     kv: KVLocation | None
     """None when ``finish_reason`` is set (nothing left to decode)."""
     finish_reason: FinishReason | None
-    queue_ms: float
-    compute_ms: float
-    transfer_ms: float
-    """The part of the hand-off not hidden behind the compute (end of compute to commit)."""
-    transfer_bytes: int
+    timing: Timing
+    """The figures (``RequestTiming.prefill``): queue, compute (``prefill_ms``), the part of
+    the hand-off not hidden behind the compute (end of compute to commit), bytes sent."""
     num_cached_tokens: int
     transfer: TransferRecord | None = None
     """The sender's measurements; None when nothing was sent."""
-    timing: RequestTiming | None = None
-    """The engine-thread stamps of the prefill (queue, compute)."""
+    stamps: RequestTiming | None = None
+    """The engine-thread stamps the figures were derived from (the stage spans)."""
 
 
 @dataclass(slots=True)
@@ -289,13 +287,13 @@ class PrefillWorker:
                 first_logprob=logprob,
                 kv=sent.location if sent is not None else None,
                 finish_reason=reason,
-                queue_ms=timing.queue_ms,
-                compute_ms=timing.first_output_ms,
-                transfer_ms=record.exposed_ms if record else 0.0,
-                transfer_bytes=record.num_bytes if committed and record else 0,
+                timing=timing.prefill(
+                    transfer_ms=record.exposed_ms if record else 0.0,
+                    transfer_bytes=record.num_bytes if committed and record else 0,
+                ),
                 num_cached_tokens=last.num_cached_tokens,
                 transfer=record,
-                timing=timing,
+                stamps=timing,
             )
         finally:
             if out is not None and not committed:
@@ -415,13 +413,10 @@ class PrefillWorker:
             first_logprob=out.new_logprobs[0],
             kv=done.location,
             finish_reason=done.finish_reason,
-            queue_ms=done.timing.queue_ms,
-            compute_ms=done.timing.first_output_ms,
-            transfer_ms=0.0,
-            transfer_bytes=0,
+            timing=done.timing.prefill(),
             num_cached_tokens=out.num_cached_tokens,
             transfer=done.record,
-            timing=done.timing,
+            stamps=done.timing,
         )
 
     def _finish_reason(

@@ -34,6 +34,7 @@ from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMCon
 from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
     AddServicerFn,
     ServiceHealth,
@@ -51,8 +52,6 @@ from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, parse_engine_faults
 from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.prefix import PrefixReuse
-from pdserve.worker.traced import TracedPrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +113,10 @@ def prefill_worker(
     options: WorkerOptions,
     engine: EngineBackend,
     store: KVStoreClient,
-    telemetry: WorkerTelemetry | None = None,
 ) -> PrefillWorker:
     """The prefill worker these options describe (hand-off settings, prefix reuse; with Redis,
-    decode addresses checked against reservations); it traces its stages and counts its
-    transfers into ``telemetry``."""
+    decode addresses checked against reservations). Its servicer traces its calls
+    (``worker.stages``)."""
     prefix = (
         PrefixReuse(
             store,
@@ -129,7 +127,7 @@ def prefill_worker(
         if options.prefix_reuse
         else None
     )
-    return TracedPrefillWorker(
+    return PrefillWorker(
         engine,
         store,
         lease_s=options.kv_lease_s,
@@ -142,7 +140,6 @@ def prefill_worker(
             if options.redis_url
             else None
         ),
-        telemetry=telemetry,
     )
 
 

@@ -32,7 +32,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams as PdSamplingParams
-from pdserve.worker.async_engine import AsyncEngine
+from pdserve.engine_loop.async_engine import AsyncEngine
 from tensorrt_llm._fake_params import (
     REQUEST_TYPES,
     CacheTransceiverConfig,

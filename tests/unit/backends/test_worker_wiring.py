@@ -12,6 +12,7 @@ from pdserve.backends import TENSORRT_LLM, TORCH, NativeKV
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.rpc.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.scheduling import WorkerRole
 from pdserve.transfer.base import TransportKind
 from pdserve.v1 import common_pb2
@@ -19,7 +20,6 @@ from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.handoff import KVLocation
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.prefill import PrefillWorker
-from pdserve.worker.protocol import handle_from_proto, handle_to_proto
 from pdserve.worker.runtime import trtllm_config
 from tests.unit.backends.conftest import open_backend, run
 

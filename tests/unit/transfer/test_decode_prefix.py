@@ -15,12 +15,12 @@ from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
 from pdserve.kvstore.store import KVStore
+from pdserve.prefix import decode as decode_prefix
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm import ShmReceiver, ShmSender
-from pdserve.worker import decode_prefix
-from pdserve.worker.async_engine import AsyncEngine
 from pdserve.worker.outbound import ShmOutbound
 from pdserve.worker.outbound_wrappers import Suffix
 from tests.unit.transfer.conftest import assert_same_payload, leftovers

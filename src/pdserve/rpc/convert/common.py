@@ -1,4 +1,4 @@
-"""Conversions between ``pdserve.v1`` messages and the library's domain types, in one place.
+"""Conversions of the messages every service shares: sampling, token ids, enums, usage, timing.
 
 Every function that reads a message validates it: a bad value raises
 ``InvalidArgumentError`` whose ``field`` is the dotted path of the offending proto field
@@ -16,7 +16,9 @@ from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
+from pdserve.timing import Timing
 from pdserve.v1 import common_pb2 as pb
+from pdserve.v1 import prefill_pb2
 
 _FINISH_TO_PROTO: dict[FinishReason, pb.FinishReason] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -212,6 +214,45 @@ def usage_to_proto(
         prompt_tokens=_u32(prompt_tokens, "usage.prompt_tokens"),
         completion_tokens=_u32(completion_tokens, "usage.completion_tokens"),
         cached_tokens=_u32(cached_tokens, "usage.cached_tokens"),
+    )
+
+
+def timing_to_proto(t: Timing) -> pb.Timing:
+    """The wire form of ``t`` (without the hand-off's ``transfer`` detail)."""
+    return pb.Timing(
+        queue_ms=t.queue_ms,
+        prefill_ms=t.prefill_ms,
+        transfer_ms=t.transfer_ms,
+        decode_ms=t.decode_ms,
+        ttft_ms=t.ttft_ms,
+        e2e_ms=t.e2e_ms,
+        transfer_bytes=t.transfer_bytes,
+        transport=t.transport,
+    )
+
+
+def timing_from_proto(msg: pb.Timing) -> Timing:
+    """The domain ``Timing`` of a wire one."""
+    return Timing(
+        queue_ms=msg.queue_ms,
+        prefill_ms=msg.prefill_ms,
+        transfer_ms=msg.transfer_ms,
+        decode_ms=msg.decode_ms,
+        ttft_ms=msg.ttft_ms,
+        e2e_ms=msg.e2e_ms,
+        transfer_bytes=msg.transfer_bytes,
+        transport=msg.transport,
+    )
+
+
+def prefill_timing_from_proto(msg: prefill_pb2.PrefillResponse) -> Timing:
+    """The prefill worker's figures in its answer; the transport is where its KV went."""
+    return Timing(
+        queue_ms=msg.queue_ms,
+        prefill_ms=msg.compute_ms,
+        transfer_ms=msg.transfer_ms,
+        transfer_bytes=msg.transfer_bytes,
+        transport=(msg.kv.WhichOneof("location") or "") if msg.HasField("kv") else "",
     )
 
 

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.backends import Capacity
 from pdserve.compute import HostLease
 from pdserve.engine.gate import UNGATED, ComputeGate
+from pdserve.timing import RequestTiming
 from pdserve.worker import observability as obs
-from pdserve.worker.timing import RequestTiming
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,9 @@ import torch
 
 from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import PdServeError, UnknownRequestError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.worker.heartbeat import kv_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -38,11 +38,10 @@ import torch
 
 from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.worker.heartbeat import kv_fingerprint
 
 logger = logging.getLogger(__name__)
 

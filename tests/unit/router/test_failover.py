@@ -1,6 +1,6 @@
 """RequestFlow when workers fail it: a failed prefill is placed again away from the worker
 that failed it, and a decode stream that breaks mid-way migrates with the tokens already sent
-(scripted in-process services of ``test_router_flow``)."""
+(scripted in-process services of ``router/test_flow``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.router import FlowConfig, RequestFlow, RouteChunk
 from pdserve.router.downstream import DownstreamError
 from pdserve.tokenizer import Tokenizer
-from tests.unit.test_router_flow import DECODED, FIRST, Fakes, _collect, _request, run_with_fakes
+from tests.unit.router.test_flow import DECODED, FIRST, Fakes, _collect, _request, run_with_fakes
 
 
 @pytest.fixture(scope="module")

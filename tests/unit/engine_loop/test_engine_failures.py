@@ -13,11 +13,11 @@ import pytest
 from pdserve.engine.engine import Engine
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop.async_engine import AsyncEngine
+from pdserve.engine_loop.state import FailureTracker
 from pdserve.errors import InvalidArgumentError, RequestFailedError, WorkerUnavailableError
-from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.engine_state import FailureTracker
 from pdserve.worker.options import parse_engine_faults, parse_faults
-from tests.unit.test_async_engine import collect, prompts, run
+from tests.unit.engine_loop.test_async_engine import collect, prompts, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, seed=9, max_tokens=16, ignore_eos=True)

@@ -18,10 +18,10 @@ import torch
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine_loop.async_engine import AsyncEngine
+from pdserve.engine_loop.batch_window import BatchWindow
+from pdserve.engine_loop.commands import AbortCommand, Command, StopCommand
 from pdserve.errors import DuplicateRequestError, InvalidArgumentError, WorkerUnavailableError
-from pdserve.worker.async_engine import AsyncEngine
-from pdserve.worker.batch_window import BatchWindow
-from pdserve.worker.engine_commands import AbortCommand, Command, StopCommand
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,29 +1,13 @@
-"""Translations between pdserve.v1 messages and the worker's library types.
-
-Shared by the Prefill, Decode and Mixed servicers so that each of them stays a thin mapping.
-Sampling parameters and finish reasons use the project-wide ``pdserve.rpc.convert``.
-"""
+"""The KV handle (``KVLocation``) and the hand-off's measurements (``TransferRecord``)."""
 
 from __future__ import annotations
 
 from pdserve.backends import NativeKV
 from pdserve.errors import InvalidArgumentError
-from pdserve.rpc.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.stamp import CAPABILITY_BYTES
-from pdserve.v1 import common_pb2, decode_pb2
-from pdserve.worker.delta import DecodeDelta, StreamTiming
+from pdserve.v1 import common_pb2
 from pdserve.worker.handoff import KVLocation, TransferRecord
-
-__all__ = [
-    "chunk_to_proto",
-    "finish_reason_to_proto",
-    "handle_from_proto",
-    "handle_to_proto",
-    "sampling_from_proto",
-    "timing_to_proto",
-    "transfer_to_proto",
-]
 
 
 def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
@@ -145,31 +129,3 @@ def transfer_to_proto(r: TransferRecord) -> common_pb2.TransferTiming:
         wait_ms=r.wait_ms,
         prefetched=r.prefetched,
     )
-
-
-def timing_to_proto(t: StreamTiming) -> common_pb2.Timing:
-    timing = common_pb2.Timing(
-        queue_ms=t.queue_ms,
-        prefill_ms=t.prefill_ms,
-        transfer_ms=t.transfer_ms,
-        decode_ms=t.decode_ms,
-        ttft_ms=t.ttft_ms,
-        e2e_ms=t.e2e_ms,
-        transfer_bytes=t.transfer_bytes,
-        transport=t.transport,
-    )
-    if t.transfer is not None:
-        timing.transfer.CopyFrom(transfer_to_proto(t.transfer))
-    return timing
-
-
-def chunk_to_proto(delta: DecodeDelta) -> decode_pb2.DecodeChunk:
-    chunk = decode_pb2.DecodeChunk(
-        token_ids=delta.token_ids,
-        logprobs=delta.logprobs,
-        finish_reason=finish_reason_to_proto(delta.finish_reason),
-        num_cached_tokens=delta.num_cached_tokens,
-    )
-    if delta.timing is not None:
-        chunk.timing.CopyFrom(timing_to_proto(delta.timing))
-    return chunk

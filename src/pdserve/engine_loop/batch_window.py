@@ -19,8 +19,8 @@ import queue
 import time
 from collections.abc import Callable
 
+from pdserve.engine_loop.commands import Command
 from pdserve.errors import InvalidArgumentError
-from pdserve.worker.engine_commands import Command
 
 _EWMA_WEIGHT = 0.3
 """Weight of the latest burst in the moving average of requests per burst."""

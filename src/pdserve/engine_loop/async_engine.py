@@ -49,10 +49,9 @@ from pdserve.engine.outputs import RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.engine.step_meter import StepMeter
-from pdserve.errors import WorkerUnavailableError
-from pdserve.worker.batch_window import BatchWindow
-from pdserve.worker.coalesce import merge_ready
-from pdserve.worker.engine_commands import (
+from pdserve.engine_loop.batch_window import BatchWindow
+from pdserve.engine_loop.coalesce import merge_ready
+from pdserve.engine_loop.commands import (
     AbortCommand,
     AddCommand,
     CallCommand,
@@ -63,12 +62,13 @@ from pdserve.worker.engine_commands import (
     post_outputs,
     route_outputs,
 )
-from pdserve.worker.engine_state import (
+from pdserve.engine_loop.state import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     EngineSnapshot,
     FailureTracker,
 )
-from pdserve.worker.timing import RequestTiming
+from pdserve.errors import WorkerUnavailableError
+from pdserve.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 

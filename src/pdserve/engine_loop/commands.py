@@ -20,7 +20,7 @@ from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
-from pdserve.worker.timing import RequestTiming
+from pdserve.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import asyncio
 import torch
 
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine_loop.coalesce import merge_ready
 from pdserve.errors import WorkerUnavailableError
-from pdserve.worker.coalesce import merge_ready
 
 
 def _out(tokens: list[int], *, text: str = "", finish: FinishReason | None = None) -> RequestOutput:

@@ -1,0 +1,1 @@
+"""The paged-KV, continuously batching engine: scheduler, block manager, model runner, sampler."""

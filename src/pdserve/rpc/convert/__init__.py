@@ -1,0 +1,63 @@
+"""Every conversion between ``pdserve.v1`` messages and the library's domain types.
+
+Every function that reads a message validates it: a bad value raises
+``InvalidArgumentError`` whose ``field`` is the dotted path of the offending proto field
+(``sampling.max_tokens``), so a gRPC caller learns exactly what to fix. Proto3 enums are open
+(an unknown number survives parsing), so enum readers reject numbers the schema does not name.
+
+``common``: what every service shares (sampling, token ids, enums, usage, timing), re-exported
+here. ``kv``: the KV handle and the hand-off's measurements. ``worker``: the Prefill, Decode
+and Mixed services' answers. ``router``: the Router service's answers. The last three name
+the domain types of their layers and are imported by module, so that a layer importing this
+package does not pull in the others.
+"""
+
+from __future__ import annotations
+
+from pdserve.rpc.convert.common import (
+    FINISH_REASON_NAMES,
+    MODE_NAMES,
+    MODES_BY_NAME,
+    ROLE_NAMES,
+    ROLES_BY_NAME,
+    check_enum,
+    check_sampling_against,
+    check_token_ids,
+    finish_reason_from_proto,
+    finish_reason_name,
+    finish_reason_to_proto,
+    mode_from_name,
+    mode_from_proto,
+    prefill_timing_from_proto,
+    role_from_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+    timing_from_proto,
+    timing_to_dict,
+    timing_to_proto,
+    usage_to_proto,
+)
+
+__all__ = [
+    "FINISH_REASON_NAMES",
+    "MODES_BY_NAME",
+    "MODE_NAMES",
+    "ROLES_BY_NAME",
+    "ROLE_NAMES",
+    "check_enum",
+    "check_sampling_against",
+    "check_token_ids",
+    "finish_reason_from_proto",
+    "finish_reason_name",
+    "finish_reason_to_proto",
+    "mode_from_name",
+    "mode_from_proto",
+    "prefill_timing_from_proto",
+    "role_from_proto",
+    "sampling_from_proto",
+    "sampling_to_proto",
+    "timing_from_proto",
+    "timing_to_dict",
+    "timing_to_proto",
+    "usage_to_proto",
+]

@@ -1,0 +1,45 @@
+"""The worker services' answers: ``PrefillResult`` -> ``PrefillResponse``, ``DecodeDelta`` ->
+``DecodeChunk``."""
+
+from __future__ import annotations
+
+from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto
+from pdserve.rpc.convert.kv import handle_to_proto, transfer_to_proto
+from pdserve.v1 import decode_pb2, prefill_pb2
+from pdserve.worker.delta import DecodeDelta
+from pdserve.worker.prefill import PrefillResult
+
+
+def prefill_response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
+    """The answer to ``Prefill.Prefill``: the first token, the KV's handle, the figures."""
+    t = result.timing
+    response = prefill_pb2.PrefillResponse(
+        first_token_id=result.first_token_id,
+        first_logprob=result.first_logprob,
+        finish_reason=finish_reason_to_proto(result.finish_reason),
+        queue_ms=t.queue_ms,
+        compute_ms=t.prefill_ms,
+        transfer_ms=t.transfer_ms,
+        transfer_bytes=t.transfer_bytes,
+        num_cached_tokens=result.num_cached_tokens,
+    )
+    if result.kv is not None:
+        response.kv.CopyFrom(handle_to_proto(result.kv))
+    if result.transfer is not None:
+        response.transfer.CopyFrom(transfer_to_proto(result.transfer))
+    return response
+
+
+def chunk_to_proto(delta: DecodeDelta) -> decode_pb2.DecodeChunk:
+    """One ``Decode.Decode`` / ``Mixed.Generate`` chunk; the last one carries the timing."""
+    chunk = decode_pb2.DecodeChunk(
+        token_ids=delta.token_ids,
+        logprobs=delta.logprobs,
+        finish_reason=finish_reason_to_proto(delta.finish_reason),
+        num_cached_tokens=delta.num_cached_tokens,
+    )
+    if delta.finished is not None:
+        chunk.timing.CopyFrom(timing_to_proto(delta.finished.timing))
+        if delta.finished.transfer is not None:
+            chunk.timing.transfer.CopyFrom(transfer_to_proto(delta.finished.transfer))
+    return chunk
