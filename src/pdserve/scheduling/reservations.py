@@ -355,11 +355,11 @@ class ReservationLedger:
                 if prefill_only and not drops and not rewrites:
                     return False
                 tenant_key = record.get("tenant_key")
-                if not keep and tenant_key:  # all of it goes: the tenant's count too
-                    drops.append((tenant_key, record["tenant_member"]))
                 pipe.multi()
                 for key, member in drops:
                     pipe.zrem(key, member)
+                if not keep and tenant_key:  # all of it goes: the tenant's count too
+                    pipe.zrem(tenant_key, record["tenant_member"])
                 for key, old, new, score in rewrites:
                     pipe.zrem(key, old)
                     pipe.zadd(key, {new: score})
@@ -372,9 +372,8 @@ class ReservationLedger:
                     await pipe.execute()
                 except WatchError:
                     continue  # a concurrent renew/release touched the record; read it again
-                if on_released is not None:  # the workers' shares (not the tenant's count)
-                    worker_drops = [d for d in drops if d[0] != tenant_key]
-                    _report_released(worker_drops, rewrites, on_released)
+                if on_released is not None:
+                    _report_released(drops, rewrites, on_released)
                 return True
         raise WatchError(f"reservation {reservation_id}: too many concurrent updates")
 
