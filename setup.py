@@ -3,7 +3,7 @@
 - The shm sender's one-pass copy and checksum (``src/pdserve/transfer/_hashcopy.c``), built
   twice (baseline and AVX2; ``checksum.py`` picks one at import). Without it the sender copies
   with numpy and hashes with the xxhash package (the same checksums, one more pass over memory;
-  ``pdserve.transfer.checksum``).
+  ``pdserve.transfer.shm.checksum``).
 - The CPU attention kernels (``src/pdserve/models/_attention.cpp``), built three times
   (portable, AVX2 and AVX512-BF16; ``cpu_attention.py`` picks one at import). Without them the model attends with
   torch's ``scaled_dot_product_attention``. Compiled with ``-fopenmp`` but NOT linked against

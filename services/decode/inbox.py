@@ -21,8 +21,9 @@ from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.chunks import ChunkReader
 from pdserve.kvstore.store import KVStore, Part
 from pdserve.kvstore.wire import Buffer
-from pdserve.worker.frames import FrameCollector, read_header
-from pdserve.worker.handoff import STORE_KEY_PREFIX
+from pdserve.transfer.base import STORE_KEY_PREFIX
+from pdserve.transfer.stream.frames import FrameCollector
+from pdserve.transfer.stream.header import read_header
 from services.kvstore.servicer import KVStoreServicer, PutSink
 
 

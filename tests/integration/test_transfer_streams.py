@@ -34,17 +34,25 @@ from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc.server import build_server
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
+from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.janitor import SHM_DIR, segment_name
-from pdserve.transfer.stream import StreamHeader
-from pdserve.worker import frames, outbound
+from pdserve.transfer.stream import frames
+from pdserve.transfer.stream import sender as stream_sender
+from pdserve.transfer.stream.frames import (
+    FRAME_HEAD,
+    FrameCollector,
+    LayerCopy,
+    frame_bytes,
+    stream_bytes,
+)
+from pdserve.transfer.stream.header import StreamHeader
+from pdserve.transfer.stream.sender import StreamSender
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, frame_bytes, stream_bytes
-from pdserve.worker.outbound import SendFaults, StreamSender
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
 from services.decode.inbox import InboxServicer
 from services.kvstore.servicer import KVStoreServicer
-from tests.unit.test_frame_collector import received
+from tests.unit.transfer.stream.test_frames import received
 
 pytestmark = pytest.mark.integration
 
@@ -455,7 +463,7 @@ def test_large_layers_are_sealed_as_they_are_taken_small_ones_by_the_loop(
     n = 11
     if not inline:
         size = frame_bytes(LAYOUT, n, Compression.NONE)
-        monkeypatch.setattr(outbound, "INLINE_SEAL_BYTES", size - 1)
+        monkeypatch.setattr(stream_sender, "INLINE_SEAL_BYTES", size - 1)
 
     async def body() -> None:
         async with AsyncExitStack() as stack:
@@ -471,7 +479,7 @@ def test_large_layers_are_sealed_as_they_are_taken_small_ones_by_the_loop(
             descriptor = await sender.commit(5.0)
             assert sealer.submitted == (0 if inline else LAYOUT.num_layers)
             collector: FrameCollector | None = None
-            async for chunk in client.stream(descriptor.name, delete_after_read=True):
+            async for chunk in client.stream(descriptor.key, delete_after_read=True):
                 collector = collector or FrameCollector(StreamHeader.decode(chunk.header))
                 collector.feed(chunk.data, chunk.crc32)
             assert collector is not None

@@ -10,18 +10,18 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.base import TransferStats, TransportKind
-from pdserve.worker.handoff import KVLocation
+from pdserve.transfer.base import HandoffRecord, KVLocation, TransferState, TransportKind
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefetch import TAKE_GRACE_S, Prefetch, Prefetches
 
 
-class FakeInbound:
+class FakeReceiver:
     """Receives once ``release`` is set; counts discards."""
 
     def __init__(self) -> None:
         self.kind = TransportKind.STORE
-        self.stats = TransferStats(TransportKind.STORE)
+        self.record = HandoffRecord(TransportKind.STORE.value)
+        self.state = TransferState.PENDING
         self.compression = "none"
         self.release = asyncio.Event()
         self.discarded = 0
@@ -47,11 +47,11 @@ def location(rid: str = "r", key: str = "kv/r") -> KVLocation:
 
 def test_the_matching_decode_call_takes_the_read() -> None:
     async def body() -> None:
-        prefetches, inbound = Prefetches(), FakeInbound()
+        prefetches, inbound = Prefetches(), FakeReceiver()
         assert prefetches.start(location(), inbound, 10.0)
-        assert not prefetches.start(location(), FakeInbound(), 10.0)  # one per request
+        assert not prefetches.start(location(), FakeReceiver(), 10.0)  # one per request
         taken = await prefetches.take(location())
-        assert taken is not None and taken.inbound is inbound and len(prefetches) == 0
+        assert taken is not None and taken.receiver is inbound and len(prefetches) == 0
         inbound.release.set()
         await taken.task
         assert inbound.finished and inbound.discarded == 0  # the Decode call owns it now
@@ -61,7 +61,7 @@ def test_the_matching_decode_call_takes_the_read() -> None:
 
 def test_a_decode_call_naming_another_location_drops_the_read() -> None:
     async def body() -> None:
-        prefetches, inbound = Prefetches(), FakeInbound()
+        prefetches, inbound = Prefetches(), FakeReceiver()
         prefetches.start(location(), inbound, 10.0)
         moved = dataclasses.replace(location(), kind=TransportKind.RECOMPUTE, key="")
         assert await prefetches.take(moved) is None
@@ -74,7 +74,7 @@ def test_a_decode_call_naming_another_location_drops_the_read() -> None:
 
 def test_a_stranger_naming_the_request_neither_takes_nor_drops_the_read() -> None:
     async def body() -> None:
-        prefetches, inbound = Prefetches(), FakeInbound()
+        prefetches, inbound = Prefetches(), FakeReceiver()
         prefetches.start(location(), inbound, 10.0)
         forged = dataclasses.replace(location(), capability=bytes(16))  # all else right
         fallback = dataclasses.replace(forged, kind=TransportKind.RECOMPUTE, key="")
@@ -82,7 +82,7 @@ def test_a_stranger_naming_the_request_neither_takes_nor_drops_the_read() -> Non
             assert await prefetches.take(attempt) is None
         assert len(prefetches) == 1 and inbound.discarded == 0  # still the owner's
         taken = await prefetches.take(location())
-        assert taken is not None and taken.inbound is inbound
+        assert taken is not None and taken.receiver is inbound
 
     asyncio.run(body())
 
@@ -90,7 +90,7 @@ def test_a_stranger_naming_the_request_neither_takes_nor_drops_the_read() -> Non
 def test_close_cancels_and_frees_every_read() -> None:
     async def body() -> None:
         prefetches = Prefetches(max_pending=2)
-        inbounds = [FakeInbound() for _ in range(3)]
+        inbounds = [FakeReceiver() for _ in range(3)]
         started = [prefetches.start(location(f"r{i}"), b, 10.0) for i, b in enumerate(inbounds)]
         assert started == [True, True, False]  # the cap: the Decode call reads the third
         await prefetches.close()
@@ -112,7 +112,7 @@ def test_close_cancels_and_frees_every_read() -> None:
 def test_expiry(done_at: float, now: float, expired: bool) -> None:
     async def body() -> None:
         task = asyncio.get_running_loop().create_task(asyncio.sleep(0))
-        prefetch = Prefetch(location(), FakeInbound(), task, expires_at=100.0, done_at=done_at)
+        prefetch = Prefetch(location(), FakeReceiver(), task, expires_at=100.0, done_at=done_at)
         assert prefetch.expired(now) is expired
         await task
 

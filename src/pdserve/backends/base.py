@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pdserve.engine.step_meter import StepModel
+from pdserve.transfer.handle import NativeKV  # the handle travels in ``KVLocation``
 
 if TYPE_CHECKING:
     from pdserve.engine.gate import ComputeGate
@@ -55,23 +56,6 @@ class Handoff(StrEnum):
     """Kept in the engine's blocks until ``export_kv`` or ``abort``."""
     NATIVE = "native"
     """Kept by the engine for its own transfer; ``Prefilled.native`` names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class NativeKV:
-    """A prefill's KV held by an engine that moves it itself (``pdserve.v1.NativeLocation``).
-
-    The fields are those of TensorRT-LLM's disaggregated parameters: the context request's id,
-    the first token(s) it produced, and the engine's own state for the transfer (the cache
-    transceiver's connection details), opaque to pdserve.
-    """
-
-    backend: str
-    """The backend that wrote it (``BACKEND_NAMES``); another one refuses it."""
-    ctx_request_id: int
-    first_gen_tokens: tuple[int, ...]
-    opaque_state: bytes = b""
-    draft_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,33 +1,41 @@
-"""The transport interface of a KV hand-off, its states, descriptor and statistics.
+"""The one interface of a KV hand-off: ``KVSender``, ``KVReceiver``, their states and the
+``TransportRegistry`` the worker roles choose them from.
 
 Lifecycle of one hand-off (one ``KVSender`` on the prefill worker, one ``KVReceiver`` on the
 decode worker, both used once):
 
   1. Reserve (prefill): ``sender.begin(request_id, engine.layout, num_prompt_tokens)`` before
      the request is added; the transport reserves room for the header and every layer (an shm
-     segment, a store entry, a stream). PENDING -> SENDING.
-  2. Send (prefill): the engine runs the request with ``hold_kv=True, layer_hook=
-     sender.send_layer``; during the final prefill chunk the hook fires once per layer with
-     that layer's ``[num_tokens, kv_heads, head_dim]`` K and V, and the transport writes them
-     out while the later layers are still being computed. ``send_layer`` never raises into the
-     engine (that would fail the whole batch): a failure is recorded and raised by ``finish``.
-  3. Commit/seal (prefill): after the first token, ``sender.finish()`` checks every layer
-     arrived, seals the data and returns a ``TransferDescriptor`` (the ``KVHandle`` of the
-     RPC). SENDING -> SENT. Ownership of the data passes to the receiver. The worker then frees
-     the engine's held blocks (``release_kv``). On any failure before that, ``sender.abort()``
-     frees what ``begin`` reserved (-> FAILED); after SENT, ``abort`` revokes the hand-off.
-  4. Receive (decode): ``await receiver.receive(descriptor, timeout_s)`` fetches the data.
+     segment, a store entry, a stream). PENDING -> SENDING. ``sender.planned()`` then says
+     where the data is going (the ``KVLocation`` that ``commit`` will return).
+  2. Send (prefill): the engine runs the request with the layer hook ``sender.send_layer``;
+     during the final prefill chunk the hook fires once per layer with that layer's
+     ``[num_tokens, kv_heads, head_dim]`` K and V, and the transport writes them out while the
+     later layers are still being computed. ``send_layer`` never raises into the engine (that
+     would fail the whole batch): a failure is recorded and raised by ``commit``.
+  3. Commit (prefill): after the first token, ``await sender.commit(timeout_s)`` checks every
+     layer arrived, seals the data (waits, bounded, for the endpoint's acknowledgement) and
+     returns the ``KVLocation`` (the ``KVHandle`` of the RPC). SENDING -> SENT. Ownership of
+     the data passes to the receiver. On every other path ``await sender.discard()`` frees
+     what ``begin`` reserved (-> FAILED); after SENT, ``discard`` revokes the hand-off.
+  4. Receive (decode): a receiver made for the ``KVLocation`` (``TransportRegistry.receiver``);
+     ``await receiver.receive(timeout_s)`` fetches the data within ``timeout_s``.
      PENDING -> RECEIVING.
-  5. Verify (decode): per-layer CRC-32s, the header's layout against the descriptor and the
+  5. Verify (decode): per-layer checksums, the header's layout against the location and the
      decode engine's layout (``KVPayloadMismatchError``); a bad or missing layer or a timeout
      is ``KVTransferError``. Either one -> FAILED, and the decode side falls back (recompute).
-  6. Import (decode): ``receive`` returns a ``KVPayload``; the worker passes it to
-     ``engine.add_request(..., kv=payload, first_token=...)``. RECEIVING -> DONE.
-  7. Release: the receiver frees the transport's copy as soon as it has read it (shm: unlink
-     the segment; a reused slot is freed once the engine imported the payload,
-     ``KVPayload.release``) on success and on failure; ``receiver.cleanup()`` is the
-     idempotent backstop for cancellation. What a crashed process leaves behind,
-     ``janitor.reclaim_orphans`` frees.
+  6. Import (decode): ``receive`` returns a ``KVPayload``; the worker passes it to the engine.
+     RECEIVING -> DONE.
+  7. Release: the receiver frees the transport's copy as soon as it has read it (store:
+     read-and-delete; shm: unlink the segment; a reused slot is freed once the engine imported
+     the payload, ``KVPayload.release``); ``await receiver.discard()`` is the idempotent
+     backstop on every path. What a crashed process leaves behind, ``janitor.reclaim_orphans``
+     frees.
+
+Both sides keep a ``HandoffRecord`` (``record``) of their stamps. Backends: ``transfer.stream``
+(``store``/``direct``: the layer stream into a KVStore endpoint), ``transfer.shm`` (same host),
+``transfer.fake`` (in memory, on the stream's real frames; tests). ``transfer.wrappers`` change
+a sender's hand-off on its way out.
 
 This module imports no torch (the policy and janitor use it from torch-free processes); the
 tensor-facing types appear in annotations only.
@@ -35,17 +43,41 @@ tensor-facing types appear in annotations only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 from typing import TYPE_CHECKING, Protocol
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.transfer.handle import (
+    STORE_KEY_PREFIX,
+    KVLocation,
+    NativeKV,
+    TransportKind,
+    store_key,
+)
+from pdserve.transfer.record import HandoffRecord
 
 if TYPE_CHECKING:
     import torch
 
     from pdserve.engine.kv_payload import KVLayout, KVPayload
+
+__all__ = [
+    "STORE_KEY_PREFIX",
+    "HandoffRecord",
+    "KVLocation",
+    "KVReceiver",
+    "KVSender",
+    "NativeKV",
+    "ReceiverFactory",
+    "SenderFactory",
+    "TransferState",
+    "Transport",
+    "TransportKind",
+    "TransportRegistry",
+    "advance",
+    "store_key",
+]
 
 
 class TransferState(IntEnum):
@@ -83,163 +115,106 @@ def advance(current: TransferState, new: TransferState) -> TransferState:
     return new
 
 
-class TransportKind(StrEnum):
-    """How the KV gets from prefill to decode. Values are the ``Timing.transport`` names."""
-
-    STORE = "store"
-    """Through the KVStore service (put by prefill, get by decode)."""
-    DIRECT = "direct"
-    """Streamed from the prefill worker's own KV endpoint to the decode worker."""
-    SHM = "shm"
-    """A POSIX shared-memory segment; prefill and decode on the same host."""
-    RECOMPUTE = "recompute"
-    """Nothing moves: the decode worker prefills the prompt again."""
-    NATIVE = "native"
-    """The engines move it themselves (TensorRT-LLM's cache transceiver): pdserve carries only
-    the handle (``pdserve.backends.NativeKV``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransferDescriptor:
-    """What ``finish`` returns and the decode side needs: the ``KVHandle`` of the RPC.
-
-    ``layout`` and ``layer_checksums`` are None/empty when the descriptor was rebuilt from a
-    ``KVHandle`` (which carries neither); transports whose data is self-describing (shm) then
-    read both from the data itself.
-    """
-
-    kind: TransportKind
-    request_id: str
-    num_tokens: int
-    num_bytes: int
-    """KV bytes moved (the shm segment's length, the stream's size)."""
-    model_fingerprint: str
-    name: str
-    """shm: the segment name; store/direct: the key; fake: the stream key."""
-    host: str = ""
-    """shm: the writer's host name; store/direct: the endpoint's host:port."""
-    offset: int = 0
-    length: int = 0
-    layout: KVLayout | None = None
-    layer_checksums: tuple[int, ...] = ()
-    """CRC-32 of each layer's bytes as sent (K then V)."""
-    compression: str = "none"
-    generation: int = 0
-    """shm: the hand-off's generation in a reused slot (``slots.py``); 0: a one-off segment."""
-    capability: bytes = b""
-    """16 random bytes the writer chose for this hand-off (``stamp.py``): what a reader must
-    present to read, claim, free or unlink it. store/direct: part of the key as well."""
-
-
-@dataclass(slots=True)
-class TransferStats:
-    """Timings of one side of a hand-off (``time.monotonic_ns``; same-host comparable only).
-
-    The sender fills ``send_*``, ``first/last_layer_ns`` and ``hook_ns``; the receiver fills
-    ``recv_*``. ``merged`` combines the two sides' records of one hand-off.
-    """
-
-    transport: TransportKind
-    num_bytes: int = 0
-    send_start_ns: int = 0
-    """``begin`` (reservation)."""
-    send_end_ns: int = 0
-    """``finish`` returned (sealed)."""
-    first_layer_ns: int = 0
-    last_layer_ns: int = 0
-    hook_ns: int = 0
-    """Time spent inside ``send_layer`` and ``finish``: transfer work on the sender."""
-    recv_start_ns: int = 0
-    recv_end_ns: int = 0
-    fallback_reason: str = ""
-    """Why the hand-off fell back (to recompute); empty when it did not."""
-
-    @property
-    def overlap_ms(self) -> float:
-        """Span of the layer writes: transfer interleaved with the prefill's forward pass.
-
-        0 when the KV moved only after compute (export, then put).
-        """
-        if not (self.first_layer_ns and self.last_layer_ns):
-            return 0.0
-        return (self.last_layer_ns - self.first_layer_ns) / 1e6
-
-    @property
-    def send_ms(self) -> float:
-        return max(0, self.send_end_ns - self.send_start_ns) / 1e6 if self.send_end_ns else 0.0
-
-    @property
-    def recv_ms(self) -> float:
-        return max(0, self.recv_end_ns - self.recv_start_ns) / 1e6 if self.recv_end_ns else 0.0
-
-    @property
-    def bytes_per_s(self) -> float:
-        """Bytes over the busier side's transfer time (the bottleneck); 0 when unknown."""
-        busy_ns = max(
-            self.hook_ns, self.recv_end_ns - self.recv_start_ns if self.recv_end_ns else 0
-        )
-        return self.num_bytes * 1e9 / busy_ns if busy_ns > 0 and self.num_bytes else 0.0
-
-    def merged(self, other: TransferStats) -> TransferStats:
-        """This record with every unset (zero/empty) field taken from ``other``."""
-        values = {
-            name: getattr(self, name) or getattr(other, name) for name in self.__dataclass_fields__
-        }
-        return TransferStats(**values)
-
-
 class KVSender(Protocol):
     """The prefill side of one hand-off (steps 1-3 of the lifecycle)."""
 
-    kind: TransportKind
-    state: TransferState
-    stats: TransferStats
+    @property
+    def kind(self) -> TransportKind: ...
+
+    @property
+    def state(self) -> TransferState: ...
+
+    @property
+    def record(self) -> HandoffRecord:
+        """This side's stamps, filled as the hand-off goes."""
+        ...
+
+    @property
+    def busy_ns(self) -> int:
+        """Time the transport was busy moving bytes (idle waits for the compute excluded)."""
+        ...
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         """Reserve room for the header and every layer. Raises on failure (nothing held)."""
         ...
 
+    def planned(self) -> KVLocation:
+        """After ``begin``: where the data is going (what ``commit`` will return)."""
+        ...
+
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A ``LayerHook``: write one layer's ``[num_tokens, kvh, hd]`` K and V (views valid
-        only during the call). Never raises; a failure surfaces in ``finish``."""
+        """A ``LayerHook``: write one layer's ``[num_tokens, kvh, hd]`` K and V (the engine's
+        gathered copies, which a sender may keep). Never raises; a failure surfaces in
+        ``commit``."""
         ...
 
-    def finish(self) -> TransferDescriptor:
-        """Check that every layer arrived, seal, and describe where the data is."""
+    async def commit(self, timeout_s: float) -> KVLocation:
+        """Check that every layer arrived, seal (within ``timeout_s``), say where the data is.
+        ``KVTransferError`` (or another ``PdServeError``) when it cannot."""
         ...
 
-    def abort(self) -> None:
-        """Free whatever ``begin`` reserved (idempotent); after ``finish``, revoke."""
+    async def discard(self) -> None:
+        """Free whatever ``begin`` reserved (idempotent); after ``commit``, revoke."""
         ...
 
 
 class KVReceiver(Protocol):
-    """The decode side of one hand-off (steps 4-7 of the lifecycle)."""
+    """The decode side of one hand-off, made for one ``KVLocation`` (steps 4-7)."""
 
-    kind: TransportKind
-    state: TransferState
-    stats: TransferStats
+    @property
+    def kind(self) -> TransportKind: ...
 
-    async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
-        """Fetch, verify and return the payload, then free the transport's copy."""
+    @property
+    def state(self) -> TransferState: ...
+
+    @property
+    def record(self) -> HandoffRecord:
+        """This side's stamps, filled as the hand-off goes."""
         ...
 
-    def cleanup(self) -> None:
+    @property
+    def compression(self) -> str:
+        """The payload's encoding as it travelled (known once ``receive`` read the header)."""
+        ...
+
+    async def receive(self, timeout_s: float) -> KVPayload:
+        """Fetch, verify and return the payload within ``timeout_s``, then free the
+        transport's copy."""
+        ...
+
+    async def discard(self) -> None:
         """Free the transport's copy if ``receive`` did not (idempotent)."""
         ...
 
 
+class SenderFactory(Protocol):
+    """A fresh sender for one hand-off; ``peer_address``: the decode worker's KV endpoint
+    (``direct``; the others ignore it)."""
+
+    def __call__(self, peer_address: str) -> KVSender: ...
+
+
+class ReceiverFactory(Protocol):
+    """A fresh receiver of ``location``; ``follow``: one that reads while the writer still
+    writes (a prefetch)."""
+
+    def __call__(self, location: KVLocation, *, follow: bool = False) -> KVReceiver: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Transport:
-    """Factories of one implementation: a fresh sender/receiver per hand-off."""
+    """Factories of one implementation, as one process uses it: a prefill worker registers
+    senders, a decode worker receivers (None: this process does not use that side)."""
 
-    sender: Callable[[], KVSender]
-    receiver: Callable[[], KVReceiver]
+    sender: SenderFactory | None = None
+    receiver: ReceiverFactory | None = None
 
 
 @dataclass(slots=True)
 class TransportRegistry:
-    """Implementations by kind. Each process builds its own (see ``default_registry``)."""
+    """Implementations by kind. Each worker builds its own, bound to its resources (its KV
+    store clients, copy threads, shm slots); ``recompute`` and ``native`` move nothing through
+    pdserve and have none."""
 
     implementations: dict[TransportKind, Transport] = field(default_factory=dict)
 
@@ -259,25 +234,18 @@ class TransportRegistry:
                 "transport", f"{kind.value!r} is not available here; registered: {known}"
             ) from None
 
+    def sender(self, kind: TransportKind, peer_address: str = "") -> KVSender:
+        """A sender of ``kind``; ``InvalidArgumentError`` when this process has none."""
+        make = self.get(kind).sender
+        if make is None:
+            raise InvalidArgumentError("transport", f"{kind.value!r} sends nothing here")
+        return make(peer_address)
 
-def default_registry(*, host: str | None = None) -> TransportRegistry:
-    """A registry with the transports that need no service: shm (on this host).
-
-    Its shm senders and receivers share one copy thread (a ``ThreadPoolExecutor`` owned by
-    the registry, started on first use): each hand-off copies or checks K there while its own
-    thread does V. A pool task never waits on another, so sharing it cannot deadlock.
-    """
-    # Imported here: shm imports this module (and torch), which callers of the policy avoid.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from pdserve.transfer.shm import ShmReceiver, ShmSender
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-copy")
-    registry = TransportRegistry()
-    registry.register(
-        TransportKind.SHM,
-        Transport(
-            lambda: ShmSender(host=host, pool=pool), lambda: ShmReceiver(host=host, pool=pool)
-        ),
-    )
-    return registry
+    def receiver(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
+        """A receiver of ``location``; ``InvalidArgumentError`` when this process has none."""
+        make = self.get(location.kind).receiver
+        if make is None:
+            raise InvalidArgumentError(
+                "transport", f"{location.kind.value!r} receives nothing here"
+            )
+        return make(location, follow=follow)

@@ -1,14 +1,14 @@
 """The worker roles: prefill, decode and mixed workers, their runtime, options and heartbeats.
 
 The engine thread loop lives in ``pdserve.engine_loop``, prefix reuse in ``pdserve.prefix``,
-the per-request timing record in ``pdserve.timing``.
+the per-request timing record in ``pdserve.timing``, the KV hand-off (its interface,
+``KVLocation``, ``HandoffRecord`` and transports) in ``pdserve.transfer``.
 """
 
 from __future__ import annotations
 
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.delta import DecodeDelta, Finished
-from pdserve.worker.handoff import KVLocation, TransferRecord, store_key
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, worker_info
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker, check_request
@@ -17,14 +17,11 @@ __all__ = [
     "DecodeDelta",
     "DecodeWorker",
     "Finished",
-    "KVLocation",
     "PrefillResult",
     "PrefillWorker",
     "TransferOptions",
-    "TransferRecord",
     "WorkerHeartbeat",
     "WorkerIdentity",
     "check_request",
-    "store_key",
     "worker_info",
 ]

@@ -64,12 +64,10 @@ from pdserve.kvstore.store import KVStore
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.timing import RequestTiming
-from pdserve.transfer.base import TransportKind
-from pdserve.transfer.shm import ShmReceiver
-from pdserve.transfer.slots import SlotMappings
+from pdserve.transfer.base import HandoffRecord, KVLocation, KVReceiver, TransportKind
+from pdserve.transfer.shm.slots import SlotMappings
+from pdserve.transfer.transports import ReceiveSide, receivers
 from pdserve.worker.delta import DecodeDelta, Finished, delta_of
-from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.inbound import Inbound, LocalInbound, ShmInbound, StreamInbound
 from pdserve.worker.migration import Resumed, resume
 from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
@@ -94,7 +92,7 @@ class PrefetchOutcome:
 class _Arrival:
     payload: KVPayload | NativeKV | None
     """None: the backend computes the prompt itself (a recompute it does not export)."""
-    record: TransferRecord
+    record: HandoffRecord
     transfer_ms: float
     recompute_ms: float
 
@@ -138,6 +136,12 @@ class DecodeWorker:
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.slots``).
         self._slot_maps = SlotMappings()
+        self.transports = receivers(
+            ReceiveSide(
+                store=self._store, expected_layout=engine.layout, host=self.host, inbox=inbox,
+                address=address, hash_pool=self._hash_pool, slot_maps=self._slot_maps,
+            )
+        )  # fmt: skip
         if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
             inbox.route_lookups(
                 decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
@@ -160,9 +164,8 @@ class DecodeWorker:
             )
         return client
 
-    def _inbound(self, kv: KVLocation, *, follow: bool = False) -> Inbound | None:
+    def _receiver(self, kv: KVLocation, *, follow: bool = False) -> KVReceiver | None:
         """The receiver of ``kv``; ``follow``: one that reads while the writer writes."""
-        layout = self.engine.layout
         if kv.kind in (TransportKind.RECOMPUTE, TransportKind.NATIVE):
             return None
         if not self.engine.features.kv_payload:
@@ -171,21 +174,7 @@ class DecodeWorker:
                 f"the {self.engine.name} backend's KV cannot enter its engine as bytes, so a "
                 f"{kv.kind} hand-off cannot reach it",
             )
-        if kv.kind is TransportKind.SHM:
-            receiver = ShmReceiver(
-                expected_layout=layout,
-                host=self.host,
-                pool=self._hash_pool,
-                follow=follow,
-                slots=self._slot_maps,
-            )
-            return ShmInbound(receiver, kv)
-        local = self.inbox is not None and kv.address == self.address
-        if kv.kind is TransportKind.DIRECT and local and self.inbox is not None:
-            return LocalInbound(self.inbox, kv, expected_layout=layout)
-        if not kv.address:
-            raise InvalidArgumentError(f"kv.{kv.kind}.address", "must be the endpoint's host:port")
-        return StreamInbound(self._store(kv.address), kv, expected_layout=layout, follow=follow)
+        return self.transports.receiver(kv, follow=follow)
 
     # -- Prefetch --------------------------------------------------------------------------
     async def prefetch(self, kv: KVLocation) -> PrefetchOutcome:
@@ -196,8 +185,8 @@ class DecodeWorker:
             return PrefetchOutcome(accepted=False)
         if kv.kind is TransportKind.STORE and not kv.address:
             raise InvalidArgumentError("kv.store.address", "must be the store's host:port")
-        inbound = self._inbound(kv, follow=True)  # holds nothing until it receives
-        if inbound is None or not self.prefetches.start(kv, inbound, PREFETCH_TIMEOUT_S):
+        receiver = self._receiver(kv, follow=True)  # holds nothing until it receives
+        if receiver is None or not self.prefetches.start(kv, receiver, PREFETCH_TIMEOUT_S):
             return PrefetchOutcome(accepted=False)
         try:
             reason = await self.prefetches.wait(kv.request_id)
@@ -242,7 +231,7 @@ class DecodeWorker:
             return
         started = time.perf_counter()
         prefetch = await self.prefetches.take(kv)
-        inbound = prefetch.inbound if prefetch is not None else self._inbound(kv)
+        receiver = prefetch.receiver if prefetch is not None else self._receiver(kv)
         try:
             check_request(self.engine, request_id, prompt_ids, params)
             # A recompute handle moves no KV: one without a fingerprint (a migrated colocated
@@ -260,11 +249,11 @@ class DecodeWorker:
                     f"{len(prompt_ids)} tokens",
                 )
             arrival = await self._arrive(
-                request_id, prompt_ids, params, kv, inbound, tenant, reservation_id, prefetch
+                request_id, prompt_ids, params, kv, receiver, tenant, reservation_id, prefetch
             )
         finally:
-            if inbound is not None:
-                await inbound.discard()  # a no-op once a read consumed it
+            if receiver is not None:
+                await receiver.discard()  # a no-op once a read consumed it
 
         timing = RequestTiming()
         stream = self.engine.decode(
@@ -298,7 +287,7 @@ class DecodeWorker:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         kv: KVLocation,
-        inbound: Inbound | None,
+        receiver: KVReceiver | None,
         tenant: str,
         reservation_id: str,
         prefetch: Prefetch | None = None,
@@ -308,10 +297,10 @@ class DecodeWorker:
         if kv.kind is TransportKind.NATIVE:  # the engine pulls the KV as the decode starts
             if kv.native is None:
                 raise InvalidArgumentError("kv.native", "a native location needs its handle")
-            return _Arrival(kv.native, TransferRecord(TransportKind.NATIVE.value), 0.0, 0.0)
+            return _Arrival(kv.native, HandoffRecord(TransportKind.NATIVE.value), 0.0, 0.0)
         reason = kv.reason or "nothing was sent"
         transfer_ms = 0.0
-        if inbound is not None:
+        if receiver is not None:
             peer = kv.host or kv.address
             timeout = self.links.timeout_s(peer, kv.kind, kv.num_bytes, self.transfer_timeout_s)
             start = time.perf_counter()
@@ -319,7 +308,7 @@ class DecodeWorker:
                 if prefetch is not None:  # only its tail is left: the transfer's own bound
                     payload = await asyncio.wait_for(prefetch.task, timeout)
                 else:
-                    payload = await inbound.receive(timeout)
+                    payload = await receiver.receive(timeout)
                 if kv.prefix_tokens:  # the rest of the prompt; its prefix is in our cache
                     payload = await decode_prefix.join_cached_prefix(
                         self.engine, payload, prompt_ids, kv.prefix_tokens, tenant
@@ -330,15 +319,14 @@ class DecodeWorker:
                 logger.warning("%s: %s; recomputing", request_id, reason)
             else:
                 waited = (time.perf_counter() - start) * 1000.0
-                record = TransferRecord.received(
-                    inbound.stats,
-                    compression=inbound.compression,
+                record = receiver.record.received(
+                    compression=receiver.compression,
                     wait_ms=waited if prefetch is not None else None,
                 )
                 if prefetch is None:  # a prefetch's read is paced by the prefill, not the link
                     self.links.observe(peer, record)
                 return _Arrival(payload, record, waited, 0.0)
-        record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
+        record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
         if not self.engine.features.kv_payload:  # the backend recomputes as it decodes
             return _Arrival(None, record, transfer_ms, 0.0)
         start = time.perf_counter()

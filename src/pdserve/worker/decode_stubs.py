@@ -8,9 +8,9 @@ import grpc
 from pdserve.rpc.convert.kv import handle_to_proto
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
+from pdserve.transfer.base import KVLocation
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.worker.announce import Announce
-from pdserve.worker.handoff import KVLocation
 
 
 class DecodeStubs:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.timing import RequestTiming, Timing
-from pdserve.worker.handoff import TransferRecord
+from pdserve.transfer.base import HandoffRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class Finished:
     """The figures (``RequestTiming.decode`` / ``.generate``)."""
     stamps: RequestTiming
     """The engine-thread stamps they were derived from (the stage spans)."""
-    transfer: TransferRecord | None = None
+    transfer: HandoffRecord | None = None
     """Decode: the receiver's measurements of the hand-off."""
 
 

@@ -18,8 +18,7 @@ from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.timing import RequestTiming
-from pdserve.transfer.base import TransportKind
-from pdserve.worker.handoff import KVLocation, TransferRecord
+from pdserve.transfer.base import HandoffRecord, KVLocation, TransportKind
 
 
 def finish_at_first(
@@ -60,7 +59,7 @@ class InEngine:
     output: RequestOutput
     finish_reason: FinishReason | None
     location: KVLocation | None
-    record: TransferRecord | None
+    record: HandoffRecord | None
     timing: RequestTiming
 
 
@@ -98,8 +97,8 @@ async def prefill_in_engine(
         if done.native is None:
             raise KVTransferError(f"the engine kept no KV for {request_id!r}")
         location = KVLocation.of_native(request_id, n, backend.fingerprint, done.native)
-        return InEngine(out, None, location, TransferRecord(TransportKind.NATIVE.value), timing)
+        return InEngine(out, None, location, HandoffRecord(TransportKind.NATIVE.value), timing)
     why = "recompute was asked for"
     location = KVLocation.recompute(request_id, n, backend.fingerprint, why)
-    record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=why)
+    record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=why)
     return InEngine(out, None, location, record, timing)

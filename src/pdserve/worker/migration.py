@@ -20,9 +20,8 @@ from pdserve.backends import EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
 from pdserve.timing import RequestTiming
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import HandoffRecord, KVLocation, TransportKind
 from pdserve.worker.delta import DecodeDelta, Finished, delta_of
-from pdserve.worker.handoff import KVLocation, TransferRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +63,7 @@ async def resume(
             f"{kv.model_fingerprint!r}; this worker's is {fingerprint!r}"
         )
     timing = RequestTiming()
-    record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=kv.reason)
+    record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=kv.reason)
     stream = engine.generate(
         request.request_id,
         request.prompt_ids,

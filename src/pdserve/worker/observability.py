@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -54,34 +53,11 @@ from pdserve.telemetry.spans import (
 )
 from pdserve.telemetry.tracing import perf_to_epoch_ns, record_span
 from pdserve.timing import RequestTiming
+from pdserve.transfer.record import HandoffRecord
 from pdserve.worker.heartbeat import WorkerHeartbeat
 
 SEND = "send"
 RECV = "recv"
-
-
-class TransferTimes(Protocol):
-    """One side of a KV hand-off as transports record it (``transfer.base.TransferStats``,
-    ``worker.handoff.TransferRecord``): ``time.monotonic_ns`` stamps, 0 where unset."""
-
-    @property
-    def transport(self) -> str: ...
-    @property
-    def num_bytes(self) -> int: ...
-    @property
-    def send_start_ns(self) -> int: ...
-    @property
-    def first_layer_ns(self) -> int: ...
-    @property
-    def send_end_ns(self) -> int: ...
-    @property
-    def recv_start_ns(self) -> int: ...
-    @property
-    def recv_end_ns(self) -> int: ...
-    @property
-    def fallback_reason(self) -> str: ...
-    @property
-    def overlap_ms(self) -> float: ...
 
 
 def monotonic_to_epoch_ns(mono_ns: int) -> int:
@@ -97,7 +73,7 @@ def perf_to_monotonic_ns(perf_s: float) -> int:
     return time.monotonic_ns() - round((time.perf_counter() - perf_s) * 1e9)
 
 
-def transfer_window(stats: TransferTimes, direction: str) -> tuple[int, int]:
+def transfer_window(stats: HandoffRecord, direction: str) -> tuple[int, int]:
     """``(start, end)`` monotonic ns of one side: the sender from its first layer written (or
     the commit's start, when nothing was written during the compute) to the commit; the
     receiver from the start of its read to a verified payload."""
@@ -109,7 +85,7 @@ def transfer_window(stats: TransferTimes, direction: str) -> tuple[int, int]:
 
 
 def record_transfer_span(
-    stats: TransferTimes,
+    stats: HandoffRecord,
     parent: Context | None = None,
     *,
     direction: str | None = None,
@@ -406,7 +382,7 @@ class WorkerTelemetry:
                 self.metrics.count_redis_error("heartbeat")
             self._redis_errors_seen = errors
 
-    def observe_transfer(self, stats: TransferTimes, direction: str) -> None:
+    def observe_transfer(self, stats: HandoffRecord, direction: str) -> None:
         """One finished side of a hand-off: counted by transport and outcome, and its bytes and
         seconds (those only if something moved)."""
         if stats.transport:

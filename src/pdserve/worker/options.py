@@ -27,7 +27,7 @@ from pdserve.security.options import (
 )
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
-from pdserve.worker.outbound import SendFaults
+from pdserve.transfer.faults import SendFaults
 from pdserve.worker.placement import AUTO, TRANSPORT_CHOICES, TransferOptions
 from pdserve.worker.scheduling_options import (
     SchedulingOptions,

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import HandoffRecord, TransportKind
 from pdserve.transfer.compress import Compression
+from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.policy import LinkEstimates, choose_transport, default_timeout_s
-from pdserve.worker.handoff import TransferRecord
-from pdserve.worker.outbound import SendFaults
 
 AUTO = "auto"
 TRANSPORT_CHOICES = (AUTO, *(k.value for k in TransportKind))
@@ -127,7 +126,7 @@ class LinkModel:
         old = self.prefill_tokens_per_s
         self.prefill_tokens_per_s = rate if old is None else old + self.alpha * (rate - old)
 
-    def observe(self, peer: str, record: TransferRecord) -> None:
+    def observe(self, peer: str, record: HandoffRecord) -> None:
         """Fold one measured hand-off into the estimate of its link."""
         kind = TransportKind(record.transport)
         if kind is TransportKind.RECOMPUTE or record.num_bytes <= 0:

@@ -6,7 +6,7 @@ decoding starts. With them:
 
   1. Announce (prefill): at ``begin``, as the layers start to leave, the prefill worker calls
      ``Decode.Prefetch`` with the location being written.
-  2. Follow (decode): ``Prefetches.start`` runs the location's ``Inbound.receive`` as a task
+  2. Follow (decode): ``Prefetches.start`` runs the location's ``KVReceiver.receive`` as a task
      that follows the writer (a store ``Get`` with ``follow``, or the shm segment's per-layer
      ready marks), checking each layer as it lands: the read overlaps the prefill's compute.
      The ``Prefetch`` call answers when the read has ended (its trace spans nest in the
@@ -34,9 +34,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import PdServeError
-from pdserve.transfer.base import TransportKind
-from pdserve.worker.handoff import KVLocation
-from pdserve.worker.inbound import Inbound
+from pdserve.transfer.base import KVLocation, KVReceiver, TransportKind
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +55,10 @@ lease passes without progress, and an shm writer marks its segment aborted."""
 
 @dataclass(eq=False, slots=True)
 class Prefetch:
-    """One read started early: its inbound, the task running ``receive``, its expiry."""
+    """One read started early: its receiver, the task running ``receive``, its expiry."""
 
     location: KVLocation
-    inbound: Inbound
+    receiver: KVReceiver
     task: asyncio.Task[KVPayload]
     expires_at: float
     """``time.monotonic``: dropped by ``sweep`` after this unless taken."""
@@ -89,7 +87,7 @@ class Prefetch:
     async def drop(self) -> None:
         """Stop the read and free the transport's copy."""
         await self.stop()
-        await self.inbound.discard()
+        await self.receiver.discard()
 
 
 def _where(kv: KVLocation) -> tuple[object, ...]:
@@ -107,17 +105,17 @@ class Prefetches:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def start(self, location: KVLocation, inbound: Inbound, timeout_s: float) -> bool:
+    def start(self, location: KVLocation, receiver: KVReceiver, timeout_s: float) -> bool:
         """Start reading ``location``; False (nothing started) for a request that already has
         one, or when ``max_pending`` are running (the ``Decode`` call reads it then)."""
         rid = location.request_id
         if rid in self._pending or len(self._pending) >= self.max_pending:
             return False
         task = asyncio.get_running_loop().create_task(
-            inbound.receive(timeout_s), name=f"kv-prefetch-{rid}"
+            receiver.receive(timeout_s), name=f"kv-prefetch-{rid}"
         )
         # The read is bounded by timeout_s; the grace covers a Decode call on its way.
-        prefetch = Prefetch(location, inbound, task, time.monotonic() + timeout_s + TAKE_GRACE_S)
+        prefetch = Prefetch(location, receiver, task, time.monotonic() + timeout_s + TAKE_GRACE_S)
         task.add_done_callback(lambda _: setattr(prefetch, "done_at", time.monotonic()))
         self._pending[rid] = prefetch
         return True

@@ -48,15 +48,13 @@ from pdserve.prefix import decode as decode_prefix
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
-from pdserve.transfer.base import TransportKind
-from pdserve.transfer.shm import ShmSender
-from pdserve.transfer.slots import SlotPool, slot_budget
+from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
+from pdserve.transfer.shm.slots import SlotPool, slot_budget
+from pdserve.transfer.transports import SendSide, senders
+from pdserve.transfer.wrappers import Deferred, Suffix
 from pdserve.worker.announce import Announced, Announcers
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.engine_handoff import finish_at_first, in_engine_kind, prefill_in_engine
-from pdserve.worker.handoff import KVLocation, TransferRecord
-from pdserve.worker.outbound import Outbound, ShmOutbound, StreamSender
-from pdserve.worker.outbound_wrappers import Deferred, Suffix
 from pdserve.worker.placement import TransferOptions, TransportChooser, parse_transport
 
 logger = logging.getLogger(__name__)
@@ -95,7 +93,7 @@ class PrefillResult:
     """The figures (``RequestTiming.prefill``): queue, compute (``prefill_ms``), the part of
     the hand-off not hidden behind the compute (end of compute to commit), bytes sent."""
     num_cached_tokens: int
-    transfer: TransferRecord | None = None
+    transfer: HandoffRecord | None = None
     """The sender's measurements; None when nothing was sent."""
     stamps: RequestTiming | None = None
     """The engine-thread stamps the figures were derived from (the stage spans)."""
@@ -104,7 +102,7 @@ class PrefillResult:
 @dataclass(slots=True)
 class _Sent:
     location: KVLocation
-    record: TransferRecord | None
+    record: HandoffRecord | None
 
 
 class PrefillWorker:
@@ -147,6 +145,14 @@ class PrefillWorker:
         self._shm_slots = SlotPool(budget, lease_s=self.options.lease_s) if budget else None
         # store/direct: one thread seals the large frames of every stream, in the order taken.
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
+        o = self.options
+        self.transports = senders(
+            SendSide(
+                store=store, endpoint=self._endpoint, host=self.host, lease_s=o.lease_s,
+                compression=o.compression, sealer=self._sealer, shm_pool=self._shm_pool,
+                shm_closer=self._shm_closer, shm_slots=self._shm_slots, faults=o.faults,
+            )
+        )  # fmt: skip
 
     async def close(self) -> None:
         """Close the connections to decode workers' endpoints, wait for prefix publishing."""
@@ -175,29 +181,13 @@ class PrefillWorker:
 
     def _outbound(
         self, kind: TransportKind, decode_address: str, *, announce: bool = False
-    ) -> Outbound | None:
+    ) -> KVSender | None:
         """The hand-off's sender; ``announce``: tell the decode worker as it begins
         (``TransferOptions.announces``)."""
-        o = self.options
-        out: Outbound
         if kind is TransportKind.RECOMPUTE:
             return None
-        if kind is TransportKind.SHM:
-            sender = ShmSender(
-                host=self.host, pool=self._shm_pool, closer=self._shm_closer,
-                slots=self._shm_slots,
-            )  # fmt: skip
-            out = ShmOutbound(sender, faults=o.faults)
-        else:
-            client = self.store if kind is TransportKind.STORE else self._endpoint(decode_address)
-            out = StreamSender(
-                client,
-                kind,
-                lease_s=o.lease_s,
-                compression=o.compression,
-                sealer=self._sealer,
-                faults=o.faults,
-            )
+        o = self.options
+        out = self.transports.sender(kind, decode_address)
         if not o.layerwise:
             return Deferred(out)
         if announce and self.announcers is not None:
@@ -307,7 +297,7 @@ class PrefillWorker:
         tenant: str,
         reservation_id: str,
         timing: RequestTiming,
-        out: Outbound | None,
+        out: KVSender | None,
     ) -> tuple[RequestOutput, int]:
         """Prefill with the hook; the last output and when the compute ended."""
         publisher = None
@@ -342,7 +332,7 @@ class PrefillWorker:
         self,
         request_id: str,
         prompt_ids: Sequence[int],
-        out: Outbound | None,
+        out: KVSender | None,
         fallback: str,
         compute_end_ns: int,
         peer: str,
@@ -354,44 +344,41 @@ class PrefillWorker:
         n = len(prompt_ids)
         if out is None:
             location = KVLocation.recompute(request_id, n, self.fingerprint, fallback)
-            record = TransferRecord(TransportKind.RECOMPUTE.value, fallback_reason=fallback)
+            record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=fallback)
             return _Sent(location, record)
         timeout = self.chooser.model.timeout_s(
-            peer, out.kind, out.stats.num_bytes, self.options.timeout_s
+            peer, out.kind, out.record.num_bytes, self.options.timeout_s
         )
         compression = (
             self.options.compression.value if out.kind is not TransportKind.SHM else "none"
         )
         try:
-            descriptor = await out.commit(timeout)
+            location = await out.commit(timeout)
         except PdServeError as err:
             # Store down or full, a stream cut off, a timeout: the decode worker recomputes.
             logger.warning("%s: %s hand-off failed (%s); recompute", request_id, out.kind, err)
             await out.discard()
-            record = TransferRecord.sent(
-                out.stats,
+            record = out.record.replace(
                 compute_end_ns=compute_end_ns,
                 busy_ns=out.busy_ns,
                 compression=compression,
                 layerwise=self.options.layerwise,
-            ).replace(fallback_reason=str(err))
+                fallback_reason=str(err),
+            )
             # The capability of the hand-off that fell back: a decode worker that began to
             # read it early (a prefetch) may drop that read at once (``prefetch.take``).
             location = KVLocation.recompute(
                 request_id, n, self.fingerprint, str(err), out.planned().capability
             )
             return _Sent(location, record)
-        record = TransferRecord.sent(
-            out.stats,
+        record = out.record.replace(
             compute_end_ns=compute_end_ns,
             busy_ns=out.busy_ns,
             compression=compression,
             layerwise=self.options.layerwise,
         )
         self.chooser.model.observe(peer, record)
-        location = KVLocation.of(descriptor, self.fingerprint)
-        if isinstance(out, Suffix):
-            location = dataclasses.replace(location, prefix_tokens=out.prefix_tokens)
+        location = dataclasses.replace(location, model_fingerprint=self.fingerprint)
         return _Sent(location, record)
 
     async def _prefill_in_engine(

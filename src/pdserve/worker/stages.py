@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 
 from pdserve.telemetry import handover
+from pdserve.transfer.record import HandoffRecord
 from pdserve.worker.delta import DecodeDelta, Finished
 from pdserve.worker.observability import (
     RECV,
     SEND,
     TokenGaps,
-    TransferTimes,
     WorkerTelemetry,
     monotonic_to_epoch_ns,
     perf_epoch_offset_ns,
@@ -52,22 +52,6 @@ from pdserve.worker.observability import (
     transfer_window,
 )
 from pdserve.worker.prefill import PrefillResult
-
-
-@dataclass(frozen=True, slots=True)
-class MeasuredTimes:
-    """One side of a hand-off measured around a transport that keeps no record of its own
-    (``time.monotonic_ns`` stamps, like the transports' records)."""
-
-    transport: str
-    num_bytes: int
-    send_start_ns: int = 0
-    send_end_ns: int = 0
-    recv_start_ns: int = 0
-    recv_end_ns: int = 0
-    first_layer_ns: int = 0
-    fallback_reason: str = ""
-    overlap_ms: float = 0.0
 
 
 class StageRecorder:
@@ -134,7 +118,7 @@ class PrefillCall:
         handover.mark_stage_end(returned_ns)
 
 
-def _sent_record(result: PrefillResult, returned_ns: int) -> TransferTimes | None:
+def _sent_record(result: PrefillResult, returned_ns: int) -> HandoffRecord | None:
     """The transport's record; for one that keeps none, the duration it reports, ending as
     ``prefill`` returned (its last step is the commit)."""
     if result.transfer is not None:
@@ -143,7 +127,7 @@ def _sent_record(result: PrefillResult, returned_ns: int) -> TransferTimes | Non
     if t.transfer_bytes <= 0:
         return None
     end = time.monotonic_ns() - (time.time_ns() - returned_ns)
-    return MeasuredTimes(
+    return HandoffRecord(
         "store",
         t.transfer_bytes,
         send_start_ns=end - round(t.transfer_ms * 1e6),
@@ -195,7 +179,7 @@ class DecodeCall:
         if taken is None:
             return
         taken_mono = perf_to_monotonic_ns(stamps.submitted)
-        received: TransferTimes = final.transfer or MeasuredTimes(
+        received: HandoffRecord = final.transfer or HandoffRecord(
             final.timing.transport,
             final.timing.transfer_bytes,
             recv_start_ns=self.called_mono,

@@ -14,10 +14,9 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.scheduling import WorkerRole
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.v1 import common_pb2
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.handoff import KVLocation
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.prefill import PrefillWorker
 from pdserve.worker.runtime import trtllm_config

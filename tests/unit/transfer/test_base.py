@@ -1,21 +1,32 @@
-"""The state machine, stats and registry of base.py."""
+"""The state machine, the record and the registries of the transfer interface."""
 
 from __future__ import annotations
+
+import asyncio
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.store import KVStore
 from pdserve.transfer.base import (
+    HandoffRecord,
+    KVLocation,
     TransferState,
-    TransferStats,
     Transport,
     TransportKind,
     TransportRegistry,
     advance,
-    default_registry,
 )
+from pdserve.transfer.compress import Compression
 from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
-from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
+from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
+from pdserve.transfer.stream.sender import StreamSender
+from pdserve.transfer.transports import ReceiveSide, SendSide, receivers, senders
+from tests.unit.transfer.conftest import make_layout
 
 
 def test_terminal_states_are_the_top_of_the_order() -> None:
@@ -58,34 +69,49 @@ def test_illegal_moves(current: TransferState, new: TransferState) -> None:
         advance(current, new)
 
 
-def test_stats_derived_values() -> None:
+def test_record_derived_values() -> None:
     ms = 1_000_000
-    send = TransferStats(
-        TransportKind.SHM,
+    sent = HandoffRecord(
+        TransportKind.SHM.value,
         num_bytes=4000,
         send_start_ns=10 * ms,
-        send_end_ns=30 * ms,
         first_layer_ns=12 * ms,
         last_layer_ns=20 * ms,
+        compute_end_ns=22 * ms,
+        send_end_ns=30 * ms,
         hook_ns=2 * ms,
+        busy_ns=4 * ms,
     )
-    assert send.send_ms == 20.0 and send.overlap_ms == 8.0 and send.recv_ms == 0.0
-    assert send.bytes_per_s == pytest.approx(4000 / 0.002)
-    recv = TransferStats(TransportKind.SHM, recv_start_ns=40 * ms, recv_end_ns=44 * ms)
-    both = send.merged(recv)
-    assert both.recv_ms == 4.0 and both.send_ms == 20.0 and both.num_bytes == 4000
-    assert both.bytes_per_s == pytest.approx(4000 / 0.004)  # the slower side bounds it
-    assert TransferStats(TransportKind.STORE).bytes_per_s == 0.0
-    assert TransferStats(TransportKind.STORE).overlap_ms == 0.0
+    assert sent.transfer_start_ns == 12 * ms and sent.send_ms == 18.0
+    assert sent.overlap_ms == 10.0  # first layer to the end of the compute
+    assert sent.exposed_ms == 8.0  # end of the compute to the commit
+    assert sent.recv_ms == 0.0 and sent.bytes_per_s == pytest.approx(4000 / 0.004)
+    got = HandoffRecord(
+        TransportKind.SHM.value, num_bytes=4000, recv_start_ns=40 * ms, recv_end_ns=44 * ms
+    )
+    assert got.recv_ms == 4.0 and got.bytes_per_s == pytest.approx(4000 / 0.004)
+    assert got.received().wait_ms == 4.0 and not got.received().prefetched
+    tail = got.received(compression="int8", wait_ms=1.5)
+    assert (tail.wait_ms, tail.prefetched, tail.compression) == (1.5, True, "int8")
+    empty = HandoffRecord(TransportKind.STORE.value)
+    assert empty.bytes_per_s == empty.overlap_ms == empty.exposed_ms == empty.send_ms == 0.0
+    assert sent.replace(fallback_reason="x").fallback_reason == "x" and not sent.fallback_reason
 
 
 def test_registry() -> None:
     hub = FakeHub()
     registry = TransportRegistry()
     registry.register(
-        TransportKind.DIRECT, Transport(lambda: FakeSender(hub), lambda: FakeReceiver(hub))
+        TransportKind.DIRECT,
+        Transport(
+            sender=lambda peer_address: FakeSender(hub),
+            receiver=lambda location, *, follow=False: FakeReceiver(hub, location),
+        ),
     )
-    assert isinstance(registry.get(TransportKind.DIRECT).sender(), FakeSender)
+    sender = registry.sender(TransportKind.DIRECT, "peer:1")
+    assert isinstance(sender, FakeSender)
+    location = KVLocation(TransportKind.DIRECT, "r", 1, 0, "fp", key="k")
+    assert isinstance(registry.receiver(location), FakeReceiver)
     with pytest.raises(InvalidArgumentError, match="already registered"):
         registry.register(TransportKind.DIRECT, registry.get(TransportKind.DIRECT))
     with pytest.raises(InvalidArgumentError, match="recompute"):
@@ -93,12 +119,46 @@ def test_registry() -> None:
     with pytest.raises(InvalidArgumentError) as err:
         registry.get(TransportKind.STORE)
     assert err.value.field == "transport"
+    registry.register(TransportKind.SHM, Transport(sender=lambda peer_address: sender))
+    with pytest.raises(InvalidArgumentError, match="receives nothing"):
+        registry.receiver(dataclasses.replace(location, kind=TransportKind.SHM))
 
 
-def test_default_registry_has_shm() -> None:
-    registry = default_registry(host="h1")
-    shm = registry.get(TransportKind.SHM)
-    sender, receiver = shm.sender(), shm.receiver()
-    assert isinstance(sender, ShmSender) and isinstance(receiver, ShmReceiver)
-    assert sender.host == receiver.host == "h1"
-    assert sender is not shm.sender()  # one per hand-off
+def test_the_worker_registries_choose_by_kind() -> None:
+    asyncio.run(_registries_choose_by_kind())
+
+
+async def _registries_choose_by_kind() -> None:
+    store, peer = KVStoreClient("store:1"), KVStoreClient("peer:2")
+    endpoints = {"peer:2": peer}
+    with ThreadPoolExecutor(1) as sealer:
+        sending = senders(
+            SendSide(store, endpoints.__getitem__, "h1", 30.0, Compression.NONE, sealer)
+        )
+        shm = sending.sender(TransportKind.SHM)
+        assert isinstance(shm, ShmSender) and shm.writer.host == "h1"
+        assert shm is not sending.sender(TransportKind.SHM)  # one per hand-off
+        to_store = sending.sender(TransportKind.STORE, "peer:2")
+        assert isinstance(to_store, StreamSender) and to_store.client is store
+        direct = sending.sender(TransportKind.DIRECT, "peer:2")
+        assert isinstance(direct, StreamSender) and direct.client is peer
+
+    inbox = KVStore(1024)
+    layout = make_layout()
+    side = ReceiveSide(lambda a: store if a == "store:1" else peer, layout, "h1", inbox, "me:3")
+    receiving = receivers(side)
+    at = KVLocation(TransportKind.DIRECT, "r", 1, 0, "fp", key="k")
+    assert isinstance(receiving.receiver(dataclasses.replace(at, address="me:3")), LocalReceiver)
+    remote = receiving.receiver(dataclasses.replace(at, address="peer:2"), follow=True)
+    assert isinstance(remote, StreamReceiver) and remote.client is peer and remote.follow
+    stored = receiving.receiver(
+        dataclasses.replace(at, kind=TransportKind.STORE, address="store:1")
+    )
+    assert isinstance(stored, StreamReceiver) and stored.client is store
+    with pytest.raises(InvalidArgumentError) as err:
+        receiving.receiver(at)  # no address
+    assert err.value.field == "kv.direct.address"
+    shm = receiving.receiver(dataclasses.replace(at, kind=TransportKind.SHM, host="h1"))
+    assert isinstance(shm, ShmReceiver) and shm.reader.host == "h1"
+    for client in (store, peer):
+        await client.close()

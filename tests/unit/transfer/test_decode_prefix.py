@@ -20,9 +20,10 @@ from pdserve.errors import InvalidArgumentError, UnknownRequestError
 from pdserve.kvstore.store import KVStore
 from pdserve.prefix import decode as decode_prefix
 from pdserve.transfer.base import TransportKind
-from pdserve.transfer.shm import ShmReceiver, ShmSender
-from pdserve.worker.outbound import ShmOutbound
-from pdserve.worker.outbound_wrappers import Suffix
+from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.writer import SegmentWriter
+from pdserve.transfer.wrappers import Suffix
 from tests.unit.transfer.conftest import assert_same_payload, leftovers
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -90,15 +91,16 @@ def test_suffix_moves_only_the_tokens_after_the_prefix(
     layout = reference.layout
 
     async def body() -> None:
-        out = Suffix(ShmOutbound(ShmSender(prefix=shm_prefix)), 16)
+        out = Suffix(ShmSender(SegmentWriter(prefix=shm_prefix)), 16)
         out.begin("r", layout, 30)
         for i in range(layout.num_layers):
             out.send_layer(i, reference.keys[i], reference.values[i])
-        descriptor = await out.commit(5.0)
-        assert descriptor.num_tokens == 14 and out.kind is TransportKind.SHM
-        got = await ShmReceiver().receive(descriptor, timeout_s=5.0)
+        location = await out.commit(5.0)
+        assert location.num_tokens == 14 and location.prefix_tokens == 16
+        assert out.kind is TransportKind.SHM
+        got = await ShmReceiver(SegmentReader(), location).receive(5.0)
         assert_same_payload(got, cut(reference, 16, 30))
-        refused = Suffix(ShmOutbound(ShmSender(prefix=shm_prefix)), 30)
+        refused = Suffix(ShmSender(SegmentWriter(prefix=shm_prefix)), 30)
         with pytest.raises(InvalidArgumentError):
             refused.begin("s", layout, 30)  # nothing would be left to send
         assert leftovers(shm_prefix) == []

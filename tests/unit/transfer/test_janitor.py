@@ -21,9 +21,9 @@ from pdserve.transfer.janitor import (
     segment_name,
     segment_state,
 )
-from pdserve.transfer.shm import ShmSender
-from tests.unit.transfer._shm_child import hand_off_and_hang
+from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.transfer.conftest import leftovers, make_layout, random_payload
+from tests.unit.transfer.shm._shm_child import hand_off_and_hang
 
 
 def test_killed_owner_is_reclaimed_live_owner_kept(shm_prefix: str) -> None:
@@ -36,7 +36,7 @@ def test_killed_owner_is_reclaimed_live_owner_kept(shm_prefix: str) -> None:
         orphan = parent_end.recv()
         assert child.pid is not None and parse_owner_pid(orphan, shm_prefix) == child.pid
         # Ours, alive: kept however old, as is the child's while it lives.
-        mine = ShmSender(prefix=shm_prefix)
+        mine = SegmentWriter(prefix=shm_prefix)
         mine.begin("mine", make_layout(), 4)
         assert reclaim_orphans(shm_prefix, max_age_s=None) == []
         assert leftovers(shm_prefix) == sorted([orphan, mine.name])
@@ -59,11 +59,11 @@ def test_killed_owner_is_reclaimed_live_owner_kept(shm_prefix: str) -> None:
 
 def _sealed(prefix: str, request_id: str) -> str:
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=prefix)
+    sender = SegmentWriter(prefix=prefix)
     sender.begin(request_id, payload.layout, 4)
     for i in range(2):
         sender.send_layer(i, payload.keys[i], payload.values[i])
-    return sender.finish().name
+    return sender.finish().key
 
 
 def _age(name: str, seconds: float) -> None:
@@ -88,7 +88,7 @@ def test_sealed_segment_of_a_live_owner_expires_from_its_seal(shm_prefix: str) -
 def test_segment_being_written_is_kept_however_long_its_prefill_takes(shm_prefix: str) -> None:
     # A 32K-token prefill on a CPU keeps its segment unsealed for many minutes.
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("long", payload.layout, 4)
     sender.send_layer(0, payload.keys[0], payload.values[0])
     hour_on = time.time() + 3600
@@ -96,7 +96,7 @@ def test_segment_being_written_is_kept_however_long_its_prefill_takes(shm_prefix
     assert segment_state(SHM_DIR / sender.name) == SegmentState.WRITING
     _age(sender.name, 60)  # the reservation, a minute ago
     sender.send_layer(1, payload.keys[1], payload.values[1])
-    name = sender.finish().name
+    name = sender.finish().key
     # Sealing restarted the clock: the hand-off is fresh, so its reader finds it.
     assert segment_state(SHM_DIR / name) == SegmentState.SEALED
     assert time.time() - (SHM_DIR / name).stat().st_mtime < 30

@@ -13,10 +13,9 @@ from pdserve.backends import TORCH, EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.delta import DecodeDelta
-from pdserve.worker.handoff import KVLocation
 from pdserve.worker.prefill import PrefillWorker
 from tests.unit.backends.conftest import open_backend, run
 

@@ -1,13 +1,11 @@
-"""The KV handle (``KVLocation``) and the hand-off's measurements (``TransferRecord``)."""
+"""The KV handle (``KVLocation``) and the hand-off's measurements (``HandoffRecord``)."""
 
 from __future__ import annotations
 
-from pdserve.backends import NativeKV
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import HandoffRecord, KVLocation, NativeKV, TransportKind
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.v1 import common_pb2
-from pdserve.worker.handoff import KVLocation, TransferRecord
 
 
 def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
@@ -107,7 +105,7 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
     )
 
 
-def transfer_to_proto(r: TransferRecord) -> common_pb2.TransferTiming:
+def transfer_to_proto(r: HandoffRecord) -> common_pb2.TransferTiming:
     return common_pb2.TransferTiming(
         transport=r.transport,
         num_bytes=r.num_bytes,

@@ -16,8 +16,8 @@ from pdserve.kvstore import wire
 from pdserve.kvstore.chunks import ChunkSequence
 from pdserve.kvstore.client import Piece
 from pdserve.transfer.compress import Compression
-from pdserve.transfer.stream import StreamHeader
-from pdserve.worker.frames import FRAME_HEAD, FrameCollector, LayerCopy, part_bytes
+from pdserve.transfer.stream.frames import FRAME_HEAD, FrameCollector, LayerCopy, part_bytes
+from pdserve.transfer.stream.header import StreamHeader
 
 LAYOUT = KVLayout("fp", "bfloat16", 3, 2, 8, 16)
 TOKENS = 5

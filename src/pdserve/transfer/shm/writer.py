@@ -1,8 +1,9 @@
-"""Same-host KV hand-off through a POSIX shared-memory segment (a file in ``/dev/shm``):
-``ShmSender`` here, ``ShmReceiver`` in ``shm_receiver.py`` (both importable from here).
+"""Same-host KV hand-off through a POSIX shared-memory segment (a file in ``/dev/shm``): the
+writing side, ``SegmentWriter`` (``reader.py`` reads; ``handoff.py`` puts both behind the
+transfer interface as ``ShmSender``/``ShmReceiver``).
 
 The segment format is in ``segment.py``; its name, ``pdserve-kv-{owner_pid}-{request_id_hash}``,
-in ``janitor.py``. Ownership: the sender's ``begin`` creates the segment and ``abort`` unlinks
+in ``transfer.janitor``. Ownership: the sender's ``begin`` creates the segment and ``abort`` unlinks
 it; once sealed (as its last layer is written, or by ``finish``), the receiver owns it and
 unlinks it after reading, whatever the outcome. A segment whose owner died is reclaimed by
 ``janitor.reclaim_orphans``. Given a ``SlotPool``, the sender writes into a reused segment
@@ -18,7 +19,7 @@ layer's checksum over the mapping and hands the engine views over it; the engine
 the one copy into its blocks.
 
 Threads: given a ``pool`` (an ``Executor`` its creator owns and shuts down, e.g. the one of
-``base.default_registry``), the sender writes the layers in two lanes: every other layer goes
+the prefill worker's), the sender writes the layers in two lanes: every other layer goes
 to a pool thread (up to ``_LANE_DEPTH`` in its hands) and the engine's thread goes on without
 waiting for it, writing the next one itself; each layer's mark is published once it is done
 (marks may appear out of order: a reader checks layers in order). The receiver hashes the
@@ -30,7 +31,6 @@ same checksums).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import mmap
 import secrets
@@ -46,25 +46,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
+from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import (
     InvalidArgumentError,
     KVTransferError,
 )
-from pdserve.transfer import segment
 from pdserve.transfer.base import (
-    TransferDescriptor,
+    HandoffRecord,
+    KVLocation,
     TransferState,
-    TransferStats,
     TransportKind,
     advance,
 )
-from pdserve.transfer.checksum import combine, copy_and_hash
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, segment_name
-from pdserve.transfer.shm_receiver import ShmReceiver
-from pdserve.transfer.slots import Slot, SlotPool
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.checksum import combine, copy_and_hash
+from pdserve.transfer.shm.slots import Slot, SlotPool
 from pdserve.transfer.stamp import CAPABILITY_BYTES
-from pdserve.transfer.stream import check_layer, missing_layers
+from pdserve.transfer.stream.header import check_layer, missing_layers
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ def _log_failure(done: Future[None]) -> None:
         logger.warning("could not unmap a sealed shm segment: %r", err)
 
 
-class ShmSender:
+class SegmentWriter:
     """Prefill side: one segment per hand-off, written layer by layer from the layer hook."""
 
     kind = TransportKind.SHM
@@ -151,7 +150,7 @@ class ShmSender:
         another: a one-off segment, unlinked by its reader."""
         self._slot: Slot | None = None
         self.state = TransferState.PENDING
-        self.stats = TransferStats(TransportKind.SHM)
+        self.record = HandoffRecord(TransportKind.SHM.value)
         self.tamper: Callable[[np.ndarray], None] | None = None
         """Fault tests only: changes layer 0's bytes after they were hashed."""
         self.stalled = False
@@ -159,7 +158,7 @@ class ShmSender:
         self.name = ""
         """The segment's name, once ``begin`` created it."""
         self.capability = b""
-        """The hand-off's capability (``stamp.py``), chosen by ``begin``."""
+        """The hand-off's capability (``transfer.stamp``), chosen by ``begin``."""
         self._mm: mmap.mmap | None = None
         self._mapper: _Mapper | None = None
         self._geom = segment.SegmentGeometry(0, 0, 0)
@@ -182,7 +181,7 @@ class ShmSender:
             raise InvalidArgumentError("num_tokens", f"must be >= 1, got {num_tokens}")
         if layout.dtype not in DTYPES:
             raise InvalidArgumentError("layout.dtype", f"unknown dtype {layout.dtype!r}")
-        self.stats.send_start_ns = time.monotonic_ns()
+        self.record.send_start_ns = time.monotonic_ns()
         header = KVPayload(layout, num_tokens, (), ()).header_bytes()
         geom = segment.SegmentGeometry.of(len(header), layout, num_tokens)
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
@@ -193,7 +192,7 @@ class ShmSender:
             raise
         self.name, self._geom, self._request_id = name, geom, request_id
         self._layout, self._num_tokens = layout, num_tokens
-        self.stats.num_bytes = geom.total
+        self.record.num_bytes = geom.total
         self.state = advance(self.state, TransferState.SENDING)
 
     def _reserve(self, request_id: str, header: bytes, geom: segment.SegmentGeometry) -> str:
@@ -233,9 +232,9 @@ class ShmSender:
                 traceback.clear_frames(err.__traceback__)
                 self._error = err
         end = time.monotonic_ns()
-        self.stats.hook_ns += end - start
-        self.stats.first_layer_ns = self.stats.first_layer_ns or start
-        self.stats.last_layer_ns = end
+        self.record.hook_ns += end - start
+        self.record.first_layer_ns = self.record.first_layer_ns or start
+        self.record.last_layer_ns = end
 
     def _mapping(self) -> mmap.mmap:
         """The segment's mapping, once the mapper thread has made it (or its error)."""
@@ -308,26 +307,30 @@ class ShmSender:
         self._crcs[layer] = checksum
         segment.mark_layer(self._mapping(), self._geom, layer, checksum)
 
-    def planned(self) -> TransferDescriptor:
-        """What ``finish`` will describe (no checksums yet): for announcing the hand-off."""
+    @property
+    def checksums(self) -> tuple[int, ...]:
+        """Each layer's checksum as sealed into the segment (empty until then)."""
+        return self._sealed or ()
+
+    def planned(self) -> KVLocation:
+        """What ``finish`` will describe: for announcing the hand-off."""
         if self._layout is None:
             raise KVTransferError("planned() before begin()")
-        return TransferDescriptor(
+        return KVLocation(
             kind=TransportKind.SHM,
             request_id=self._request_id,
             num_tokens=self._num_tokens,
             num_bytes=self._geom.total,
-            model_fingerprint=self._layout.model_fingerprint,
-            name=self.name,
+            model_fingerprint=kv_fingerprint(self._layout),
+            key=self.name,
             host=self.host,
             offset=0,
             length=self._geom.total,
-            layout=self._layout,
             generation=self._slot.generation if self._slot is not None else 0,
             capability=self.capability,
         )
 
-    def finish(self) -> TransferDescriptor:
+    def finish(self) -> KVLocation:
         """Seal the segment (unless its last layer did) and describe it; aborts (and raises)
         if a layer failed or is missing."""
         start = time.monotonic_ns()
@@ -348,12 +351,13 @@ class ShmSender:
         if missing:
             self.abort()
             raise KVTransferError(f"KV layers {missing} of {self._request_id!r} were never sent")
-        crcs = self._sealed or self._seal()  # sealed with the last layer, unless it failed
+        if self._sealed is None:  # sealed with the last layer, unless it failed
+            self._seal()
         self.state = advance(self.state, TransferState.SENT)
         end = time.monotonic_ns()
-        self.stats.hook_ns += end - start
-        self.stats.send_end_ns = end
-        return dataclasses.replace(self.planned(), layer_checksums=crcs)
+        self.record.hook_ns += end - start
+        self.record.send_end_ns = end
+        return self.planned()
 
     def _seal(self) -> tuple[int, ...]:
         """Seal the segment, every layer being in it (from then on the reader owns it), and
@@ -397,5 +401,3 @@ class ShmSender:
             segment.unlink(self.shm_dir / self.name)
         self.state = advance(self.state, TransferState.FAILED)
 
-
-__all__ = ["ShmReceiver", "ShmSender"]

@@ -1,10 +1,9 @@
-"""The decode side of a hand-off, one object per request: ``receive`` (bounded), ``discard``.
+"""The decode side of a ``store``/``direct`` hand-off: ``KVReceiver``s of a layer stream.
 
-* ``StreamInbound``: a layer stream in a remote KVStore endpoint (the KV store, or another
+* ``StreamReceiver``: a layer stream in a remote KVStore endpoint (the KV store, or another
   worker's endpoint), read with ``delete_after_read`` and assembled as the chunks arrive.
-* ``LocalInbound``: a layer stream the prefill worker wrote into this decode worker's own
+* ``LocalReceiver``: a layer stream the prefill worker wrote into this decode worker's own
   endpoint (``direct``); read in-process, no network hop.
-* ``ShmInbound``: ``pdserve.transfer.shm.ShmReceiver`` (same host).
 
 Every receive is bounded by ``timeout_s``; a timeout, a broken stream, a bad checksum or a
 missing entry raises ``KVTransferError`` or ``UnknownRequestError`` (the decode worker then
@@ -17,33 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore, StoredPayload
-from pdserve.transfer.base import TransferState, TransferStats, TransportKind, advance
-from pdserve.transfer.janitor import parse_owner_pid
-from pdserve.transfer.shm import ShmReceiver
-from pdserve.transfer.stamp import holds_capability
-from pdserve.transfer.stream import StreamHeader
-from pdserve.worker.frames import FrameCollector, read_header
-from pdserve.worker.handoff import KVLocation
+from pdserve.transfer.base import (
+    HandoffRecord,
+    KVLocation,
+    TransferState,
+    TransportKind,
+    advance,
+)
+from pdserve.transfer.stream.frames import FrameCollector
+from pdserve.transfer.stream.header import StreamHeader, read_header
 
 logger = logging.getLogger(__name__)
-
-
-class Inbound(Protocol):
-    """One hand-off on the decode side (see the module docstring)."""
-
-    kind: TransportKind
-    stats: TransferStats
-    compression: str
-
-    async def receive(self, timeout_s: float) -> KVPayload: ...
-
-    async def discard(self) -> None: ...
 
 
 def _check_header(header: StreamHeader, location: KVLocation) -> None:
@@ -55,13 +43,13 @@ def _check_header(header: StreamHeader, location: KVLocation) -> None:
 
 
 class _Timed:
-    """State and timing common to the receivers."""
+    """State and timing common to the stream receivers."""
 
     def __init__(self, kind: TransportKind, location: KVLocation) -> None:
         self.kind = kind
         self.location = location
         self.state = TransferState.PENDING
-        self.stats = TransferStats(kind)
+        self.record = HandoffRecord(kind.value)
         self.compression = "none"
 
     async def receive(self, timeout_s: float) -> KVPayload:
@@ -70,7 +58,7 @@ class _Timed:
 
     async def _timed(self, location: KVLocation, timeout_s: float) -> KVPayload:
         self.state = advance(self.state, TransferState.RECEIVING)
-        self.stats.recv_start_ns = time.monotonic_ns()
+        self.record.recv_start_ns = time.monotonic_ns()
         try:
             async with asyncio.timeout(timeout_s):
                 payload = await self._read(location, timeout_s)
@@ -82,7 +70,7 @@ class _Timed:
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
-        self.stats.recv_end_ns = time.monotonic_ns()
+        self.record.recv_end_ns = time.monotonic_ns()
         self.state = advance(self.state, TransferState.DONE)
         return payload
 
@@ -90,7 +78,7 @@ class _Timed:
         raise NotImplementedError
 
 
-class StreamInbound(_Timed):
+class StreamReceiver(_Timed):
     """A layer stream from a remote KVStore endpoint (``store``, or ``direct`` elsewhere)."""
 
     def __init__(
@@ -120,9 +108,9 @@ class StreamInbound(_Timed):
                     _check_header(header, location)
                     self.compression = header.compression.value
                     collector = FrameCollector(header, expected_layout=self.expected_layout)
-                    self.stats.num_bytes += len(chunk.header)
+                    self.record.num_bytes += len(chunk.header)
                 collector.feed(chunk.data, chunk.crc32)  # checked by the client's reader
-                self.stats.num_bytes += len(chunk.data)
+                self.record.num_bytes += len(chunk.data)
         finally:
             await stream.aclose()
         # The whole stream went out, so the store deleted the entry (delete_after_read).
@@ -143,7 +131,7 @@ class StreamInbound(_Timed):
             logger.warning("could not delete %s at %s: %s", key, self.client.address, err)
 
 
-class LocalInbound(_Timed):
+class LocalReceiver(_Timed):
     """``direct``: the stream the prefill worker wrote into this worker's own endpoint."""
 
     def __init__(
@@ -161,7 +149,7 @@ class LocalInbound(_Timed):
             payload = await asyncio.to_thread(self._parse, handle.payload, location)
         finally:
             handle.close()
-        self.stats.num_bytes = handle.payload.num_bytes
+        self.record.num_bytes = handle.payload.num_bytes
         self.store.delete(location.key, version=handle.payload.version)
         self._consumed = True
         return payload
@@ -184,42 +172,3 @@ class LocalInbound(_Timed):
         if not self._consumed:
             self._consumed = True
             self.store.delete(self.location.key)
-
-
-class ShmInbound(_Timed):
-    """``shm``: ``ShmReceiver`` behind the ``Inbound`` interface (it unlinks what it read).
-
-    ``discard`` before any ``receive`` (the request was refused) unlinks the segment too, if
-    its name is one of pdserve's segments, it lies on this host and it holds the handle's
-    capability (a reused slot: frees the hand-off in it, ``ShmReceiver.discard_slot``).
-    """
-
-    def __init__(self, receiver: ShmReceiver, location: KVLocation) -> None:
-        super().__init__(TransportKind.SHM, location)
-        self.receiver = receiver
-        self.stats = receiver.stats
-        self._started = False
-
-    async def receive(self, timeout_s: float) -> KVPayload:
-        self._started = True
-        payload = await self.receiver.receive(self.location.descriptor(), timeout_s)
-        self.state = self.receiver.state
-        return payload
-
-    async def discard(self) -> None:
-        if self._started:
-            self.receiver.cleanup()
-            return
-        self._started = True
-        name, host = self.location.key, self.location.host
-        if host and host != self.receiver.host:
-            return  # another host's name: nothing of ours
-        if parse_owner_pid(name) is None or "/" in name:
-            return  # not a pdserve segment name: never unlink what came off the network
-        path = self.receiver.shm_dir / name
-        capability = self.location.capability
-        if self.location.generation:  # a reused slot: its writer's; free this hand-off
-            self.receiver.discard_slot(path, self.location.generation, capability)
-            return
-        if holds_capability(path, capability):  # a guessed name unlinks nothing
-            path.unlink(missing_ok=True)

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import CapabilityError, InvalidArgumentError, KVTransferError
-from pdserve.transfer import segment
 from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, SegmentState
+from pdserve.transfer.shm import segment
 from pdserve.transfer.stamp import (
     capability_matches,
     check_capability,

@@ -15,8 +15,8 @@ at most, for up to 50 ms (a stalled writer then costs no CPU); so it does for th
 follows the last layer at once. The last layer's check, the only one the request waits for,
 thus starts within ~0.1 ms of its mark instead of up to 2 ms later (on a 1K-token hand-off
 of the base preset, about half of the transfer time the request saw). ``stop`` (set by
-``ShmReceiver.cleanup``) ends the wait at once; so does an aborted writer; ``deadline``
-bounds it. The hand-off's capability (``stamp.py``) is checked as soon as the writer has
+``SegmentReader.cleanup``) ends the wait at once; so does an aborted writer; ``deadline``
+bounds it. The hand-off's capability (``transfer.stamp``) is checked as soon as the writer has
 written it, before any layer is read: a handle that is not the writer's gets
 ``CapabilityError``.
 """
@@ -33,12 +33,12 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from pdserve.errors import KVTransferError
-from pdserve.transfer import segment
-from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.janitor import SegmentState
-from pdserve.transfer.populate import Populator
-from pdserve.transfer.segment import SegmentGeometry, SegmentHeader
-from pdserve.transfer.slots import SlotMappings, SlotNotReservedError
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.checksum import combine, in_pair, layer_checksum
+from pdserve.transfer.shm.populate import Populator
+from pdserve.transfer.shm.segment import SegmentGeometry, SegmentHeader
+from pdserve.transfer.shm.slots import SlotMappings, SlotNotReservedError
 from pdserve.transfer.stamp import check_capability, mapped_capability
 
 _WAIT_MIN_S = 50e-6

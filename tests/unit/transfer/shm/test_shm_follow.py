@@ -12,8 +12,10 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
-from pdserve.transfer import segment, shm_follow
-from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.shm import follow as shm_follow
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
@@ -30,17 +32,17 @@ def following(
     *,
     pool: Executor | None = None,
     tamper: Callable[[np.ndarray], None] | None = None,
-) -> tuple[ShmSender, ShmReceiver, asyncio.Task[KVPayload]]:
+) -> tuple[SegmentWriter, SegmentReader, asyncio.Task[KVPayload]]:
     """A sender that has begun, and a reader following it from then on (call in a loop)."""
-    sender = ShmSender(prefix=prefix)
+    sender = SegmentWriter(prefix=prefix)
     sender.tamper = tamper
     sender.begin("r", PAYLOAD.layout, PAYLOAD.num_tokens)
-    receiver = ShmReceiver(follow=True, pool=pool)
+    receiver = SegmentReader(follow=True, pool=pool)
     reading = asyncio.create_task(receiver.receive(sender.planned(), 30.0))
     return sender, receiver, reading
 
 
-def send_all(sender: ShmSender) -> None:
+def send_all(sender: SegmentWriter) -> None:
     for i in range(LAYERS):
         sender.send_layer(i, PAYLOAD.keys[i], PAYLOAD.values[i])
     sender.finish()
@@ -121,10 +123,10 @@ def test_a_follow_read_that_gives_up_leaves_the_segment_to_its_writer(shm_prefix
     sealed, instead of the request falling back to recompute."""
 
     async def body() -> None:
-        sender = ShmSender(prefix=shm_prefix)
+        sender = SegmentWriter(prefix=shm_prefix)
         sender.begin("long", PAYLOAD.layout, PAYLOAD.num_tokens)
         sender.send_layer(0, PAYLOAD.keys[0], PAYLOAD.values[0])
-        prefetch = ShmReceiver(follow=True)
+        prefetch = SegmentReader(follow=True)
         with pytest.raises(KVTransferError, match="timed out"):
             await prefetch.receive(sender.planned(), 0.05)
         prefetch.cleanup()
@@ -132,7 +134,7 @@ def test_a_follow_read_that_gives_up_leaves_the_segment_to_its_writer(shm_prefix
         for i in range(1, LAYERS):
             sender.send_layer(i, PAYLOAD.keys[i], PAYLOAD.values[i])
         descriptor = sender.finish()
-        assert_same_payload(await ShmReceiver().receive(descriptor, 30.0), PAYLOAD)
+        assert_same_payload(await SegmentReader().receive(descriptor, 30.0), PAYLOAD)
         assert leftovers(shm_prefix) == []
 
     asyncio.run(body())

@@ -23,10 +23,11 @@ from pdserve.errors import (
     InvalidArgumentError,
     KVTransferError,
 )
-from pdserve.transfer import segment
-from pdserve.transfer.base import TransferDescriptor, TransferState
+from pdserve.transfer.base import KVLocation, TransferState
 from pdserve.transfer.janitor import SHM_DIR, SegmentState, segment_state
-from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.engine.test_parity import prompts_of, run_collect
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -38,9 +39,9 @@ from tests.unit.transfer.conftest import (
 
 def sealed(
     prefix: str, rid: str = "r", num_tokens: int = 6
-) -> tuple[TransferDescriptor, KVPayload]:
+) -> tuple[KVLocation, KVPayload]:
     payload = random_payload(make_layout(num_layers=3), num_tokens)
-    sender = ShmSender(prefix=prefix)
+    sender = SegmentWriter(prefix=prefix)
     sender.begin(rid, payload.layout, num_tokens)
     for i in range(3):
         sender.send_layer(i, payload.keys[i], payload.values[i])
@@ -49,17 +50,17 @@ def sealed(
 
 def test_descriptor_names_the_segment(shm_prefix: str) -> None:
     desc, _ = sealed(shm_prefix)
-    assert re.fullmatch(rf"{re.escape(shm_prefix)}{os.getpid()}-[0-9a-f]{{16}}", desc.name)
-    assert leftovers(shm_prefix) == [desc.name]
-    assert (SHM_DIR / desc.name).stat().st_size == desc.length == desc.num_bytes
+    assert re.fullmatch(rf"{re.escape(shm_prefix)}{os.getpid()}-[0-9a-f]{{16}}", desc.key)
+    assert leftovers(shm_prefix) == [desc.key]
+    assert (SHM_DIR / desc.key).stat().st_size == desc.length == desc.num_bytes
     assert desc.offset == 0 and desc.host
 
 
 def test_a_handle_alone_is_enough(shm_prefix: str) -> None:
     # A KVHandle carries no layout and no per-layer checksums: the segment has both.
     desc, payload = sealed(shm_prefix)
-    handle = dataclasses.replace(desc, layout=None, layer_checksums=())
-    got = asyncio.run(ShmReceiver().receive(handle, timeout_s=5.0))
+    handle = desc
+    got = asyncio.run(SegmentReader().receive(handle, timeout_s=5.0))
     assert_same_payload(got, payload)
     assert leftovers(shm_prefix) == []
 
@@ -67,15 +68,15 @@ def test_a_handle_alone_is_enough(shm_prefix: str) -> None:
 @pytest.mark.parametrize("use_handle", [False, True])
 def test_corrupt_segment_refused_and_unlinked(shm_prefix: str, use_handle: bool) -> None:
     desc, _ = sealed(shm_prefix)
-    path = SHM_DIR / desc.name
+    path = SHM_DIR / desc.key
     with open(path, "r+b") as f:  # flip one byte in the middle of the last layer
         f.seek(desc.length - 5)
         byte = f.read(1)
         f.seek(desc.length - 5)
         f.write(bytes([byte[0] ^ 0x40]))
     if use_handle:
-        desc = dataclasses.replace(desc, layout=None, layer_checksums=())
-    receiver = ShmReceiver()
+        desc = desc
+    receiver = SegmentReader()
     with pytest.raises(KVTransferError, match="layer 2 failed its checksum"):
         asyncio.run(receiver.receive(desc, timeout_s=5.0))
     assert receiver.state is TransferState.FAILED and leftovers(shm_prefix) == []
@@ -83,13 +84,13 @@ def test_corrupt_segment_refused_and_unlinked(shm_prefix: str, use_handle: bool)
 
 def test_unsealed_segment_is_left_to_its_writer(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("r", payload.layout, 4)
-    early = TransferDescriptor(
-        sender.kind, "r", 4, 0, "", name=sender.name, capability=sender.capability
+    early = KVLocation(
+        sender.kind, "r", 4, 0, "", key=sender.name, capability=sender.capability
     )
     with pytest.raises(KVTransferError, match="not sealed"):
-        asyncio.run(ShmReceiver().receive(early, timeout_s=5.0))
+        asyncio.run(SegmentReader().receive(early, timeout_s=5.0))
     assert leftovers(shm_prefix) == [sender.name]
     sender.abort()
     assert leftovers(shm_prefix) == []
@@ -98,28 +99,28 @@ def test_unsealed_segment_is_left_to_its_writer(shm_prefix: str) -> None:
 def test_other_host_and_bad_names_refused(shm_prefix: str) -> None:
     desc, _ = sealed(shm_prefix)
     with pytest.raises(KVTransferError, match="on host"):
-        asyncio.run(ShmReceiver(host="elsewhere").receive(desc, timeout_s=5.0))
+        asyncio.run(SegmentReader(host="elsewhere").receive(desc, timeout_s=5.0))
     for name in ("", "../passwd", "a/b", ".."):
-        bad = dataclasses.replace(desc, name=name)
+        bad = dataclasses.replace(desc, key=name)
         with pytest.raises(InvalidArgumentError) as err:
-            asyncio.run(ShmReceiver().receive(bad, timeout_s=5.0))
-        assert err.value.field == "descriptor.name"
-    assert leftovers(shm_prefix) == [desc.name]  # none of that touched the segment
-    gone = dataclasses.replace(desc, name=f"{shm_prefix}1-0")
+            asyncio.run(SegmentReader().receive(bad, timeout_s=5.0))
+        assert err.value.field == "descriptor.key"
+    assert leftovers(shm_prefix) == [desc.key]  # none of that touched the segment
+    gone = dataclasses.replace(desc, key=f"{shm_prefix}1-0")
     with pytest.raises(KVTransferError, match="is gone"):
-        asyncio.run(ShmReceiver().receive(gone, timeout_s=5.0))
-    asyncio.run(ShmReceiver().receive(desc, timeout_s=5.0))
+        asyncio.run(SegmentReader().receive(gone, timeout_s=5.0))
+    asyncio.run(SegmentReader().receive(desc, timeout_s=5.0))
     assert leftovers(shm_prefix) == []
 
 
 def test_duplicate_request_id(shm_prefix: str) -> None:
     desc, _ = sealed(shm_prefix, rid="same")
-    again = ShmSender(prefix=shm_prefix)
+    again = SegmentWriter(prefix=shm_prefix)
     with pytest.raises(DuplicateRequestError):
         again.begin("same", make_layout(), 4)
     assert again.state is TransferState.FAILED
-    assert leftovers(shm_prefix) == [desc.name]  # the first one is intact
-    asyncio.run(ShmReceiver().receive(desc, timeout_s=5.0))
+    assert leftovers(shm_prefix) == [desc.key]  # the first one is intact
+    asyncio.run(SegmentReader().receive(desc, timeout_s=5.0))
 
 
 def test_full_shm_is_a_capacity_error(shm_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +129,7 @@ def test_full_shm_is_a_capacity_error(shm_prefix: str, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     payload = random_payload(make_layout(num_layers=3), 4)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     # The space is reserved beside the compute (the mapper thread), so begin goes through
     # and the hooked layers are dropped; the commit reports it, and nothing is left.
     sender.begin("r", payload.layout, 4)
@@ -142,15 +143,15 @@ def test_full_shm_is_a_capacity_error(shm_prefix: str, monkeypatch: pytest.Monke
 
 def test_read_honours_the_deadline(shm_prefix: str) -> None:
     desc, _ = sealed(shm_prefix)
-    fd = os.open(SHM_DIR / desc.name, os.O_RDONLY)
+    fd = os.open(SHM_DIR / desc.key, os.O_RDONLY)
     try:
-        head = segment.read_header(fd, 0, desc.name, desc.capability)
+        head = segment.read_header(fd, 0, desc.key, desc.capability)
         with pytest.raises(KVTransferError, match="timed out at layer 0"):
             segment.read_payload(fd, 0, head, head.checksums, deadline=0.0)
     finally:
         os.close(fd)
-    ShmReceiver(host=desc.host).cleanup()  # no segment of its own yet: a no-op
-    ShmSender(prefix=shm_prefix).abort()  # never begun: a no-op besides the state
+    SegmentReader(host=desc.host).cleanup()  # no segment of its own yet: a no-op
+    SegmentWriter(prefix=shm_prefix).abort()  # never begun: a no-op besides the state
 
 
 def test_a_process_that_sends_and_receives_leaves_no_warnings(shm_prefix: str) -> None:
@@ -158,12 +159,12 @@ def test_a_process_that_sends_and_receives_leaves_no_warnings(shm_prefix: str) -
     # memory at exit (or unlink segments another process owns). It must not be involved.
     code = f"""
 import asyncio
-from tests.unit.transfer.test_shm import sealed
-from pdserve.transfer.shm import ShmReceiver
+from tests.unit.transfer.shm.test_shm import sealed
+from pdserve.transfer.shm.reader import SegmentReader
 desc, _ = sealed({shm_prefix!r})
-asyncio.run(ShmReceiver().receive(desc, timeout_s=5.0))
+asyncio.run(SegmentReader().receive(desc, timeout_s=5.0))
 desc, _ = sealed({shm_prefix!r}, rid="kept-for-the-parent")
-print(desc.name)
+print(desc.key)
 """
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run(
@@ -189,7 +190,7 @@ def test_engine_to_engine_over_shm(tiny_llama_dir: Path, shm_prefix: str) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = run_collect(a, [prompt], params)["r0"][0]
 
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("x", a.layout, len(prompt))
     first_only = dataclasses.replace(params, max_tokens=1)
     a.add_request("x", prompt, first_only, hold_kv=True, layer_hook=sender.send_layer)
@@ -200,7 +201,7 @@ def test_engine_to_engine_over_shm(tiny_llama_dir: Path, shm_prefix: str) -> Non
     a.release_kv("x")
     a.check_no_leaks()
 
-    receiver = ShmReceiver(expected_layout=b.layout)
+    receiver = SegmentReader(expected_layout=b.layout)
     payload = asyncio.run(receiver.receive(desc, timeout_s=5.0))
     assert_same_payload(payload, exported)
     assert leftovers(shm_prefix) == []
@@ -210,8 +211,9 @@ def test_engine_to_engine_over_shm(tiny_llama_dir: Path, shm_prefix: str) -> Non
         tokens += [t for o in b.step() for t in o.new_token_ids]
     assert tokens == alone
     b.check_no_leaks()
-    stats = sender.stats.merged(receiver.stats)
-    assert stats.num_bytes == desc.length and stats.first_layer_ns <= stats.last_layer_ns
+    sent, got = sender.record, receiver.record
+    assert sent.num_bytes == got.num_bytes == desc.length
+    assert sent.first_layer_ns <= sent.last_layer_ns and got.recv_start_ns <= got.recv_end_ns
 
 
 @pytest.mark.parametrize("threads", [0, 2])
@@ -220,24 +222,25 @@ def test_the_last_layer_seals_the_segment_before_finish(shm_prefix: str, threads
     what the last layer already sealed (the engine ends its step meanwhile)."""
     payload = random_payload(make_layout(num_layers=4), 9)
     with ThreadPoolExecutor(threads or 1) as pool:
-        sender = ShmSender(prefix=shm_prefix, pool=pool if threads else None)
+        sender = SegmentWriter(prefix=shm_prefix, pool=pool if threads else None)
         sender.begin("r", payload.layout, 9)
         path = SHM_DIR / sender.name
         for i in range(4):
             assert segment_state(path) is not SegmentState.SEALED
             sender.send_layer(i, payload.keys[i], payload.values[i])
         assert segment_state(path) is SegmentState.SEALED
-        early = dataclasses.replace(sender.planned(), layer_checksums=())
-        got = asyncio.run(ShmReceiver().receive(early, timeout_s=5.0))
+        early = sender.planned()
+        got = asyncio.run(SegmentReader().receive(early, timeout_s=5.0))
         assert_same_payload(got, payload)
         descriptor = sender.finish()
-    assert len(descriptor.layer_checksums) == 4 and sender.state is TransferState.SENT
+    assert descriptor == early and sender.state is TransferState.SENT
+    assert len(sender.checksums) == 4
     assert leftovers(shm_prefix) == []  # the reader unlinked it
 
 
 def test_a_stalled_writer_leaves_the_segment_unsealed(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.stalled = True  # the fault tests' stalled writer
     sender.begin("r", payload.layout, 4)
     for i in range(2):

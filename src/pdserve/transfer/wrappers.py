@@ -1,4 +1,4 @@
-"""``Outbound`` wrappers: the same hand-off, changed on its way out.
+"""Sender wrappers: the same hand-off (any ``KVSender``), changed on its way out.
 
 * ``Deferred``: the layer-wise overlap switched off (the layers are kept until ``commit`` and
   only then sent), the baseline of the transfer benchmark (``--no-layerwise``).
@@ -8,22 +8,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.base import TransferDescriptor
-from pdserve.worker.outbound import Outbound
+from pdserve.transfer.base import (
+    HandoffRecord,
+    KVLocation,
+    KVSender,
+    TransferState,
+    TransportKind,
+)
 
 
 class Deferred:
-    """An ``Outbound`` whose layers leave only at ``commit`` (no overlap with the compute)."""
+    """A ``KVSender`` whose layers leave only at ``commit`` (no overlap with the compute)."""
 
-    def __init__(self, inner: Outbound) -> None:
+    def __init__(self, inner: KVSender) -> None:
         self.inner = inner
-        self.kind = inner.kind
-        self.stats = inner.stats
         self._layers: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def kind(self) -> TransportKind:
+        return self.inner.kind
+
+    @property
+    def state(self) -> TransferState:
+        return self.inner.state
+
+    @property
+    def record(self) -> HandoffRecord:
+        return self.inner.record
 
     @property
     def busy_ns(self) -> int:
@@ -32,14 +49,14 @@ class Deferred:
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         self.inner.begin(request_id, layout, num_tokens)
 
-    def planned(self) -> TransferDescriptor:
+    def planned(self) -> KVLocation:
         return self.inner.planned()
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # Keeping them is the engine's export, done layer by layer (the views die after this).
         self._layers.append((layer, k.detach().clone(), v.detach().clone()))
 
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
+    async def commit(self, timeout_s: float) -> KVLocation:
         layers, self._layers = self._layers, []
         for layer, k, v in layers:
             self.inner.send_layer(layer, k, v)
@@ -51,17 +68,27 @@ class Deferred:
 
 
 class Suffix:
-    """An ``Outbound`` moving only the prompt's tokens after its first ``prefix_tokens``: the
+    """A ``KVSender`` moving only the prompt's tokens after its first ``prefix_tokens``: the
     decode worker's prefix cache holds those (``decode_prefix``). Each hooked layer is cut to
     ``[prefix_tokens:]`` (a view; the inner transport makes its one copy from it)."""
 
-    def __init__(self, inner: Outbound, prefix_tokens: int) -> None:
+    def __init__(self, inner: KVSender, prefix_tokens: int) -> None:
         if prefix_tokens < 1:
             raise InvalidArgumentError("prefix_tokens", f"must be >= 1, got {prefix_tokens}")
         self.inner = inner
-        self.kind = inner.kind
-        self.stats = inner.stats
         self.prefix_tokens = prefix_tokens
+
+    @property
+    def kind(self) -> TransportKind:
+        return self.inner.kind
+
+    @property
+    def state(self) -> TransferState:
+        return self.inner.state
+
+    @property
+    def record(self) -> HandoffRecord:
+        return self.inner.record
 
     @property
     def busy_ns(self) -> int:
@@ -74,14 +101,16 @@ class Suffix:
             )
         self.inner.begin(request_id, layout, num_tokens - self.prefix_tokens)
 
-    def planned(self) -> TransferDescriptor:
+    def planned(self) -> KVLocation:
         return self.inner.planned()
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.inner.send_layer(layer, k[self.prefix_tokens :], v[self.prefix_tokens :])
 
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
-        return await self.inner.commit(timeout_s)
+    async def commit(self, timeout_s: float) -> KVLocation:
+        # The decode worker joins its cached prefix to the payload (``prefix_tokens``).
+        location = await self.inner.commit(timeout_s)
+        return dataclasses.replace(location, prefix_tokens=self.prefix_tokens)
 
     async def discard(self) -> None:
         await self.inner.discard()

@@ -1,8 +1,9 @@
-"""The decode side of an shm hand-off: ``ShmReceiver`` (see ``shm.py`` for the transport).
+"""The decode side of an shm hand-off: ``SegmentReader`` (see ``writer.py`` for the transport;
+``handoff.ShmReceiver`` puts it behind the transfer interface).
 
 It reads and checks one sealed segment and unlinks it, on every outcome; with ``follow`` it
-reads the segment while its writer still fills it (``shm_follow``), for a prefetch. Every
-outcome but one: a descriptor whose capability is not the segment's (``stamp.py``) is refused
+reads the segment while its writer still fills it (``follow.py``), for a prefetch. Every
+outcome but one: a descriptor whose capability is not the segment's (``transfer.stamp``) is refused
 with ``CapabilityError`` before anything is unlinked, claimed, freed or (a slot) mapped.
 """
 
@@ -16,19 +17,19 @@ import time
 from concurrent.futures import Executor
 from pathlib import Path
 
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError, KVTransferError
-from pdserve.transfer import segment
 from pdserve.transfer.base import (
-    TransferDescriptor,
+    HandoffRecord,
+    KVLocation,
     TransferState,
-    TransferStats,
     TransportKind,
     advance,
 )
 from pdserve.transfer.janitor import HANDED_OVER, SHM_DIR, segment_state
-from pdserve.transfer.shm_follow import follow_segment, follow_slot, mapped_when_reserved
-from pdserve.transfer.slots import Claim, SlotMappings
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.follow import follow_segment, follow_slot, mapped_when_reserved
+from pdserve.transfer.shm.slots import Claim, SlotMappings
 from pdserve.transfer.stamp import holds_capability
 
 INLINE_READ_BYTES = 1 << 20
@@ -38,7 +39,7 @@ segment, measured here: 0.55-0.65 ms on the caller's thread, 1.0-1.2 ms through 
 and the pool), and it blocks the caller (an event loop) for well under a millisecond."""
 
 
-class ShmReceiver:
+class SegmentReader:
     """Decode side: reads and checks one sealed segment, then unlinks it (on every outcome)."""
 
     kind = TransportKind.SHM
@@ -60,7 +61,7 @@ class ShmReceiver:
         self.pool = pool
         """Hashes the K's beside the reading thread's V's; None: that thread hashes both."""
         self.follow = follow
-        """Read the segment while its writer fills it (``shm_follow``), not once sealed."""
+        """Read the segment while its writer fills it (``follow.py``), not once sealed."""
         self.inline_bytes = inline_bytes
         """Sealed segments up to this size (as the descriptor gives it) are read on the
         caller's thread (``INLINE_READ_BYTES``); 0: always in a worker thread."""
@@ -68,14 +69,14 @@ class ShmReceiver:
         """This process's kept mappings of reused slots (``slots.py``); None: a reused slot
         is mapped for this read alone."""
         self.state = TransferState.PENDING
-        self.stats = TransferStats(TransportKind.SHM)
+        self.record = HandoffRecord(TransportKind.SHM.value)
         self._path: Path | None = None
         self._pooled = False
         self._generation = 0
         self._capability = b""
         self._stop = threading.Event()
 
-    async def receive(self, descriptor: TransferDescriptor, timeout_s: float) -> KVPayload:
+    async def receive(self, descriptor: KVLocation, timeout_s: float) -> KVPayload:
         """Read, verify and unlink the segment; ``timeout_s`` bounds the read.
 
         The read runs in a worker thread (hashing up to GBs must not stall the event loop),
@@ -85,7 +86,7 @@ class ShmReceiver:
         if not timeout_s > 0:
             raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
         self.state = advance(self.state, TransferState.RECEIVING)
-        self.stats.recv_start_ns = time.monotonic_ns()
+        self.record.recv_start_ns = time.monotonic_ns()
         try:
             self._path = self._segment_path(descriptor)
             self._pooled = descriptor.generation > 0
@@ -110,8 +111,8 @@ class ShmReceiver:
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             raise
-        self.stats.recv_end_ns = time.monotonic_ns()
-        self.stats.num_bytes = descriptor.length or descriptor.num_bytes
+        self.record.recv_end_ns = time.monotonic_ns()
+        self.record.num_bytes = descriptor.length or descriptor.num_bytes
         self.state = advance(self.state, TransferState.DONE)
         return payload
 
@@ -138,30 +139,30 @@ class ShmReceiver:
         ):
             segment.unlink(path)
 
-    def _segment_path(self, d: TransferDescriptor) -> Path:
+    def _segment_path(self, d: KVLocation) -> Path:
         if d.kind is not TransportKind.SHM:
             raise InvalidArgumentError("descriptor.kind", f"expected shm, got {d.kind.value!r}")
         if d.host and d.host != self.host:
             raise KVTransferError(
-                f"shm segment {d.name!r} is on host {d.host!r}, not {self.host!r}"
+                f"shm segment {d.key!r} is on host {d.host!r}, not {self.host!r}"
             )
         # The name comes off the network: it must name a file directly in shm_dir.
-        if not d.name or "/" in d.name or "\0" in d.name or d.name in (".", ".."):
-            raise InvalidArgumentError("descriptor.name", f"not a segment name: {d.name!r}")
-        return self.shm_dir / d.name
+        if not d.key or "/" in d.key or "\0" in d.key or d.key in (".", ".."):
+            raise InvalidArgumentError("descriptor.key", f"not a segment name: {d.key!r}")
+        return self.shm_dir / d.key
 
     def _read(
-        self, path: Path, d: TransferDescriptor, deadline: float, *, use_pool: bool = True
+        self, path: Path, d: KVLocation, deadline: float, *, use_pool: bool = True
     ) -> KVPayload:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise KVTransferError(
-                f"shm segment {d.name!r} is gone (already read, aborted or reclaimed)"
+                f"shm segment {d.key!r} is gone (already read, aborted or reclaimed)"
             ) from None
         owned = False
         try:
-            head = segment.read_header(fd, d.offset, d.name, d.capability)
+            head = segment.read_header(fd, d.offset, d.key, d.capability)
             # Sealed, so ours now: single use, unlinked at once, whatever happens from here on
             # (the open fd keeps it readable). Nobody can open it anew, so what the checksums
             # pass is what the engine imports. (An unsealed or foreign file still belongs to
@@ -173,7 +174,7 @@ class ShmReceiver:
                 fd,
                 d.offset,
                 head,
-                d.layer_checksums or head.checksums,
+                head.checksums,
                 deadline,
                 self.pool if use_pool else None,
             )
@@ -182,7 +183,7 @@ class ShmReceiver:
             if owned:
                 segment.unlink(path)
 
-    def _follow_read(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+    def _follow_read(self, path: Path, d: KVLocation, deadline: float) -> KVPayload:
         mm, head = follow_segment(path, deadline, self._stop, self.pool, capability=d.capability)
         segment.unlink(path)  # sealed: ours now, single use
         try:
@@ -193,16 +194,16 @@ class ShmReceiver:
             raise
 
     def _read_slot(
-        self, path: Path, d: TransferDescriptor, deadline: float, *, use_pool: bool = True
+        self, path: Path, d: KVLocation, deadline: float, *, use_pool: bool = True
     ) -> KVPayload:
         """Claim the reused slot, check it on the kept mapping, and hand out views over it;
         the claim ends once the engine imported them (``KVPayload.release``)."""
         claim = self._slot_mappings().claim(path, d.generation, d.capability, deadline)
         try:
-            head = segment.mapped_sealed_header(claim.mm, d.name)
+            head = segment.mapped_sealed_header(claim.mm, d.key)
             self._check(d, head)
             segment.check_layers(
-                claim.mm, 0, head.geom, d.layer_checksums or head.checksums, deadline,
+                claim.mm, 0, head.geom, head.checksums, deadline,
                 self.pool if use_pool else None, populate=not claim.populated,
             )  # fmt: skip
             claim.populated_now()
@@ -211,11 +212,11 @@ class ShmReceiver:
             claim.release()
             raise
 
-    def _follow_slot(self, path: Path, d: TransferDescriptor, deadline: float) -> KVPayload:
+    def _follow_slot(self, path: Path, d: KVLocation, deadline: float) -> KVPayload:
         slots = self._slot_mappings()
         mm = mapped_when_reserved(slots, path, d.generation, d.capability, deadline, self._stop)
         fresh = not slots.populated(path)
-        head = follow_slot(mm, d.name, d.generation, deadline, self._stop, self.pool,
+        head = follow_slot(mm, d.key, d.generation, deadline, self._stop, self.pool,
                            capability=d.capability, populate=fresh)  # fmt: skip
         claim = slots.claim(path, d.generation, d.capability, deadline)
         try:
@@ -241,9 +242,9 @@ class ShmReceiver:
             claim.mm, 0, head.layout, head.num_tokens, head.geom, release=claim.release
         )
 
-    def _check(self, d: TransferDescriptor, head: segment.SegmentHeader) -> None:
+    def _check(self, d: KVLocation, head: segment.SegmentHeader) -> None:
         """The segment's own header against the descriptor and this engine's layout."""
-        name, layout = d.name, head.layout
+        name, layout = d.key, head.layout
         if d.length and d.length != head.geom.total:
             raise KVTransferError(
                 f"shm segment {name!r}: descriptor length {d.length}, layout implies "
@@ -254,11 +255,9 @@ class ShmReceiver:
                 f"shm segment {name!r} holds {head.num_tokens} tokens; "
                 f"the descriptor says {d.num_tokens}"
             )
-        if d.layout is not None and d.layout != layout:
-            raise KVPayloadMismatchError(f"shm segment {name!r}'s layout differs from its handle")
-        if d.model_fingerprint and d.model_fingerprint != layout.model_fingerprint:
+        if d.model_fingerprint and d.model_fingerprint != kv_fingerprint(layout):
             raise KVPayloadMismatchError(
-                f"KV payload model_fingerprint is {layout.model_fingerprint!r} but the "
+                f"KV payload fingerprint is {kv_fingerprint(layout)!r} but the "
                 f"handle says {d.model_fingerprint!r}"
             )
         if self.expected_layout is not None:

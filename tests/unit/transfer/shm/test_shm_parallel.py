@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import pytest
@@ -14,18 +15,24 @@ import torch
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
-from pdserve.transfer import checksum, segment, shm
-from pdserve.transfer.base import TransferDescriptor, TransferState, TransportKind, default_registry
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.transfer.base import KVLocation, TransferState, TransportKind
+from pdserve.transfer.compress import Compression
 from pdserve.transfer.janitor import SHM_DIR
-from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.shm import checksum, segment
+from pdserve.transfer.shm import writer as shm_writer
+from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.writer import SegmentWriter
 from pdserve.transfer.stamp import CAPABILITY_OFFSET, HEADER_OFFSET
+from pdserve.transfer.transports import ReceiveSide, SendSide, receivers, senders
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
     make_layout,
     random_payload,
 )
-from tests.unit.transfer.test_checksum import CountingPool, reference_bytes, reference_checksum
+from tests.unit.transfer.shm.test_checksum import CountingPool, reference_bytes, reference_checksum
 
 
 @pytest.fixture
@@ -54,28 +61,29 @@ def strided_payload(num_tokens: int, num_layers: int = 3) -> KVPayload:
 
 def send(
     prefix: str, payload: KVPayload, pool: CountingPool | None, rid: str
-) -> TransferDescriptor:
-    sender = ShmSender(prefix=prefix, pool=pool)
+) -> tuple[KVLocation, tuple[int, ...]]:
+    """The sealed segment's location and its layer checksums."""
+    sender = SegmentWriter(prefix=prefix, pool=pool)
     sender.begin(rid, payload.layout, payload.num_tokens)
     for i in range(payload.layout.num_layers):
         sender.send_layer(i, payload.keys[i], payload.values[i])
-    return sender.finish()
+    return sender.finish(), sender.checksums
 
 
 def test_one_thread_and_two_write_the_same_segment(shm_prefix: str, pool: CountingPool) -> None:
     payload = strided_payload(num_tokens=37)
-    alone = send(shm_prefix, payload, None, "alone")
+    alone, alone_sums = send(shm_prefix, payload, None, "alone")
     assert pool.submitted == 0
-    paired = send(shm_prefix, payload, pool, "paired")
+    paired, paired_sums = send(shm_prefix, payload, pool, "paired")
     lanes = (payload.layout.num_layers + 1) // 2
     assert pool.submitted == lanes  # every other layer went to the pool
     expected = tuple(
         reference_checksum(reference_bytes(k), reference_bytes(v))
         for k, v in zip(payload.keys, payload.values, strict=True)
     )
-    assert alone.layer_checksums == paired.layer_checksums == expected
+    assert alone_sums == paired_sums == expected
     # Byte for byte the same, but for each hand-off's own random capability.
-    on_disk = [bytearray((SHM_DIR / d.name).read_bytes()) for d in (alone, paired)]
+    on_disk = [bytearray((SHM_DIR / d.key).read_bytes()) for d in (alone, paired)]
     assert [bytes(b[CAPABILITY_OFFSET:HEADER_OFFSET]) for b in on_disk] == [
         alone.capability,
         paired.capability,
@@ -84,7 +92,7 @@ def test_one_thread_and_two_write_the_same_segment(shm_prefix: str, pool: Counti
         b[CAPABILITY_OFFSET:HEADER_OFFSET] = bytes(HEADER_OFFSET - CAPABILITY_OFFSET)
     assert on_disk[0] == on_disk[1]
     for desc in (alone, paired):
-        receiver = ShmReceiver(pool=pool, inline_bytes=0)  # in a worker thread, with the pool
+        receiver = SegmentReader(pool=pool, inline_bytes=0)  # in a worker thread, with the pool
         got = asyncio.run(receiver.receive(desc, timeout_s=5.0))
         assert_same_payload(got, payload)  # the strided views' values, byte for byte
     assert pool.submitted == lanes + 2  # and one K pass per receive
@@ -97,11 +105,11 @@ def test_a_flipped_byte_in_k_or_v_fails_its_layer(
     shm_prefix: str, pool: CountingPool, with_pool: bool, where: str
 ) -> None:
     payload = random_payload(make_layout(num_layers=3), 9)
-    desc = send(shm_prefix, payload, pool if with_pool else None, "r")
-    path = SHM_DIR / desc.name
+    desc, _ = send(shm_prefix, payload, pool if with_pool else None, "r")
+    path = SHM_DIR / desc.key
     fd = os.open(path, os.O_RDONLY)
     try:
-        geom = segment.read_header(fd, 0, desc.name, desc.capability).geom
+        geom = segment.read_header(fd, 0, desc.key, desc.capability).geom
     finally:
         os.close(fd)
     # A byte inside layer 1's K (its 5th) or V (the 5th of its second half).
@@ -112,7 +120,7 @@ def test_a_flipped_byte_in_k_or_v_fails_its_layer(
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x01]))
     # With the pool: read in a worker thread, K hashed on the pool; without: read inline.
-    receiver = ShmReceiver(pool=pool, inline_bytes=0) if with_pool else ShmReceiver()
+    receiver = SegmentReader(pool=pool, inline_bytes=0) if with_pool else SegmentReader()
     with pytest.raises(KVTransferError, match="layer 1 failed its checksum"):
         asyncio.run(receiver.receive(desc, timeout_s=5.0))
     assert receiver.state is TransferState.FAILED and leftovers(shm_prefix) == []
@@ -123,9 +131,9 @@ def test_a_small_segment_is_read_on_the_callers_thread(
     shm_prefix: str, pool: CountingPool, inline: bool
 ) -> None:
     payload = random_payload(make_layout(num_layers=3), 9)
-    desc = send(shm_prefix, payload, None, "r")
+    desc, _ = send(shm_prefix, payload, None, "r")
     # Just big enough to read inline, or one byte short of it.
-    receiver = ShmReceiver(pool=pool, inline_bytes=desc.length - (0 if inline else 1))
+    receiver = SegmentReader(pool=pool, inline_bytes=desc.length - (0 if inline else 1))
     readers: list[str] = []
     real_read = receiver._read
 
@@ -148,17 +156,17 @@ def test_a_small_segment_is_read_on_the_callers_thread(
 
 
 def test_the_deadline_holds_on_both_threads(shm_prefix: str, pool: CountingPool) -> None:
-    desc = send(shm_prefix, random_payload(make_layout(num_layers=3), 6), pool, "r")
-    fd = os.open(SHM_DIR / desc.name, os.O_RDONLY)
+    desc, _ = send(shm_prefix, random_payload(make_layout(num_layers=3), 6), pool, "r")
+    fd = os.open(SHM_DIR / desc.key, os.O_RDONLY)
     try:
-        head = segment.read_header(fd, 0, desc.name, desc.capability)
+        head = segment.read_header(fd, 0, desc.key, desc.capability)
         with pytest.raises(KVTransferError, match="timed out at layer 0") as err:
             segment.read_payload(fd, 0, head, head.checksums, deadline=0.0, pool=pool)
         # The pool's half timed out as well, and says so rather than vanishing.
         assert any("timed out at layer 0" in note for note in err.value.__notes__)
     finally:
         os.close(fd)
-        segment.unlink(SHM_DIR / desc.name)
+        segment.unlink(SHM_DIR / desc.key)
 
 
 def test_a_failed_pool_half_fails_the_send_and_leaves_nothing(
@@ -173,9 +181,9 @@ def test_a_failed_pool_half_fails_the_send_and_leaves_nothing(
             raise OSError("the pool's copy broke")
         return real(dst, src, piece_bytes, torch_copy=torch_copy)
 
-    monkeypatch.setattr(shm, "copy_and_hash", broken_off_the_main_thread)
+    monkeypatch.setattr(shm_writer, "copy_and_hash", broken_off_the_main_thread)
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=shm_prefix, pool=pool)
+    sender = SegmentWriter(prefix=shm_prefix, pool=pool)
     sender.begin("r", payload.layout, 4)
     for i in range(2):
         sender.send_layer(i, payload.keys[i], payload.values[i])  # never raises: recorded
@@ -185,17 +193,24 @@ def test_a_failed_pool_half_fails_the_send_and_leaves_nothing(
     assert sender.state is TransferState.FAILED and leftovers(shm_prefix) == []
 
 
-def test_default_registry_shares_one_pool(shm_prefix: str) -> None:
-    transport = default_registry(host="h").get(TransportKind.SHM)
-    sender, receiver = transport.sender(), transport.receiver()
-    assert isinstance(sender, ShmSender) and isinstance(receiver, ShmReceiver)
-    assert sender.pool is not None and sender.pool is receiver.pool
-    sender.prefix = shm_prefix
+def test_registries_share_the_workers_pool(shm_prefix: str, pool: CountingPool) -> None:
+    # The worker's copy thread reaches the shm sender and receiver its registries make.
+    store = cast(KVStoreClient, None)  # shm needs no KV store
+    sending = senders(
+        SendSide(store, lambda _: store, "h", 1.0, Compression.NONE, pool, shm_pool=pool)
+    )
+    layout = strided_payload(1).layout
+    receiving = receivers(ReceiveSide(lambda _: store, layout, "h", hash_pool=pool))
+    sender = sending.sender(TransportKind.SHM)
+    assert isinstance(sender, ShmSender) and sender.writer.pool is pool
+    sender.writer.prefix = shm_prefix
     payload = strided_payload(num_tokens=20)
     sender.begin("r", payload.layout, payload.num_tokens)
     for i in range(payload.layout.num_layers):
         sender.send_layer(i, payload.keys[i], payload.values[i])
-    got = asyncio.run(receiver.receive(sender.finish(), timeout_s=5.0))
+    location = asyncio.run(sender.commit(5.0))
+    receiver = receiving.receiver(location)
+    assert isinstance(receiver, ShmReceiver) and receiver.reader.pool is pool
+    got = asyncio.run(receiver.receive(5.0))
     assert_same_payload(got, payload)
-    assert leftovers(shm_prefix) == []
-    sender.pool.shutdown()
+    assert leftovers(shm_prefix) == [] and pool.submitted > 0

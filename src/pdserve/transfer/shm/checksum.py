@@ -8,7 +8,7 @@ CRC does for this purpose; neither is a defence against a deliberate forger.
 A layer's checksum is ``kv_checksum``: XXH3-64 over the 16 bytes of the two digests (K's,
 then V's, little-endian u64). Hashing K and V separately lets the receiver's two threads
 take one each (verify); one thread alone gets the same value. The sender copies and hashes
-whole layers, alternating between two threads (``shm.ShmSender``).
+whole layers, alternating between two threads (``writer.SegmentWriter``).
 
 A contiguous CPU source is copied by ``_hashcopy`` (a C module built at install; optional;
 its AVX2 build, ``_hashcopy_avx2``, where the CPU has AVX2: 5-12% faster writer here):

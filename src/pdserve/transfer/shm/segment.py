@@ -51,9 +51,9 @@ import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
-from pdserve.transfer.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.janitor import MAGIC, STATE_OFFSET, SegmentState, parse_state
-from pdserve.transfer.populate import Populator
+from pdserve.transfer.shm.checksum import combine, in_pair, layer_checksum
+from pdserve.transfer.shm.populate import Populator
 from pdserve.transfer.stamp import (
     CAPABILITY_OFFSET,
     GENERATION_OFFSET,
@@ -189,7 +189,7 @@ def _reserve(fd: int, size: int) -> None:
 
 
 def mark_layer(mm: mmap.mmap, geom: SegmentGeometry, layer: int, checksum: int) -> None:
-    """Publish one written layer to a reader following the writer (``shm_follow``): its
+    """Publish one written layer to a reader following the writer (``follow.py``): its
     checksum, then its ready mark (x86 keeps the two stores in order)."""
     struct.pack_into("<Q", mm, geom.table_offset + 8 * layer, checksum)
     struct.pack_into("<I", mm, geom.ready_offset + 4 * layer, 1)
@@ -228,7 +228,7 @@ def unlink(path: Path) -> None:
         os.unlink(path)
 
 
-# -- following a writer (``shm_follow``) ----------------------------------------------------
+# -- following a writer (``follow.py``) ----------------------------------------------------
 def mapped_state(mm: mmap.mmap) -> SegmentState | None:
     """The state word; None while the writer has not written the preamble yet."""
     return parse_state(mm[: STATE_OFFSET + 4])

@@ -1,16 +1,17 @@
 """Layer frames as the worker moves them: sent without a copy of their own, parsed with one.
 
-The wire format is ``pdserve.transfer.stream``'s (a ``StreamHeader``, then one ``LayerFrame``
-per layer)::
+A layer stream is a ``StreamHeader`` (``header.py``), then one frame per layer, in any order
+(little-endian)::
 
     b"PDLF" | u32 layer | u64 len(K) | u64 len(V) | u32 crc32(K || V) | K bytes | V bytes
 
-``stream.py`` builds frames from ``bytes`` objects; on multi-MB layers that means several
-copies per side. Here:
+K and V are the layer's ``[num_tokens, kv_heads, head_dim]`` tensors as raw bytes in the
+layout's dtype (``Compression.NONE``) or as ``QuantizedTensor.to_bytes`` (``INT8``). This is
+the one implementation of the format (the ``stream`` and ``fake`` transports use it):
 
 * ``LayerCopy.take`` (engine thread, inside the layer hook) keeps the hooked K and V (the
   engine's gathered copies; device-to-host on a GPU). ``LayerCopy.seal`` (the event loop for
-  a small frame, the sealing thread for a large one: ``worker.outbound``) cuts them into
+  a small frame, the sealing thread for a large one: ``sender.py``) cuts them into
   chunk pieces (views), computing each piece's CRC-32 once; the frame's CRC is
   combined from those (``kvstore.crc``), and int8 compression happens here too. The frame's
   header travels in front of K's first piece, in the same chunk (``Chunk.lead``). The chunk
@@ -44,10 +45,10 @@ from pdserve.transfer.compress import (
     quantize,
     quantized_nbytes,
 )
-from pdserve.transfer.stream import StreamHeader
+from pdserve.transfer.stream.header import StreamHeader
 
 FRAME_HEAD = struct.Struct("<4sIQQI")
-"""The ``LayerFrame`` header of ``pdserve.transfer.stream`` (magic, layer, len K, len V, crc)."""
+"""A frame's header (magic, layer, len K, len V, crc of K then V)."""
 FRAME_MAGIC = b"PDLF"
 
 
@@ -338,10 +339,3 @@ class FrameCollector:
             tuple(tensor(k) for k, _ in layers),
             tuple(tensor(v) for _, v in layers),
         )
-
-
-def read_header(data: bytes) -> StreamHeader:
-    """The stream header a store entry carries, or ``KVTransferError``."""
-    if not data:
-        raise KVTransferError("KV entry has no stream header")
-    return StreamHeader.decode(data)

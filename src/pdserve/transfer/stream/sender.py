@@ -1,22 +1,16 @@
-"""The prefill side of a hand-off, one object per request: ``begin``, the layer hook, then
-``commit`` (or ``discard``).
+"""The prefill side of a ``store``/``direct`` hand-off: ``StreamSender``, a ``KVSender``.
 
-* ``StreamSender`` (``store`` and ``direct``): a ``KVStore.Put`` stream, opened at ``begin``,
-  into the KV store or straight into the decode worker's own KVStore endpoint. The layer hook
-  takes each layer (engine thread; a GPU's is copied to the host) and queues it to be sealed
-  (the frame's CRCs computed): a small layer by the event loop as it sends it, a large one at
-  once by the sealing thread. The event loop sends each sealed frame as soon as it is ready,
-  while the engine computes the next layers. The last layer ends the stream; ``commit``
-  waits, bounded, for the store's acknowledgement.
-* ``ShmOutbound``: ``pdserve.transfer.shm.ShmSender`` (same host) behind the same interface.
-* ``Deferred`` and ``Suffix`` (``outbound_wrappers.py``): any of them with the layer-wise
-  overlap switched off, or moving only the tokens after a prefix the decode worker holds.
+A ``KVStore.Put`` stream, opened at ``begin``, into the KV store or straight into the decode
+worker's own KVStore endpoint. The layer hook takes each layer (engine thread; a GPU's is
+copied to the host) and queues it to be sealed (the frame's CRCs computed): a small layer by
+the event loop as it sends it, a large one at once by the sealing thread. The event loop sends
+each sealed frame as soon as it is ready, while the engine computes the next layers. The last
+layer ends the stream; ``commit`` waits, bounded, for the store's acknowledgement.
 
 The layer hook (``send_layer``) never raises: it runs inside the engine's batched forward
 pass. A failure is recorded and raised by ``commit``. ``discard`` frees whatever the hand-off
 holds on every other path (a stream still missing layers is cancelled, so the store drops the
-partial entry; one whose last layer ended it, committed or not, is deleted at the endpoint; an
-shm segment is unlinked).
+partial entry; one whose last layer ended it, committed or not, is deleted at the endpoint).
 """
 
 from __future__ import annotations
@@ -29,28 +23,25 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 import torch
 
-from pdserve.engine.kv_payload import KVLayout
+from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient, Piece, PutResult
 from pdserve.transfer.base import (
-    TransferDescriptor,
+    HandoffRecord,
+    KVLocation,
     TransferState,
-    TransferStats,
     TransportKind,
     advance,
+    store_key,
 )
 from pdserve.transfer.compress import Compression
-from pdserve.transfer.shm import ShmSender
+from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.stamp import CAPABILITY_BYTES
-from pdserve.transfer.stream import StreamHeader, check_layer, missing_layers
-from pdserve.worker.frames import LayerCopy, frame_bytes, stream_bytes
-from pdserve.worker.handoff import store_key
+from pdserve.transfer.stream.frames import LayerCopy, frame_bytes, stream_bytes
+from pdserve.transfer.stream.header import StreamHeader, check_layer, missing_layers
 
 logger = logging.getLogger(__name__)
 
@@ -62,51 +53,6 @@ sealing thread as soon as they are taken (``StreamSender``)."""
 Sealing = Future[list[Piece]] | Callable[[], list[Piece]]
 """A taken layer on its way to the wire: its seal running in the sealing thread, or to be
 run by the event loop."""
-
-
-@dataclass(frozen=True, slots=True)
-class SendFaults:
-    """Faults a sender injects on purpose (fault tests only; never set in production).
-
-    Each applies to the requests whose id starts with its prefix (None: the fault is off;
-    "": every request).
-    """
-
-    corrupt_prefix: str | None = None
-    """Flip one byte of the first frame after its CRC was taken (the receiver must notice)."""
-    stall_prefix: str | None = None
-    """Stop sending after ``stall_after_layers`` frames, without closing the stream."""
-    stall_after_layers: int = 1
-
-    def corrupts(self, request_id: str) -> bool:
-        return self.corrupt_prefix is not None and request_id.startswith(self.corrupt_prefix)
-
-    def stalls(self, request_id: str) -> bool:
-        return self.stall_prefix is not None and request_id.startswith(self.stall_prefix)
-
-
-class Outbound(Protocol):
-    """One hand-off on the prefill side (see the module docstring)."""
-
-    kind: TransportKind
-    stats: TransferStats
-
-    @property
-    def busy_ns(self) -> int:
-        """Time the transport was busy moving bytes (idle waits for the compute excluded)."""
-        ...
-
-    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None: ...
-
-    def planned(self) -> TransferDescriptor:
-        """After ``begin``: where the data is going (what ``commit`` will describe)."""
-        ...
-
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
-    async def commit(self, timeout_s: float) -> TransferDescriptor: ...
-
-    async def discard(self) -> None: ...
 
 
 class StreamSender:
@@ -133,10 +79,10 @@ class StreamSender:
         self.compression = compression
         self.faults = faults
         self.state = TransferState.PENDING
-        self.stats = TransferStats(kind)
+        self.record = HandoffRecord(kind.value)
         self.key = ""
         self.capability = b""
-        """The hand-off's capability (``handoff.store_key``), chosen by ``begin``."""
+        """The hand-off's capability (``base.store_key``), chosen by ``begin``."""
         self._header: StreamHeader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sealer = sealer
@@ -153,20 +99,20 @@ class StreamSender:
     def busy_ns(self) -> int:
         """Frames being sealed and written, plus the wait from the last piece to the
         acknowledgement (the waits for the engine's next layer excluded)."""
-        tail = self.stats.send_end_ns - self._last_sent_ns if self.stats.send_end_ns else 0
+        tail = self.record.send_end_ns - self._last_sent_ns if self.record.send_end_ns else 0
         return self._busy_ns + max(0, tail)
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
         """Open the Put stream (call on the event loop); the store reserves the whole size."""
         if num_tokens < 1:
             raise InvalidArgumentError("num_tokens", f"must be >= 1, got {num_tokens}")
-        self.stats.send_start_ns = time.monotonic_ns()
+        self.record.send_start_ns = time.monotonic_ns()
         self.state = advance(self.state, TransferState.SENDING)
         self._loop = asyncio.get_running_loop()
         self._header = header = StreamHeader(request_id, layout, num_tokens, self.compression)
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
         self.key = store_key(request_id, self.capability)
-        self.stats.num_bytes = stream_bytes(header)
+        self.record.num_bytes = stream_bytes(header)
         self._inline = (
             self.compression is Compression.NONE
             and frame_bytes(layout, num_tokens, self.compression) <= INLINE_SEAL_BYTES
@@ -176,7 +122,7 @@ class StreamSender:
                 self.key,
                 self._frames(),
                 header=header.encode(),
-                total_bytes=self.stats.num_bytes,
+                total_bytes=self.record.num_bytes,
                 lease_s=self.lease_s,
             ),
             name=f"kv-put-{request_id}",
@@ -191,9 +137,9 @@ class StreamSender:
             except Exception as err:  # raising here would fail the engine's whole batch
                 self._error = err
         end = time.monotonic_ns()
-        self.stats.hook_ns += end - start
-        self.stats.first_layer_ns = self.stats.first_layer_ns or start
-        self.stats.last_layer_ns = end
+        self.record.hook_ns += end - start
+        self.record.first_layer_ns = self.record.first_layer_ns or start
+        self.record.last_layer_ns = end
 
     def _take(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         h, loop = self._header, self._loop
@@ -252,24 +198,22 @@ class StreamSender:
                 if isinstance(left := self._queue.get_nowait(), Future):
                     left.cancel()
 
-    def planned(self) -> TransferDescriptor:
+    def planned(self) -> KVLocation:
         h = self._header
         if h is None:
             raise KVTransferError("planned() before begin()")
-        return TransferDescriptor(
+        return KVLocation(
             kind=self.kind,
             request_id=h.request_id,
             num_tokens=h.num_tokens,
-            num_bytes=self.stats.num_bytes,
-            model_fingerprint=h.layout.model_fingerprint,
-            name=self.key,
-            host=self.client.address,
-            layout=h.layout,
-            compression=self.compression.value,
+            num_bytes=self.record.num_bytes,
+            model_fingerprint=kv_fingerprint(h.layout),
+            address=self.client.address,
+            key=self.key,
             capability=self.capability,
         )
 
-    def _finish(self) -> TransferDescriptor:
+    def _finish(self) -> KVLocation:
         h = self._header
         if self.state is not TransferState.SENDING or h is None:
             raise KVTransferError(f"finish on a sender that is {self.state.name}")
@@ -281,7 +225,7 @@ class StreamSender:
         # Every layer was taken, so the last one queued the end of the stream behind itself.
         return self.planned()
 
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
+    async def commit(self, timeout_s: float) -> KVLocation:
         """Wait (at most ``timeout_s``) until the endpoint holds the whole stream (its last
         layer ended it)."""
         descriptor = self._finish()
@@ -295,7 +239,7 @@ class StreamSender:
                 f"{self.kind} hand-off of {descriptor.request_id!r} to {self.client.address} "
                 f"not committed within {timeout_s:.3g} s"
             ) from None
-        self.stats.send_end_ns = time.monotonic_ns()
+        self.record.send_end_ns = time.monotonic_ns()
         self.state = advance(self.state, TransferState.SENT)
         return descriptor
 
@@ -323,50 +267,3 @@ class StreamSender:
                 logger.warning("could not delete %s at %s: %s", self.key, self.client.address, err)
         if not self.state.terminal:
             self.state = advance(self.state, TransferState.FAILED)
-
-
-class ShmOutbound:
-    """``shm``: ``ShmSender`` behind the ``Outbound`` interface.
-
-    Faults: ``stall_after_layers`` leaves the segment unsealed and lets the commit run into
-    its timeout; ``corrupt`` flips a byte of layer 0 after it was hashed.
-    """
-
-    kind = TransportKind.SHM
-
-    def __init__(self, sender: ShmSender, *, faults: SendFaults | None = None) -> None:
-        self.sender = sender
-        self.stats = sender.stats
-        self.faults = faults
-        self._request_id = ""
-
-    @property
-    def busy_ns(self) -> int:
-        return self.stats.hook_ns  # the copies into the segment, and the seal
-
-    def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
-        self._request_id = request_id
-        if self.faults is not None and self.faults.corrupts(request_id):
-            self.sender.tamper = _flip_first_byte
-        if self.faults is not None and self.faults.stalls(request_id):
-            self.sender.stalled = True
-        self.sender.begin(request_id, layout, num_tokens)
-
-    def planned(self) -> TransferDescriptor:
-        return self.sender.planned()
-
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.sender.send_layer(layer, k, v)
-
-    async def commit(self, timeout_s: float) -> TransferDescriptor:
-        if self.faults is not None and self.faults.stalls(self._request_id):
-            await asyncio.sleep(timeout_s)  # the stalled writer: nothing seals the segment
-            raise KVTransferError(f"shm hand-off not sealed within {timeout_s:.3g} s (stalled)")
-        return self.sender.finish()  # seals the segment: a memory write, nothing to wait for
-
-    async def discard(self) -> None:
-        self.sender.abort()  # unlinks the segment (revokes it after a commit)
-
-
-def _flip_first_byte(data: np.ndarray) -> None:
-    data[0] ^= 0xFF

@@ -21,9 +21,9 @@ import torch
 import xxhash
 
 from pdserve.errors import KVTransferError
-from pdserve.transfer import checksum, segment, shm
 from pdserve.transfer.base import TransferState
-from pdserve.transfer.checksum import (
+from pdserve.transfer.shm import checksum, segment, writer
+from pdserve.transfer.shm.checksum import (
     NATIVE,
     NATIVE_MODULE,
     combine,
@@ -33,7 +33,8 @@ from pdserve.transfer.checksum import (
     kv_checksum,
     layer_checksum,
 )
-from pdserve.transfer.shm import ShmReceiver, ShmSender
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
@@ -189,19 +190,20 @@ def test_a_layer_written_either_way_reads_back_the_same(
     """Contiguous K and V (as the engine's hook gives them) through a two-lane sender,
     one-pass or numpy: the same checksums, and the receiver accepts both."""
     payload = random_payload(make_layout(num_layers=4), 37)
-    descs = []
+    descs, sums = [], []
     with ThreadPoolExecutor(max_workers=1) as pool:
         for native in (NATIVE, False):
             if not native:
                 monkeypatch.setattr(checksum, "_hash_copy", None)
-            sender = ShmSender(prefix=shm_prefix, pool=pool)
+            sender = SegmentWriter(prefix=shm_prefix, pool=pool)
             sender.begin(f"r{native}", payload.layout, 37)
             for i in range(4):
                 sender.send_layer(i, payload.keys[i], payload.values[i])
             descs.append(sender.finish())
-            got = asyncio.run(ShmReceiver().receive(descs[-1], timeout_s=5.0))
+            sums.append(sender.checksums)
+            got = asyncio.run(SegmentReader().receive(descs[-1], timeout_s=5.0))
             assert_same_payload(got, payload)
-    assert descs[0].layer_checksums == descs[1].layer_checksums
+    assert sums[0] == sums[1] and len(sums[0]) == 4
 
 
 class CountingPool(ThreadPoolExecutor):
@@ -247,25 +249,25 @@ def test_in_pair_waits_for_the_pool_half_before_raising() -> None:
 
 def test_segment_table_holds_the_layers_checksums(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 5)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("r", payload.layout, 5)
     for i in range(2):
         sender.send_layer(i, payload.keys[i], payload.values[i])
     desc = sender.finish()
     for i in range(2):
         k, v = (t.numpy().tobytes() for t in (payload.keys[i], payload.values[i]))
-        assert desc.layer_checksums[i] == reference_checksum(k, v)
-    got = asyncio.run(ShmReceiver().receive(desc, timeout_s=5.0))
+        assert sender.checksums[i] == reference_checksum(k, v)
+    got = asyncio.run(SegmentReader().receive(desc, timeout_s=5.0))
     assert_same_payload(got, payload)
 
 
 def test_received_views_are_private_and_outlive_the_segment(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=3), 6)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("r", payload.layout, 6)
     for i in range(3):
         sender.send_layer(i, payload.keys[i], payload.values[i])
-    got = asyncio.run(ShmReceiver().receive(sender.finish(), timeout_s=5.0))
+    got = asyncio.run(SegmentReader().receive(sender.finish(), timeout_s=5.0))
     assert leftovers(shm_prefix) == []  # unlinked, yet the views stay readable
     assert_same_payload(got, payload)
     got.keys[0].zero_()  # a private mapping: writable, and nobody else sees the write
@@ -281,9 +283,9 @@ def test_a_failed_mapping_fails_the_send_and_leaves_nothing(
         os.close(fd)
         raise OSError("no mapping today")
 
-    monkeypatch.setattr(shm.segment, "map_for_writing", refuse)
+    monkeypatch.setattr(writer.segment, "map_for_writing", refuse)
     payload = random_payload(make_layout(num_layers=2), 4)
-    sender = ShmSender(prefix=shm_prefix)
+    sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("r", payload.layout, 4)
     sender.send_layer(0, payload.keys[0], payload.values[0])  # never raises: recorded
     with pytest.raises(KVTransferError, match="no mapping today"):

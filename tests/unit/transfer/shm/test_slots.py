@@ -21,8 +21,7 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
-from pdserve.transfer import segment
-from pdserve.transfer.base import TransferDescriptor
+from pdserve.transfer.base import KVLocation
 from pdserve.transfer.janitor import (
     SHM_DIR,
     SegmentState,
@@ -31,13 +30,15 @@ from pdserve.transfer.janitor import (
     reclaim_orphans,
     segment_state,
 )
-from pdserve.transfer.shm import ShmReceiver, ShmSender
-from pdserve.transfer.slots import (
+from pdserve.transfer.shm import segment
+from pdserve.transfer.shm.reader import SegmentReader
+from pdserve.transfer.shm.slots import (
     SlotMappings,
     SlotNotReservedError,
     SlotPool,
     slot_capacity,
 )
+from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
@@ -64,17 +65,17 @@ def maps() -> Iterator[SlotMappings]:
 
 def send(
     pool: SlotPool, rid: str, num_tokens: int = 6, seed: int = 0, *, finish: bool = True
-) -> tuple[ShmSender, TransferDescriptor | None, KVPayload]:
+) -> tuple[SegmentWriter, KVLocation | None, KVPayload]:
     payload = random_payload(LAYOUT, num_tokens, seed)
-    sender = ShmSender(prefix=pool.prefix, slots=pool)
+    sender = SegmentWriter(prefix=pool.prefix, slots=pool)
     sender.begin(rid, LAYOUT, num_tokens)
     for i in range(LAYOUT.num_layers):
         sender.send_layer(i, payload.keys[i], payload.values[i])
     return sender, sender.finish() if finish else None, payload
 
 
-def receive(maps: SlotMappings, d: TransferDescriptor, *, follow: bool = False) -> KVPayload:
-    rx = ShmReceiver(expected_layout=LAYOUT, slots=maps, follow=follow, inline_bytes=0)
+def receive(maps: SlotMappings, d: KVLocation, *, follow: bool = False) -> KVPayload:
+    rx = SegmentReader(expected_layout=LAYOUT, slots=maps, follow=follow, inline_bytes=0)
     return asyncio.run(rx.receive(d, 10.0))
 
 
@@ -96,7 +97,7 @@ def test_one_slot_carries_hand_off_after_hand_off(
         assert got.release is not None
         got.release()
         assert state(pool) is SegmentState.FREE
-        names.add(d.name)
+        names.add(d.key)
         generations.append(d.generation)
     assert len(names) == 1 and leftovers(shm_prefix) == sorted(names)
     assert generations == sorted(set(generations)) and generations[0] > 0
@@ -111,7 +112,7 @@ def test_the_views_going_release_the_slot(pool: SlotPool, maps: SlotMappings) ->
     del got  # never imported (an abort): the last view's end lets the slot go
     assert state(pool) is SegmentState.FREE
     _, d2, _ = send(pool, "r2")
-    assert d2 is not None and d2.name == d.name
+    assert d2 is not None and d2.key == d.key
 
 
 def test_a_claimed_slot_is_never_written_again(pool: SlotPool, maps: SlotMappings) -> None:
@@ -119,7 +120,7 @@ def test_a_claimed_slot_is_never_written_again(pool: SlotPool, maps: SlotMapping
     assert d is not None
     got = receive(maps, d)
     _, d2, sent2 = send(pool, "r2", seed=1)  # the first is still held: another slot
-    assert d2 is not None and d2.name != d.name and len(pool.slots) == 2
+    assert d2 is not None and d2.key != d.key and len(pool.slots) == 2
     assert_same_payload(got, sent)
     assert_same_payload(receive(maps, d2), sent2)
 
@@ -140,7 +141,7 @@ def test_a_stale_generation_is_refused(pool: SlotPool, maps: SlotMappings) -> No
     assert d is not None
     receive(maps, d).release()
     _, d2, _ = send(pool, "r2", seed=1)
-    assert d2 is not None and d2.name == d.name
+    assert d2 is not None and d2.key == d.key
     with pytest.raises(KVTransferError, match="another hand-off"):
         receive(maps, d)
     receive(maps, d2).release()
@@ -153,13 +154,13 @@ def test_revoked_after_sealing(pool: SlotPool, maps: SlotMappings) -> None:
     with pytest.raises(KVTransferError, match="gave the hand-off up"):
         receive(maps, d)
     _, d2, sent2 = send(pool, "r2", seed=1)  # the aborted slot serves the next one
-    assert d2 is not None and d2.name == d.name
+    assert d2 is not None and d2.key == d.key
     assert_same_payload(receive(maps, d2), sent2)
 
 
 def test_an_unsealed_slot_is_not_claimed(pool: SlotPool, maps: SlotMappings) -> None:
     payload = random_payload(LAYOUT, 6)
-    sender = ShmSender(prefix=pool.prefix, slots=pool)
+    sender = SegmentWriter(prefix=pool.prefix, slots=pool)
     sender.stalled = True  # its last layer does not seal it
     sender.begin("r", LAYOUT, 6)
     for i in range(LAYOUT.num_layers):
@@ -177,7 +178,7 @@ def test_a_sealed_slot_nobody_claims_expires(shm_prefix: str, maps: SlotMappings
         assert d is not None
         time.sleep(0.01)  # past the lease; nothing else to wait on
         _, d2, sent2 = send(pool, "r2", seed=1)
-        assert d2 is not None and d2.name == d.name
+        assert d2 is not None and d2.key == d.key
         with pytest.raises(KVTransferError, match="another hand-off"):
             receive(maps, d)
         assert_same_payload(receive(maps, d2), sent2)
@@ -189,7 +190,7 @@ READER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from pdserve.transfer.slots import SlotMappings
+    from pdserve.transfer.shm.slots import SlotMappings
     claim = SlotMappings().claim(
         Path(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3]), time.monotonic() + 10
     )
@@ -202,7 +203,7 @@ READER = textwrap.dedent(
 def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings) -> None:
     _, d, _ = send(pool, "r")
     assert d is not None
-    path = SHM_DIR / d.name
+    path = SHM_DIR / d.key
     proc = subprocess.Popen(
         [sys.executable, "-c", READER, str(path), str(d.generation), d.capability.hex()],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3],
@@ -211,7 +212,7 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
         assert segment_state(path) is SegmentState.CLAIMED
         _, d2, _ = send(pool, "r2", seed=1)  # held by a live reader: another slot
-        assert d2 is not None and d2.name != d.name
+        assert d2 is not None and d2.key != d.key
         receive(maps, d2).release()
     finally:
         proc.kill()
@@ -221,7 +222,7 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
     # Its lock went with it: the slot is taken back, CLAIMED as it was left.
     assert segment_state(path) is SegmentState.CLAIMED
     _, d3, sent3 = send(pool, "r3", seed=2)
-    assert d3 is not None and d3.name in (d.name, d2.name)
+    assert d3 is not None and d3.key in (d.key, d2.key)
     assert_same_payload(receive(maps, d3), sent3)
 
 
@@ -229,10 +230,10 @@ def follow_a_hand_off(pool: SlotPool, maps: SlotMappings, seed: int) -> None:
     """A follower started as the hand-off begins ends with exactly the payload written, and
     the slot is free once the payload is released."""
     payload = random_payload(LAYOUT, 6, seed=seed)
-    sender = ShmSender(prefix=pool.prefix, slots=pool)
+    sender = SegmentWriter(prefix=pool.prefix, slots=pool)
     sender.begin("r", LAYOUT, 6)
     d = sender.planned()
-    rx = ShmReceiver(expected_layout=LAYOUT, slots=maps, follow=True)
+    rx = SegmentReader(expected_layout=LAYOUT, slots=maps, follow=True)
 
     async def body() -> KVPayload:
         task = asyncio.create_task(rx.receive(d, 10.0))
@@ -244,7 +245,7 @@ def follow_a_hand_off(pool: SlotPool, maps: SlotMappings, seed: int) -> None:
     got = asyncio.run(body())
     assert_same_payload(got, payload)
     got.release()
-    assert segment_state(SHM_DIR / d.name) is SegmentState.FREE
+    assert segment_state(SHM_DIR / d.key) is SegmentState.FREE
 
 
 def test_a_follower_reads_the_slot_as_it_is_written(pool: SlotPool, maps: SlotMappings) -> None:
@@ -259,7 +260,7 @@ def test_the_pool_keeps_to_its_budget(shm_prefix: str) -> None:
         _, d, _ = send(pool, "r")
         assert d is not None and d.generation > 0
         _, d2, _ = send(pool, "r2", seed=1)  # the slot is the first's: a one-off segment
-        assert d2 is not None and d2.generation == 0 and d2.name != d.name
+        assert d2 is not None and d2.generation == 0 and d2.key != d.key
         assert pool.num_bytes <= pool.budget_bytes
     finally:
         pool.close()
@@ -279,7 +280,7 @@ def test_closing_and_the_janitor_leave_nothing(shm_prefix: str, maps: SlotMappin
     maps.sweep()
     assert maps.num_mappings == 0  # ... until its periodic sweep
     with pytest.raises(KVTransferError, match="gone"):
-        maps.claim(SHM_DIR / d.name, d.generation, d.capability, time.monotonic() + 1)
+        maps.claim(SHM_DIR / d.key, d.generation, d.capability, time.monotonic() + 1)
 
 
 def test_capacity_rounds_up_by_at_most_an_eighth() -> None:
@@ -291,29 +292,29 @@ def test_capacity_rounds_up_by_at_most_an_eighth() -> None:
 def test_two_lanes_write_a_slot(pool: SlotPool, maps: SlotMappings) -> None:
     with ThreadPoolExecutor(1) as lanes:
         payload = random_payload(LAYOUT, 40, seed=5)
-        sender = ShmSender(prefix=pool.prefix, slots=pool, pool=lanes)
+        sender = SegmentWriter(prefix=pool.prefix, slots=pool, pool=lanes)
         sender.begin("r", LAYOUT, 40)
         for i in range(LAYOUT.num_layers):
             sender.send_layer(i, payload.keys[i], payload.values[i])
         d = sender.finish()
-        rx = ShmReceiver(expected_layout=LAYOUT, slots=maps, pool=lanes, inline_bytes=0)
+        rx = SegmentReader(expected_layout=LAYOUT, slots=maps, pool=lanes, inline_bytes=0)
         got = asyncio.run(rx.receive(d, 10.0))
     assert_same_payload(got, payload)
     got.release()
-    assert os.path.exists(SHM_DIR / d.name)  # the writer's, for the next hand-off
+    assert os.path.exists(SHM_DIR / d.key)  # the writer's, for the next hand-off
 
 
 def test_what_a_leak_check_counts(pool: SlotPool, maps: SlotMappings, shm_prefix: str) -> None:
     _, d, _ = send(pool, "r")
     assert d is not None
-    path = SHM_DIR / d.name
-    assert is_slot(d.name, shm_prefix) and not is_slot(f"{shm_prefix}1-abc", shm_prefix)
+    path = SHM_DIR / d.key
+    assert is_slot(d.key, shm_prefix) and not is_slot(f"{shm_prefix}1-abc", shm_prefix)
     assert holds_hand_off(path, shm_prefix)  # sealed, not read
     got = receive(maps, d)
     assert holds_hand_off(path, shm_prefix)  # claimed, not imported
     got.release()
     assert not holds_hand_off(path, shm_prefix)  # free: the writer's, between hand-offs
-    one_off = ShmSender(prefix=shm_prefix)
+    one_off = SegmentWriter(prefix=shm_prefix)
     one_off.begin("x", LAYOUT, 2)
     assert holds_hand_off(SHM_DIR / one_off.name, shm_prefix)
     one_off.abort()
@@ -323,7 +324,7 @@ def test_what_a_leak_check_counts(pool: SlotPool, maps: SlotMappings, shm_prefix
 def test_a_hand_off_given_up_unread_is_freed(pool: SlotPool, maps: SlotMappings) -> None:
     _, d, _ = send(pool, "r")
     assert d is not None
-    path = SHM_DIR / d.name
+    path = SHM_DIR / d.key
     assert not maps.discard(path, d.generation + 1, d.capability)  # not this hand-off
     assert state(pool) is SegmentState.SEALED
     assert maps.discard(path, d.generation, d.capability)
@@ -331,7 +332,7 @@ def test_a_hand_off_given_up_unread_is_freed(pool: SlotPool, maps: SlotMappings)
     with pytest.raises(KVTransferError, match="read already"):
         receive(maps, d)
     _, d2, _ = send(pool, "r2", seed=1)
-    assert d2 is not None and d2.name == d.name
+    assert d2 is not None and d2.key == d.key
     got = receive(maps, d2)
     assert not maps.discard(path, d2.generation, d2.capability)  # claimed: release frees it
     assert state(pool) is SegmentState.CLAIMED
@@ -343,7 +344,7 @@ def test_a_corrupt_hand_off_frees_its_slot(
     pool: SlotPool, maps: SlotMappings, follow: bool
 ) -> None:
     payload = random_payload(LAYOUT, 6)
-    sender = ShmSender(prefix=pool.prefix, slots=pool)
+    sender = SegmentWriter(prefix=pool.prefix, slots=pool)
 
     def flip(dst: np.ndarray) -> None:
         dst[0] ^= 0xFF
@@ -353,7 +354,7 @@ def test_a_corrupt_hand_off_frees_its_slot(
     for i in range(LAYOUT.num_layers):
         sender.send_layer(i, payload.keys[i], payload.values[i])
     d = sender.finish()
-    rx = ShmReceiver(slots=maps, follow=follow, inline_bytes=0)
+    rx = SegmentReader(slots=maps, follow=follow, inline_bytes=0)
     with pytest.raises(KVTransferError, match="checksum"):
         asyncio.run(rx.receive(d, 5.0))
     rx.cleanup()  # the decode worker falls back to recompute and lets the hand-off go
