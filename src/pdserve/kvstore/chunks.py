@@ -82,7 +82,7 @@ def chunk_pieces(
     are split (views); empty parts are left out.
 
     The margin lets a layer frame's first piece (a full chunk of K behind the frame's 28-byte
-    header, ``worker.frames``) leave as it came, so a reader can keep K without a copy."""
+    header, ``transfer.stream.frames``) leave as it came, so a reader can keep K without a copy."""
     pieces: list[tuple[Buffer, int | None]] = []
     for data, crc in parts:
         if crc is not None and len(data) <= chunk_bytes + chunk_bytes // 64:

@@ -13,7 +13,7 @@ tenant's blocks. The decode worker answers from its engine's cache map, on the e
 another model, dtype or block size answers 0.
 
 The prefill worker then computes as before, but its sender skips the first ``prefix_tokens``
-tokens of every layer (``outbound_wrappers.Suffix``); the ``KVHandle`` carries
+tokens of every layer (``transfer.wrappers.Suffix``); the ``KVHandle`` carries
 ``prefix_tokens``. The decode worker, after receiving the rest, copies the prefix out of its
 cache and joins the two (``join_cached_prefix``). The answer is only a hint: if the blocks
 were evicted in between, the join raises ``UnknownRequestError`` and the decode worker

@@ -134,7 +134,7 @@ class DecodeWorker:
         self._stores: dict[str, KVStoreClient] = {}
         # Checks the K half of shm layers beside the reading thread's V half.
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
-        # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.slots``).
+        # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.shm.slots``).
         self._slot_maps = SlotMappings()
         self.transports = receivers(
             ReceiveSide(

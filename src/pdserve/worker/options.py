@@ -107,7 +107,7 @@ class WorkerOptions:
     inbox_bytes: int = 2 * 1024**3
     """RAM budget of a decode worker's own KV endpoint (direct hand-offs land there)."""
     shm_slot_bytes: int = 1024**3
-    """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.slots``);
+    """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.shm.slots``);
     0: a fresh segment per hand-off."""
     janitor_interval_s: float = 60.0
     """How often orphaned shm segments are looked for (also once at start)."""

@@ -58,7 +58,7 @@ class TransferOptions:
     lease_s: float = 60.0
     """Lease of a hand-off entry whose reader never comes."""
     shm_slot_bytes: int = 0
-    """``/dev/shm`` bytes of reused shm segments (``transfer.slots``); 0: none."""
+    """``/dev/shm`` bytes of reused shm segments (``transfer.shm.slots``); 0: none."""
     faults: SendFaults | None = None
     """Fault injection, for fault tests only."""
 

@@ -179,7 +179,7 @@ class PrefillWorker:
             )
         return client
 
-    def _outbound(
+    def _sender(
         self, kind: TransportKind, decode_address: str, *, announce: bool = False
     ) -> KVSender | None:
         """The hand-off's sender; ``announce``: tell the decode worker as it begins
@@ -234,7 +234,7 @@ class PrefillWorker:
             kv_bytes=len(prompt_ids) * layout.num_layers * layout.bytes_per_token_per_layer,
             max_tokens=params.max_tokens,
         )
-        out = self._outbound(kind, decode_address, announce=announce)
+        out = self._sender(kind, decode_address, announce=announce)
         if out is not None and decode_address and self.options.decode_prefix:
             # Leave out the leading blocks the decode worker caches (decode_prefix).
             endpoint = self._endpoint(decode_address)

@@ -148,7 +148,7 @@ class SegmentReader:
             )
         # The name comes off the network: it must name a file directly in shm_dir.
         if not d.key or "/" in d.key or "\0" in d.key or d.key in (".", ".."):
-            raise InvalidArgumentError("descriptor.key", f"not a segment name: {d.key!r}")
+            raise InvalidArgumentError("descriptor.name", f"not a segment name: {d.key!r}")
         return self.shm_dir / d.key
 
     def _read(

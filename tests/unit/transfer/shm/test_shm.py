@@ -104,7 +104,7 @@ def test_other_host_and_bad_names_refused(shm_prefix: str) -> None:
         bad = dataclasses.replace(desc, key=name)
         with pytest.raises(InvalidArgumentError) as err:
             asyncio.run(SegmentReader().receive(bad, timeout_s=5.0))
-        assert err.value.field == "descriptor.key"
+        assert err.value.field == "descriptor.name"
     assert leftovers(shm_prefix) == [desc.key]  # none of that touched the segment
     gone = dataclasses.replace(desc, key=f"{shm_prefix}1-0")
     with pytest.raises(KVTransferError, match="is gone"):
