@@ -52,6 +52,14 @@ from pdserve.errors import InvalidArgumentError
 
 CORES, INTERACTIVE, BULK = "cores.lock", "interactive.lock", "bulk.lock"
 
+INTERACTIVE_PERIOD_S = 0.02
+"""Default pacing of interactive steps while bulk work waits. A decode stream's gap under a
+long prefill is about one period, one decode step and one stretch of bulk work between
+checkpoints; at 20 ms that gap stays well inside a 150 ms ITL SLO while the prefill still
+gets every stretch between two decode steps (docs/serving.md)."""
+BULK_TOKENS = 256
+"""Default size above which a step's prompt tokens make it bulk."""
+
 
 @dataclass(slots=True)
 class LeaseStats:
@@ -83,8 +91,8 @@ class HostLease:
         self,
         directory: str | Path,
         *,
-        interactive_period_s: float = 0.05,
-        bulk_tokens: int = 256,
+        interactive_period_s: float = INTERACTIVE_PERIOD_S,
+        bulk_tokens: int = BULK_TOKENS,
     ) -> None:
         if not interactive_period_s >= 0:
             raise InvalidArgumentError(

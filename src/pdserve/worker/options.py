@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.backends import BACKEND_NAMES, TORCH
 from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
+from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
 from pdserve.engine.faults import EngineFaults
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
@@ -78,9 +79,9 @@ class WorkerOptions:
     host_lease: Path | None = None
     """Directory shared by the workers of one host whose engines take turns on its cores
     (``pdserve.compute.HostLease``); None: this engine has its cores to itself."""
-    interactive_period_ms: float = 50.0
+    interactive_period_ms: float = INTERACTIVE_PERIOD_S * 1000.0
     """With a host lease: while bulk work waits, interactive steps start at most this often."""
-    bulk_tokens: int = 256
+    bulk_tokens: int = BULK_TOKENS
     """With a host lease: a step computing more prompt tokens than this is bulk."""
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests may take to finish."""
@@ -233,13 +234,13 @@ def worker_parser(
     c.add_argument(
         "--interactive-period-ms",
         type=float,
-        default=float(d("interactive_period_ms", 50.0)),
+        default=float(d("interactive_period_ms", INTERACTIVE_PERIOD_S * 1000.0)),
         help="while a long prefill waits, start decode steps at most this often",
     )
     c.add_argument(
         "--bulk-tokens",
         type=int,
-        default=int(d("bulk_tokens", 256)),
+        default=int(d("bulk_tokens", BULK_TOKENS)),
         help="steps computing more prompt tokens than this lend the cores to decode steps",
     )
     p.add_argument("--grace-s", type=float, default=float(d("grace_s", 10.0)), help="drain time")
