@@ -149,10 +149,7 @@ class KVStoreServicer:
     async def Lookup(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.LookupRequest, context: Context
     ) -> kvstore_pb2.LookupResponse:
-        keys = list(request.keys)
-        route = self.store.lookup_route(keys)
-        found = await route(keys) if route is not None else self.store.lookup(keys)
-        return kvstore_pb2.LookupResponse(num_leading=found)
+        return kvstore_pb2.LookupResponse(num_leading=self.store.lookup(list(request.keys)))
 
     async def Delete(  # noqa: N802 - gRPC method names
         self, request: kvstore_pb2.DeleteRequest, context: Context

@@ -138,10 +138,8 @@ class DecodeWorker:
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.slots``).
         self._slot_maps = SlotMappings()
-        if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
-            inbox.route_lookups(
-                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
-            )
+        # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).
+        self._prefix_oracle = decode_prefix.DecodePrefixOracle(engine)
 
     async def close(self) -> None:
         """Drop the prefetches, close the KV store connections."""
@@ -186,6 +184,12 @@ class DecodeWorker:
         if not kv.address:
             raise InvalidArgumentError(f"kv.{kv.kind}.address", "must be the endpoint's host:port")
         return StreamInbound(self._store(kv.address), kv, expected_layout=layout, follow=follow)
+
+    # -- CachedPrefix ----------------------------------------------------------------------
+    async def cached_prefix(self, query: decode_prefix.PrefixQuery) -> int:
+        """Leading blocks of ``query`` this worker's engine caches (``prefix.decode``);
+        answered on the engine thread, only a hint."""
+        return await self._prefix_oracle(query)
 
     # -- Prefetch --------------------------------------------------------------------------
     async def prefetch(self, kv: KVLocation) -> PrefetchOutcome:
