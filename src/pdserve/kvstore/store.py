@@ -1,10 +1,11 @@
 """KVStore: a two-tier byte store for KV payloads and KV blocks in flight between workers.
 
-Entries are opaque ``header + data`` under string keys. Two kinds share the store:
+Entries are opaque ``header + data`` under string keys (their namespaces: ``kvstore.keys``).
+Two kinds share the store:
 
-* hand-offs (``kv/{request_id}``): a prefill worker writes one, usually layer by layer while it
-  computes (``begin_put`` -> ``append``... -> ``commit``), and the decode worker reads it once,
-  deleting it as it reads;
+* hand-offs (``kv/{request_id}/{capability}``): a prefill worker writes one, usually layer by
+  layer while it computes (``begin_put`` -> ``append``... -> ``commit``), and the decode
+  worker reads it once, deleting it as it reads;
 * cache entries (``cache=True``, prefix blocks keyed by their chained content hash): written
   once, read by any prefill of a prompt with the same prefix, and droppable.
 

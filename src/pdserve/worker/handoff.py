@@ -4,9 +4,9 @@
 ``TransferRecord`` is one hand-off measured on both sides (``pdserve.v1.TransferTiming``).
 
 Every hand-off carries a capability, 16 random bytes (``transfer.stamp``): a store or direct
-entry's key ends with their hex (``store_key``), so naming the entry takes knowing them, and an
-shm segment holds them. Only the prefill worker that wrote the KV and whoever it answered
-(the router, then the decode worker) know them.
+entry's key ends with their hex (``kvstore.keys.handoff_key``), so naming the entry takes
+knowing them, and an shm segment holds them. Only the prefill worker that wrote the KV and
+whoever it answered (the router, then the decode worker) know them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.backends import NativeKV
+from pdserve.kvstore import keys as _keys
 from pdserve.transfer.base import TransferDescriptor, TransferStats, TransportKind
 
-STORE_KEY_PREFIX = "kv/"
-
-
-def store_key(request_id: str, capability: bytes) -> str:
-    """The KV store key of a request's prompt KV: ``kv/{request_id}/{capability hex}``."""
-    return f"{STORE_KEY_PREFIX}{request_id}/{capability.hex()}"
+# The hand-off key namespace is defined with the store's others (``kvstore.keys``); these
+# names stay for the code that takes them from here.
+STORE_KEY_PREFIX = _keys.HANDOFF_PREFIX
+store_key = _keys.handoff_key
 
 
 @dataclass(frozen=True, slots=True)
