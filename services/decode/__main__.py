@@ -20,6 +20,7 @@ from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn
+from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
@@ -31,7 +32,6 @@ from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
 from services.decode.inbox import InboxServicer
 from services.decode.servicer import DecodeServicer, MixedServicer
-from services.prefill.servicer import PrefillServicer
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.chunks import ChunkReader
+from pdserve.kvstore.keys import is_handoff_key
 from pdserve.kvstore.store import KVStore, Part
 from pdserve.kvstore.wire import Buffer
-from pdserve.transfer.base import STORE_KEY_PREFIX
 from pdserve.transfer.stream.frames import FrameCollector
 from pdserve.transfer.stream.header import read_header
 from services.kvstore.servicer import KVStoreServicer, PutSink
@@ -63,7 +63,7 @@ class InboxServicer(KVStoreServicer):
         self.expected_layout = expected_layout
 
     def sink(self, reader: ChunkReader) -> PutSink | None:
-        if not reader.key.startswith(STORE_KEY_PREFIX):
+        if not is_handoff_key(reader.key):
             return None
         try:
             header = read_header(reader.header)

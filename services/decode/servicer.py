@@ -11,6 +11,7 @@ from grpc.aio import ServicerContext
 from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert import sampling_from_proto
 from pdserve.rpc.convert.kv import handle_from_proto
+from pdserve.rpc.convert.prefix import cached_prefix_response, prefix_query_from_proto
 from pdserve.rpc.convert.worker import chunk_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.worker.decode import DecodeWorker
@@ -59,6 +60,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.PrefetchResponse(
             accepted=outcome.accepted, ready=outcome.ready, reason=outcome.reason
         )
+
+    async def CachedPrefix(  # noqa: N802 - gRPC method names
+        self, request: decode_pb2.CachedPrefixRequest, context: Context
+    ) -> decode_pb2.CachedPrefixResponse:
+        found = await self.worker.cached_prefix(prefix_query_from_proto(request))
+        return cached_prefix_response(found)
 
 
 class MixedServicer(decode_pb2_grpc.MixedServicer):

@@ -1,7 +1,8 @@
 """``python -m services.prefill``: a prefill worker.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine backend -> KV store client -> Prefill service -> serve with heartbeats until SIGTERM.
+engine backend -> KV store client -> Prefill service (``pdserve.rpc.servicers.prefill``, which
+mixed workers serve too) -> serve with heartbeats until SIGTERM.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 The KV hand-off flags (``--transport``, ``--prefix-reuse``, ...) are in
 ``docs/kv-transfer.md``.
@@ -15,6 +16,7 @@ import os
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc import allocator
+from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL
@@ -23,7 +25,6 @@ from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
-from services.prefill.servicer import PrefillServicer
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:

@@ -20,16 +20,15 @@ from grpc.aio import ServicerContext
 from redis.exceptions import RedisError
 
 from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
-from pdserve.scheduling import (
-    Assignment,
-    ClusterScheduler,
-    Mode,
-    WorkerInfo,
-    WorkerRole,
-    WorkerView,
+from pdserve.rpc.convert.scheduler import (
+    assignment_to_proto,
+    mode_of,
+    reservation_id_of,
+    role_filter,
+    worker_status,
 )
+from pdserve.scheduling import ClusterScheduler, Mode, WorkerView
 from pdserve.scheduling.capacity import Phase, ineligibility
-from pdserve.scheduling.placement import ModeDecision
 from pdserve.scheduling.quotas import QuotaExceededError
 from pdserve.scheduling.scheduler import SloRefusalError
 from pdserve.telemetry import handover, tracing
@@ -44,95 +43,9 @@ from pdserve.telemetry.spans import (
     ATTR_RETRIES,
     SCHEDULER_ASSIGN,
 )
-from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-
-_MODE_FROM_PROTO = {
-    common_pb2.MODE_UNSPECIFIED: None,  # the scheduler's default mode
-    common_pb2.MODE_DISAGGREGATED: Mode.DISAGGREGATED,
-    common_pb2.MODE_COLOCATED: Mode.COLOCATED,
-    common_pb2.MODE_CONDITIONAL: Mode.CONDITIONAL,
-}
-_MODE_TO_PROTO = {
-    Mode.DISAGGREGATED: common_pb2.MODE_DISAGGREGATED,
-    Mode.COLOCATED: common_pb2.MODE_COLOCATED,
-    Mode.CONDITIONAL: common_pb2.MODE_CONDITIONAL,
-}
-_ROLE_TO_PROTO = {
-    WorkerRole.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
-    WorkerRole.DECODE: common_pb2.WORKER_ROLE_DECODE,
-    WorkerRole.MIXED: common_pb2.WORKER_ROLE_MIXED,
-}
-_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 Context: TypeAlias = ServicerContext[Any, Any]
-
-
-def _worker_ref(info: WorkerInfo) -> scheduler_pb2.WorkerRef:
-    return scheduler_pb2.WorkerRef(id=info.id, address=info.address, host=info.host)
-
-
-def _decision(d: ModeDecision | None) -> scheduler_pb2.ModeDecision | None:
-    if d is None:
-        return None
-    return scheduler_pb2.ModeDecision(
-        reason=d.reason.value,
-        long_prompt=d.long_prompt,
-        long_prompt_tokens=d.long_prompt_tokens,
-        colocated_ttft_s=d.colocated_ttft_s,
-        disaggregated_ttft_s=d.disaggregated_ttft_s,
-        cached_tokens=d.cached_tokens,
-        stall_s=d.stall_s,
-    )
-
-
-def _assignment(a: Assignment) -> scheduler_pb2.Assignment:
-    return scheduler_pb2.Assignment(
-        reservation_id=a.reservation_id,
-        prefill=_worker_ref(a.prefill),
-        decode=_worker_ref(a.decode),
-        retries=a.retries,
-        policy=a.policy,
-        mode=_MODE_TO_PROTO[a.mode],
-        ttl_s=a.ttl_s,
-        decision=_decision(a.decision),
-    )
-
-
-def _worker_status(view: WorkerView, indexed_blocks: int = 0) -> scheduler_pb2.WorkerStatus:
-    info = view.info
-    return scheduler_pb2.WorkerStatus(
-        id=info.id,
-        role=_ROLE_TO_PROTO[info.role],
-        address=info.address,
-        host=info.host,
-        model_fingerprint=info.model_fingerprint,
-        kv_blocks_total=info.kv_blocks_total,
-        kv_blocks_free=info.kv_blocks_free,
-        block_size=info.block_size,
-        max_batch_tokens=info.max_batch_tokens,
-        queued_tokens=info.queued_tokens,
-        running_seqs=info.running_seqs,
-        draining=info.draining,
-        ts=info.ts,
-        heartbeat_age_s=view.heartbeat_age_s,
-        reserved_tokens=view.reserved.tokens,
-        reserved_blocks=view.reserved.blocks,
-        serves=list(info.phases),
-        lane=info.lane,
-        duty=info.duty,
-        switching=info.switching,
-        step_overhead_s=info.step_overhead_s,
-        decode_seq_s=info.decode_seq_s,
-        prefill_token_s=info.prefill_token_s,
-        busy=info.busy,
-        indexed_blocks=indexed_blocks,
-    )
-
-
-def _reservation_id(value: str) -> str:
-    if not value:
-        raise InvalidArgumentError("reservation_id", "must be set")
-    return value
 
 
 def _redis_failure(err: BaseException) -> bool:
@@ -205,9 +118,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             outcome = "error"
             try:
                 with self._redis_errors("assign"):
-                    if request.mode not in _MODE_FROM_PROTO:
-                        raise InvalidArgumentError("mode", f"unknown mode {request.mode}")
-                    mode = _MODE_FROM_PROTO[request.mode]
+                    mode = mode_of(request.mode)
                     assignment = await self.scheduler.assign(
                         request.request_id,
                         request.prompt_tokens,
@@ -244,14 +155,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     }
                 )
             handover.mark_stage_end(time.time_ns())
-            return _assignment(assignment)
+            return assignment_to_proto(assignment)
 
     async def Release(  # noqa: N802
         self, request: scheduler_pb2.ReleaseRequest, context: Context
     ) -> scheduler_pb2.ReleaseResponse:
         with self._redis_errors("release"):
             released = await self.scheduler.release(
-                _reservation_id(request.reservation_id), prefill_only=request.prefill_only
+                reservation_id_of(request.reservation_id), prefill_only=request.prefill_only
             )
         return scheduler_pb2.ReleaseResponse(released=released)
 
@@ -259,24 +170,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.RenewRequest, context: Context
     ) -> scheduler_pb2.RenewResponse:
         with self._redis_errors("renew"):
-            ttl_s = await self.scheduler.renew(_reservation_id(request.reservation_id))
+            ttl_s = await self.scheduler.renew(reservation_id_of(request.reservation_id))
         return scheduler_pb2.RenewResponse(ttl_s=ttl_s)
 
     async def ListWorkers(  # noqa: N802
         self, request: scheduler_pb2.ListWorkersRequest, context: Context
     ) -> scheduler_pb2.ListWorkersResponse:
-        if (
-            request.role != common_pb2.WORKER_ROLE_UNSPECIFIED
-            and request.role not in _ROLE_FROM_PROTO
-        ):
-            raise InvalidArgumentError("role", f"unknown role {request.role}")
-        role = _ROLE_FROM_PROTO.get(request.role)
+        role = role_filter(request.role)
         with self._redis_errors("list_workers"):
             views = await self.scheduler.snapshot()
         index = self.scheduler.prefix_index
         return scheduler_pb2.ListWorkersResponse(
             workers=[
-                _worker_status(v, index.size(v.id) if index is not None else 0)
+                worker_status(v, index.size(v.id) if index is not None else 0)
                 for v in views
                 if role is None or v.info.role is role
             ]

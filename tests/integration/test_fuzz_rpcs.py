@@ -388,6 +388,7 @@ FINGERPRINT = "the decode worker's"
 @given(
     request=st.one_of(decode_requests(), messages(decode_pb2.DecodeRequest)),
     prefetch=messages(decode_pb2.PrefetchRequest),
+    cached=messages(decode_pb2.CachedPrefixRequest),
 )
 @example(
     request=decode_pb2.DecodeRequest(
@@ -397,14 +398,20 @@ FINGERPRINT = "the decode worker's"
                                recompute=common_pb2.RecomputeLocation(reason="fuzz")),
     ),
     prefetch=decode_pb2.PrefetchRequest(),
+    cached=decode_pb2.CachedPrefixRequest(kv_fingerprint="x", block_size=8,
+                                          block_hashes=[b"\0" * 16]),
 )  # fmt: skip
 def test_decode(
-    fuzzed: Fuzzed, request: decode_pb2.DecodeRequest, prefetch: decode_pb2.PrefetchRequest
+    fuzzed: Fuzzed,
+    request: decode_pb2.DecodeRequest,
+    prefetch: decode_pb2.PrefetchRequest,
+    cached: decode_pb2.CachedPrefixRequest,
 ) -> None:
     if request.kv.model_fingerprint == FINGERPRINT:
         request.kv.model_fingerprint = fuzzed.fingerprint
     fuzzed.call(fuzzed.decode, "/pdserve.v1.Decode/Decode", request, streaming=True)
     fuzzed.call(fuzzed.decode, "/pdserve.v1.Decode/Prefetch", prefetch)
+    fuzzed.call(fuzzed.decode, "/pdserve.v1.Decode/CachedPrefix", cached)
 
 
 # -- KV store (the store, and the decode worker's own endpoint) ---------------------------------
@@ -481,6 +488,7 @@ UNARY = [
     ("scheduler", "/pdserve.v1.Scheduler/ListWorkers"),
     ("prefill", "/pdserve.v1.Prefill/Prefill"),
     ("decode", "/pdserve.v1.Decode/Prefetch"),
+    ("decode", "/pdserve.v1.Decode/CachedPrefix"),
     ("kvstore", "/pdserve.v1.KVStore/Lookup"),
     ("kvstore", "/pdserve.v1.KVStore/Delete"),
     ("kvstore", "/pdserve.v1.KVStore/Stat"),

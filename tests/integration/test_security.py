@@ -255,6 +255,8 @@ def internal_calls(
         lambda: read_all(decode.Decode(decode_pb2.DecodeRequest(request_id="x", kv=handle),
                                        timeout=10)),
         lambda: decode.Prefetch(decode_pb2.PrefetchRequest(kv=handle), timeout=10),
+        lambda: decode.CachedPrefix(decode_pb2.CachedPrefixRequest(kv_fingerprint="x",
+                                                                   block_size=8), timeout=10),
     ]  # fmt: skip
     for name in ("kvstore", "decode"):  # the KV store, and the decode worker's own endpoint
         kv = kvstore_pb2_grpc.KVStoreStub(channels[name])

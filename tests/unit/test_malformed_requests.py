@@ -37,6 +37,7 @@ UNARY = [
     "/pdserve.v1.Scheduler/Assign",
     "/pdserve.v1.Scheduler/Release",
     "/pdserve.v1.Prefill/Prefill",
+    "/pdserve.v1.Decode/CachedPrefix",
     "/pdserve.v1.KVStore/Delete",
     "/pdserve.v1.KVStore/Stat",
     "/grpc.health.v1.Health/Check",

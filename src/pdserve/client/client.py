@@ -45,6 +45,7 @@ from pdserve.client.request import (
 )
 from pdserve.client.results import Completion
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
+from pdserve.rpc.convert.client import completion_from_proto
 from pdserve.security.tls import TlsConfig
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -158,7 +159,7 @@ class Client(_Base):
                 response = self._stub.GenerateUnary(
                     request, timeout=deadline.remaining(), metadata=md
                 )
-                return Completion.from_proto(response)
+                return completion_from_proto(response)
             except grpc.RpcError as err:
                 delay = self.retry.should_retry(
                     err.code(), attempt, started=False, time_left_s=deadline.remaining()
@@ -252,7 +253,7 @@ class AsyncClient(_Base):
                 response = await stub.GenerateUnary(
                     request, timeout=deadline.remaining(), metadata=md
                 )
-                return Completion.from_proto(response)
+                return completion_from_proto(response)
             except grpc.RpcError as err:
                 delay = self.retry.should_retry(
                     err.code(), attempt, started=False, time_left_s=deadline.remaining()

@@ -1,12 +1,11 @@
-"""What the SDK returns: streamed deltas and whole completions."""
+"""What the SDK returns: streamed deltas and whole completions (read from the Router's
+messages by ``pdserve.rpc.convert.client``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.rpc.convert import finish_reason_name, timing_from_proto
 from pdserve.timing import Timing
-from pdserve.v1 import common_pb2, router_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,10 +16,6 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     """Prompt tokens served from a worker's prefix cache."""
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.Usage) -> Usage:
-        return cls(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +36,6 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @classmethod
-    def from_proto(cls, msg: router_pb2.GenerateChunk) -> Delta:
-        return cls(
-            text=msg.text,
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            finish_reason=finish_reason_name(msg.finish_reason),
-            usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
-            timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
-            request_id=msg.request_id,
-        )
-
 
 @dataclass(slots=True)
 class Completion:
@@ -65,18 +48,6 @@ class Completion:
     usage: Usage | None
     timing: Timing | None
     request_id: str = ""
-
-    @classmethod
-    def from_proto(cls, msg: router_pb2.GenerateResponse) -> Completion:
-        return cls(
-            text=msg.text,
-            token_ids=list(msg.token_ids),
-            logprobs=list(msg.logprobs),
-            finish_reason=finish_reason_name(msg.finish_reason),
-            usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
-            timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
-            request_id=msg.request_id,
-        )
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import grpc
 from pdserve.client.errors import Cancelled, PdServeClientError, ServerError, error_from_rpc
 from pdserve.client.request import RetryPolicy
 from pdserve.client.results import Completion, CompletionBuilder, Delta
+from pdserve.rpc.convert.client import delta_from_proto
 
 
 class Deadline:
@@ -58,7 +59,7 @@ class CompletionStream:
             self._call = call
             try:
                 for msg in call:
-                    delta = Delta.from_proto(msg)
+                    delta = delta_from_proto(msg)
                     self._builder.add(delta)
                     yield delta
                 if self._builder.last is None or not self._builder.last.finished:
@@ -137,7 +138,7 @@ class AsyncCompletionStream:
             self._call = call
             try:
                 async for msg in call:
-                    delta = Delta.from_proto(msg)
+                    delta = delta_from_proto(msg)
                     self._builder.add(delta)
                     yield delta
                 if self._builder.last is None or not self._builder.last.finished:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
 
+BLOCK_HASH_BYTES = 16
+"""Length of a chained block hash (``chain_block_hashes``)."""
+
 
 def chain_block_hashes(
     token_ids: Seq[int], block_size: int, *, salt: str = "", parent: bytes = b"", start: int = 0
@@ -35,7 +38,7 @@ def chain_block_hashes(
     out: list[bytes] = []
     salt_bytes = salt.encode()
     for i in range(start, len(token_ids) // block_size):
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES)
         h.update(parent)
         h.update(salt_bytes)
         h.update(

@@ -37,8 +37,9 @@ from pdserve.kvstore.chunks import (
     CrcPipeline,
     split,
 )
-from pdserve.kvstore.stats import StoreStats
+from pdserve.kvstore.stats import StoreStat
 from pdserve.kvstore.wire import Chunk, KVStoreCalls
+from pdserve.rpc.convert.kvstore import store_stat_from_proto
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -66,23 +67,6 @@ class PutResult:
     num_bytes: int
     num_chunks: int
     lease_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStat:
-    """``Stat`` of one key (``exists``, ``num_bytes``, ``lease_remaining_s``, ``tier``,
-    ``refs``) or the totals (``used_bytes``, ``capacity_bytes``, ``num_entries``, ``totals``)."""
-
-    exists: bool
-    num_bytes: int
-    lease_remaining_s: float
-    used_bytes: int
-    capacity_bytes: int
-    num_entries: int
-    tier: str = ""
-    refs: int = 0
-    totals: StoreStats | None = None
-    """Every total and counter; None for a key's stat."""
 
 
 def _translate(err: AioRpcError, what: str) -> PdServeError:
@@ -302,42 +286,7 @@ class KVStoreClient:
             )
         except AioRpcError as err:
             raise _translate(err, f"stat {key!r} on {self.address}") from err
-        totals = None
-        if not key:
-            totals = StoreStats(
-                used_bytes=r.used_bytes,
-                capacity_bytes=r.capacity_bytes,
-                num_entries=r.num_entries,
-                bytes_in=r.bytes_in,
-                bytes_out=r.bytes_out,
-                hits=r.hits,
-                misses=r.misses,
-                expired=r.expired,
-                disk_used_bytes=r.disk_used_bytes,
-                disk_capacity_bytes=r.disk_capacity_bytes,
-                num_disk_entries=r.num_disk_entries,
-                num_pinned=r.num_pinned,
-                num_writing=r.num_writing,
-                reserved_bytes=r.reserved_bytes,
-                spills=r.spills,
-                reloads=r.reloads,
-                evictions=r.evictions,
-                lookups=r.lookups,
-                lookup_hits=r.lookup_hits,
-                uptime_s=r.uptime_s,
-                num_cache_entries=r.num_cache_entries,
-            )
-        return StoreStat(
-            r.exists,
-            r.num_bytes,
-            r.lease_remaining_s,
-            r.used_bytes,
-            r.capacity_bytes,
-            r.num_entries,
-            tier=r.tier,
-            refs=r.refs,
-            totals=totals,
-        )
+        return store_stat_from_proto(r, totals=not key)
 
     async def close(self) -> None:
         await self._channel.close()

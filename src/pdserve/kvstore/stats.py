@@ -71,3 +71,21 @@ class StoreStats:
     @property
     def bytes_out_per_s(self) -> float:
         return self.bytes_out / self.uptime_s if self.uptime_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStat:
+    """``Stat`` of one key (``exists``, ``num_bytes``, ``lease_remaining_s``, ``tier``,
+    ``refs``) or the totals (``used_bytes``, ``capacity_bytes``, ``num_entries``, ``totals``),
+    as a client reads it."""
+
+    exists: bool
+    num_bytes: int
+    lease_remaining_s: float
+    used_bytes: int
+    capacity_bytes: int
+    num_entries: int
+    tier: str = ""
+    refs: int = 0
+    totals: StoreStats | None = None
+    """Every total and counter; None for a key's stat."""

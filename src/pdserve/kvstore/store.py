@@ -1,10 +1,11 @@
 """KVStore: a two-tier byte store for KV payloads and KV blocks in flight between workers.
 
-Entries are opaque ``header + data`` under string keys. Two kinds share the store:
+Entries are opaque ``header + data`` under string keys (their namespaces: ``kvstore.keys``).
+Two kinds share the store:
 
-* hand-offs (``kv/{request_id}``): a prefill worker writes one, usually layer by layer while it
-  computes (``begin_put`` -> ``append``... -> ``commit``), and the decode worker reads it once,
-  deleting it as it reads;
+* hand-offs (``kv/{request_id}/{capability}``): a prefill worker writes one, usually layer by
+  layer while it computes (``begin_put`` -> ``append``... -> ``commit``), and the decode
+  worker reads it once, deleting it as it reads;
 * cache entries (``cache=True``, prefix blocks keyed by their chained content hash): written
   once, read by any prefill of a prompt with the same prefix, and droppable.
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pdserve.errors import (
@@ -44,9 +45,6 @@ from pdserve.kvstore.entry import EntryStat, Part, StoredPayload, Tier, _Entry
 from pdserve.kvstore.handles import PendingPut, ReadHandle
 from pdserve.kvstore.room import Action, plan_room
 from pdserve.kvstore.stats import StoreStats
-
-LookupRoute = Callable[[Sequence[str]], Awaitable[int]]
-"""Answers a ``Lookup`` of keys the store does not hold itself (``KVStore.route_lookups``)."""
 
 __all__ = ["EntryStat", "KVStore", "Part", "PendingPut", "ReadHandle", "StoredPayload", "Tier"]
 
@@ -94,7 +92,6 @@ class KVStore:
         self._hits = self._misses = self._expired = 0
         self._spills = self._reloads = self._evictions = 0
         self._lookups = self._lookup_hits = 0
-        self._lookup_routes: dict[str, LookupRoute] = {}
 
     def close(self) -> None:
         """Remove the disk tier's directory."""
@@ -216,18 +213,6 @@ class KVStore:
         handle = self.open_read(key)
         handle.close()
         return handle.payload
-
-    def route_lookups(self, prefix: str, answer: LookupRoute) -> None:
-        """Let lookups whose first key starts with ``prefix`` be answered by ``answer(keys)``
-        instead of this store's entries (a decode worker answers ``blk/`` keys from its
-        engine's prefix cache: ``prefix.decode``). See ``lookup_route``."""
-        self._lookup_routes[prefix] = answer
-
-    def lookup_route(self, keys: Sequence[str]) -> LookupRoute | None:
-        """The answer routed for ``keys`` (the servicer awaits it), or None: use ``lookup``."""
-        if not keys:
-            return None
-        return next((f for p, f in self._lookup_routes.items() if keys[0].startswith(p)), None)
 
     def lookup(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first on, are present (a prefix-cache probe).

@@ -2,15 +2,14 @@
 
 A decode worker's engine keeps the blocks of prompts it decoded in its prefix cache. Before a
 hand-off the prefill worker asks it (``ask``) how many leading blocks of the prompt it holds,
-with a ``Lookup`` on the decode worker's own KVStore endpoint, one key per whole block::
+with a ``Decode.CachedPrefix`` call (``decode_client.DecodePrefixClients``) carrying a
+``PrefixQuery``: the engine's KV fingerprint, its block size and one hash per whole block,
 
-    blk/{kv fingerprint}/{block size}/{chained block hash, hex}
+    block_manager.chain_block_hashes(prompt, block_size, salt=tenant)
 
-the hash being ``block_manager.chain_block_hashes(prompt, block_size, salt=tenant)``: it
-covers every token before it and the tenant, so a tenant never learns about (or gets) another
-tenant's blocks. The decode worker answers from its engine's cache map, on the engine thread
-(``DecodePrefixOracle``, installed on its endpoint's store with ``KVStore.route_lookups``);
-another model, dtype or block size answers 0.
+which covers every token before it and the tenant, so a tenant never learns about (or gets)
+another tenant's blocks. The decode worker answers from its engine's cache map, on the engine
+thread (``DecodePrefixOracle``); another model, dtype or block size answers 0.
 
 The prefill worker then computes as before, but its sender skips the first ``prefix_tokens``
 tokens of every layer (``transfer.wrappers.Suffix``); the ``KVHandle`` carries
@@ -24,6 +23,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,11 +32,19 @@ from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import PdServeError, UnknownRequestError
-from pdserve.kvstore.client import KVStoreClient
 
 logger = logging.getLogger(__name__)
 
-BLOCK_KEY_PREFIX = "blk/"
+
+@dataclass(frozen=True, slots=True)
+class PrefixQuery:
+    """Which leading blocks of a prompt a decode worker holds (``Decode.CachedPrefix``)."""
+
+    kv_fingerprint: str
+    """``kv_payload.kv_fingerprint`` of the asking engine's layout."""
+    block_size: int
+    block_hashes: tuple[bytes, ...]
+    """Chained, tenant-salted hashes of the prompt's whole blocks, first block first."""
 
 
 def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int, tenant: str) -> list[bytes]:
@@ -47,49 +56,59 @@ def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int, tenant: str)
     return chain_block_hashes(list(prompt_ids[: n_full * block_size]), block_size, salt=tenant)
 
 
-def block_keys(layout: KVLayout, prompt_ids: Sequence[int], tenant: str) -> list[str]:
-    """The ``Lookup`` keys of the prompt's whole blocks (see the module docstring)."""
-    head = f"{BLOCK_KEY_PREFIX}{kv_fingerprint(layout)}/{layout.block_size}/"
-    return [head + h.hex() for h in prompt_block_hashes(prompt_ids, layout.block_size, tenant)]
+def prefix_query(layout: KVLayout, prompt_ids: Sequence[int], tenant: str) -> PrefixQuery:
+    """The query of the prompt's whole blocks (see the module docstring)."""
+    return PrefixQuery(
+        kv_fingerprint(layout),
+        layout.block_size,
+        tuple(prompt_block_hashes(prompt_ids, layout.block_size, tenant)),
+    )
+
+
+class CachedPrefixClients(Protocol):
+    """Asks decode workers by address (``decode_client.DecodePrefixClients``); failures are
+    ``PdServeError``s."""
+
+    async def cached_prefix(self, address: str, query: PrefixQuery) -> int:
+        """Leading blocks of ``query`` the decode worker at ``address`` holds."""
+        ...
 
 
 async def ask(
-    client: KVStoreClient, layout: KVLayout, prompt_ids: Sequence[int], tenant: str
+    clients: CachedPrefixClients,
+    address: str,
+    layout: KVLayout,
+    prompt_ids: Sequence[int],
+    tenant: str,
 ) -> int:
-    """Leading prompt tokens the decode worker behind ``client`` holds (whole blocks); 0 when
-    it holds none or cannot say (the hand-off then moves the whole prompt, as before)."""
-    keys = block_keys(layout, prompt_ids, tenant)
-    if not keys:
+    """Leading prompt tokens the decode worker at ``address`` holds (whole blocks); 0 when it
+    holds none or cannot say (the hand-off then moves the whole prompt, as before)."""
+    query = prefix_query(layout, prompt_ids, tenant)
+    if not query.block_hashes:
         return 0
     try:
-        found = await client.lookup(keys)
+        found = await clients.cached_prefix(address, query)
     except PdServeError as err:
-        logger.warning("decode prefix lookup at %s failed: %s", client.address, err)
+        logger.warning("decode prefix query at %s failed: %s", address, err)
         return 0
-    return min(found, len(keys)) * layout.block_size
+    return min(found, len(query.block_hashes)) * layout.block_size
 
 
 class DecodePrefixOracle:
-    """Answers ``blk/`` lookups from a decode worker's engine (``KVStore.route_lookups``)."""
+    """Answers ``PrefixQuery``s from a decode worker's engine (``Decode.CachedPrefix``)."""
 
     def __init__(self, engine: EngineBackend) -> None:
         self.engine = engine
-        layout = engine.layout
-        self._head = f"{BLOCK_KEY_PREFIX}{kv_fingerprint(layout)}/{layout.block_size}/"
+        self.kv_fingerprint = kv_fingerprint(engine.layout)
+        self.block_size = engine.layout.block_size
 
-    async def __call__(self, keys: Sequence[str]) -> int:
-        hashes: list[bytes] = []
-        for key in keys:
-            if not key.startswith(self._head):
-                break  # another model, dtype or block size: nothing of ours
-            try:
-                hashes.append(bytes.fromhex(key[len(self._head) :]))
-            except ValueError:
-                break
-        if not hashes:
+    async def __call__(self, query: PrefixQuery) -> int:
+        if (query.kv_fingerprint, query.block_size) != (self.kv_fingerprint, self.block_size):
+            return 0  # another model, dtype or block size: nothing of ours
+        if not query.block_hashes:
             return 0
         # A hint: the blocks may be evicted before the hand-off lands (join_cached_prefix).
-        return await self.engine.cached_prefix_blocks(hashes)
+        return await self.engine.cached_prefix_blocks(list(query.block_hashes))
 
 
 async def join_cached_prefix(

@@ -3,7 +3,7 @@
 A prompt's KV is cut into chunks of ``chunk_tokens`` tokens (a multiple of the engine's block
 size; 256 by default). Chunk ``i`` is stored under::
 
-    pfx/{kv fingerprint}/{chained hash of the chunk's last block}
+    pfx/{kv fingerprint}/{chained hash of the chunk's last block}   (kvstore.keys)
 
 the hash being ``block_manager.chain_block_hashes(prompt, block_size, salt=tenant)``. A chained
 hash covers every token before it and the tenant, so equal keys mean equal prefixes of one
@@ -42,10 +42,9 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.keys import prefix_chunk_key
 
 logger = logging.getLogger(__name__)
-
-PREFIX_KEY_PREFIX = "pfx/"
 
 
 class ChunkPublisher:
@@ -102,8 +101,7 @@ class PrefixReuse:
         hashes = chain_block_hashes(prompt_ids[: n_chunks * self.chunk_tokens], bs, salt=tenant)
         per = self.chunk_tokens // bs
         return [
-            f"{PREFIX_KEY_PREFIX}{self.fingerprint}/{hashes[(i + 1) * per - 1].hex()}"
-            for i in range(n_chunks)
+            prefix_chunk_key(self.fingerprint, hashes[(i + 1) * per - 1]) for i in range(n_chunks)
         ]
 
     async def seed(

@@ -49,11 +49,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.transfer.handle import (
-    STORE_KEY_PREFIX,
     KVLocation,
     NativeKV,
     TransportKind,
-    store_key,
 )
 from pdserve.transfer.record import HandoffRecord
 
@@ -63,7 +61,6 @@ if TYPE_CHECKING:
     from pdserve.engine.kv_payload import KVLayout, KVPayload
 
 __all__ = [
-    "STORE_KEY_PREFIX",
     "HandoffRecord",
     "KVLocation",
     "KVReceiver",
@@ -76,7 +73,6 @@ __all__ = [
     "TransportKind",
     "TransportRegistry",
     "advance",
-    "store_key",
 ]
 
 

@@ -2,8 +2,8 @@
 (``rpc.convert.kv`` maps the two).
 
 Every hand-off carries a capability, 16 random bytes (``transfer.stamp``): a store or direct
-entry's key ends with their hex (``store_key``), so naming the entry takes knowing them, and an
-shm segment holds them. Only the prefill worker that wrote the KV and whoever it answered
+entry's key ends with their hex (``kvstore.keys.handoff_key``), so naming the entry takes
+knowing them, and an shm segment holds them. Only the prefill worker that wrote the KV and whoever it answered
 (the router, then the decode worker) know them.
 
 Torch-free (the router and the policy import it).
@@ -13,13 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-STORE_KEY_PREFIX = "kv/"
-
-
-def store_key(request_id: str, capability: bytes) -> str:
-    """The KV store key of a request's prompt KV: ``kv/{request_id}/{capability hex}``."""
-    return f"{STORE_KEY_PREFIX}{request_id}/{capability.hex()}"
 
 
 class TransportKind(StrEnum):

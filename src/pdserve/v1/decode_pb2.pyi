@@ -46,6 +46,22 @@ class PrefetchResponse(_message.Message):
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., ready: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class CachedPrefixRequest(_message.Message):
+    __slots__ = ("kv_fingerprint", "block_size", "block_hashes")
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kv_fingerprint: str
+    block_size: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kv_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CachedPrefixResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.CachedPrefix = channel.unary_unary(
+                '/pdserve.v1.Decode/CachedPrefix',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -69,6 +74,16 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CachedPrefix(self, request, context):
+        """How many leading blocks of a prompt this worker's engine holds in its prefix cache, so
+        that the prefill worker sends only the KV of the rest (docs/kv-transfer.md, "Prefix
+        reuse from the decode worker"). Answered from the engine's cache map; only a hint: the
+        blocks may be evicted before the hand-off lands (the decode worker then recomputes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +96,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'CachedPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachedPrefix,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +157,33 @@ class Decode:
             '/pdserve.v1.Decode/Prefetch',
             pdserve_dot_v1_dot_decode__pb2.PrefetchRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachedPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/CachedPrefix',
+            pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

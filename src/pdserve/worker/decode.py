@@ -142,10 +142,8 @@ class DecodeWorker:
                 address=address, hash_pool=self._hash_pool, slot_maps=self._slot_maps,
             )
         )  # fmt: skip
-        if inbox is not None:  # prefill workers ask which prompt prefix this engine caches
-            inbox.route_lookups(
-                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(engine)
-            )
+        # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).
+        self._prefix_oracle = decode_prefix.DecodePrefixOracle(engine)
 
     async def close(self) -> None:
         """Drop the prefetches, close the KV store connections."""
@@ -175,6 +173,12 @@ class DecodeWorker:
                 f"{kv.kind} hand-off cannot reach it",
             )
         return self.transports.receiver(kv, follow=follow)
+
+    # -- CachedPrefix ----------------------------------------------------------------------
+    async def cached_prefix(self, query: decode_prefix.PrefixQuery) -> int:
+        """Leading blocks of ``query`` this worker's engine caches (``prefix.decode``);
+        answered on the engine thread, only a hint."""
+        return await self._prefix_oracle(query)
 
     # -- Prefetch --------------------------------------------------------------------------
     async def prefetch(self, kv: KVLocation) -> PrefetchOutcome:

@@ -45,6 +45,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
+from pdserve.prefix.decode_client import DecodePrefixClients
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
@@ -134,6 +135,10 @@ class PrefillWorker:
         self.prefix = prefix
         self.fingerprint = engine.fingerprint
         self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
+        # Decode workers' cached-prefix answers (decode_prefix), with the store's deadline.
+        self._prefix_queries = DecodePrefixClients(
+            timeout_s=store.timeout_s, security=store.security
+        )
         self.announcers = announcers
         self.assignments = assignments
         # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
@@ -170,6 +175,7 @@ class PrefillWorker:
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
             await client.close()
+        await self._prefix_queries.close()
 
     def _endpoint(self, address: str) -> KVStoreClient:
         client = self._endpoints.get(address)
@@ -237,8 +243,9 @@ class PrefillWorker:
         out = self._sender(kind, decode_address, announce=announce)
         if out is not None and decode_address and self.options.decode_prefix:
             # Leave out the leading blocks the decode worker caches (decode_prefix).
-            endpoint = self._endpoint(decode_address)
-            skip = await decode_prefix.ask(endpoint, self.engine.layout, prompt_ids, tenant)
+            skip = await decode_prefix.ask(
+                self._prefix_queries, decode_address, self.engine.layout, prompt_ids, tenant
+            )
             out = Suffix(out, skip) if skip else out
         fallback = ""
         if out is None:

@@ -4,6 +4,7 @@ out, the suffix a sender moves, and the joined payload against an independent ex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,7 +18,6 @@ from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
-from pdserve.kvstore.store import KVStore
 from pdserve.prefix import decode as decode_prefix
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
@@ -119,17 +119,22 @@ def test_decode_worker_answers_and_joins(tiny_llama_dir: Path) -> None:
         try:
             async for _ in ae.generate("warm", ids, ONE, cache_salt="t"):
                 pass  # the decode worker ran this prompt before: its blocks are cached
-            store = KVStore(1 << 20)
-            store.route_lookups(
-                decode_prefix.BLOCK_KEY_PREFIX, decode_prefix.DecodePrefixOracle(backend)
-            )
-            keys = decode_prefix.block_keys(ae.layout, ids, "t")
-            route = store.lookup_route(keys)
-            assert route is not None and await route(keys) == 5
-            assert await route(decode_prefix.block_keys(ae.layout, ids, "u")) == 0
-            other_size = [k.replace("/8/", "/16/") for k in keys]
-            assert await route(other_size) == 0  # another block size: nothing of ours
-            assert store.lookup_route(["pfx/x"]) is None
+            oracle = decode_prefix.DecodePrefixOracle(backend)
+            query = decode_prefix.prefix_query(ae.layout, ids, "t")
+            assert len(query.block_hashes) == 5 and await oracle(query) == 5
+            assert await oracle(decode_prefix.prefix_query(ae.layout, ids, "u")) == 0
+            other_size = dataclasses.replace(query, block_size=16)
+            assert await oracle(other_size) == 0  # another block size: nothing of ours
+            other_model = dataclasses.replace(query, kv_fingerprint="another")
+            assert await oracle(other_model) == 0
+
+            class Clients:  # answers as the decode worker at "d" would
+                async def cached_prefix(self, address: str, q: decode_prefix.PrefixQuery) -> int:
+                    assert address == "d"
+                    return await oracle(q)
+
+            assert await decode_prefix.ask(Clients(), "d", ae.layout, ids, "t") == 40
+            assert await decode_prefix.ask(Clients(), "d", ae.layout, ids, "u") == 0
 
             joined = await decode_prefix.join_cached_prefix(
                 backend, cut(reference, 40, 41), ids, 40, "t"

@@ -7,9 +7,12 @@ Every function that reads a message validates it: a bad value raises
 
 ``common``: what every service shares (sampling, token ids, enums, usage, timing), re-exported
 here. ``kv``: the KV handle and the hand-off's measurements. ``worker``: the Prefill, Decode
-and Mixed services' answers. ``router``: the Router service's answers. The last three name
-the domain types of their layers and are imported by module, so that a layer importing this
-package does not pull in the others.
+and Mixed services' answers. ``prefix``: the decode worker's cached-prefix query
+(``Decode.CachedPrefix``). ``router``: the Router service's answers; ``client``: the same as
+the SDK reads them. ``scheduler``: the Scheduler service's requests and answers. ``kvstore``:
+the KV store's answers (its chunks have their own codec, ``kvstore.wire``). All but ``common``
+name the domain types of their layers and are imported by module, so that a layer importing
+this package does not pull in the others.
 """
 
 from __future__ import annotations

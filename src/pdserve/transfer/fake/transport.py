@@ -23,13 +23,13 @@ import torch
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.kvstore.client import Piece
+from pdserve.kvstore.keys import handoff_key
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
     TransferState,
     TransportKind,
     advance,
-    store_key,
 )
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.faults import SendFaults
@@ -145,7 +145,7 @@ class FakeSender:
         self.record.send_start_ns = time.monotonic_ns()
         self._header = header = StreamHeader(request_id, layout, num_tokens, self.compression)
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
-        self.key = store_key(request_id, self.capability)
+        self.key = handoff_key(request_id, self.capability)
         self.record.num_bytes = stream_bytes(header)
         self.hub.open(self.key, header.encode())
         self.state = advance(self.state, TransferState.SENDING)

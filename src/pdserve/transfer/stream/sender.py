@@ -29,13 +29,13 @@ import torch
 from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient, Piece, PutResult
+from pdserve.kvstore.keys import handoff_key
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
     TransferState,
     TransportKind,
     advance,
-    store_key,
 )
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.faults import SendFaults
@@ -82,7 +82,7 @@ class StreamSender:
         self.record = HandoffRecord(kind.value)
         self.key = ""
         self.capability = b""
-        """The hand-off's capability (``base.store_key``), chosen by ``begin``."""
+        """The hand-off's capability (``kvstore.keys.handoff_key``), chosen by ``begin``."""
         self._header: StreamHeader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sealer = sealer
@@ -111,7 +111,7 @@ class StreamSender:
         self._loop = asyncio.get_running_loop()
         self._header = header = StreamHeader(request_id, layout, num_tokens, self.compression)
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
-        self.key = store_key(request_id, self.capability)
+        self.key = handoff_key(request_id, self.capability)
         self.record.num_bytes = stream_bytes(header)
         self._inline = (
             self.compression is Compression.NONE

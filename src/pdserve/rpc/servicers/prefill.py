@@ -1,4 +1,6 @@
-"""The Prefill gRPC service: translates pdserve.v1 Prefill messages to ``PrefillWorker`` calls."""
+"""The Prefill gRPC service: translates pdserve.v1 Prefill messages to ``PrefillWorker`` calls.
+
+Served by prefill workers and by mixed workers given a KV store (see ``rpc.servicers``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,40 @@
+"""The Router service's answers as the client SDK reads them: ``GenerateChunk`` -> ``Delta``,
+``GenerateResponse`` -> ``Completion``, ``Usage`` -> ``Usage`` (``pdserve.client.results``).
+
+The server's side of the same messages is ``rpc.convert.router``."""
+
+from __future__ import annotations
+
+from pdserve.client.results import Completion, Delta, Usage
+from pdserve.rpc.convert.common import finish_reason_name, timing_from_proto
+from pdserve.v1 import common_pb2, router_pb2
+
+
+def usage_from_proto(msg: common_pb2.Usage) -> Usage:
+    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
+
+
+def delta_from_proto(msg: router_pb2.GenerateChunk) -> Delta:
+    """One streamed ``Router.Generate`` chunk."""
+    return Delta(
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        finish_reason=finish_reason_name(msg.finish_reason),
+        usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+        timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
+        request_id=msg.request_id,
+    )
+
+
+def completion_from_proto(msg: router_pb2.GenerateResponse) -> Completion:
+    """The ``Router.GenerateUnary`` answer."""
+    return Completion(
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        finish_reason=finish_reason_name(msg.finish_reason),
+        usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+        timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
+        request_id=msg.request_id,
+    )
