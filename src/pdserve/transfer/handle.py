@@ -3,8 +3,8 @@
 
 Every hand-off carries a capability, 16 random bytes (``transfer.stamp``): a store or direct
 entry's key ends with their hex (``kvstore.keys.handoff_key``), so naming the entry takes
-knowing them, and an shm segment holds them. Only the prefill worker that wrote the KV and whoever it answered
-(the router, then the decode worker) know them.
+knowing them, and an shm segment holds them. Only the prefill worker that wrote the KV and
+whoever it answered (the router, then the decode worker) know them.
 
 Torch-free (the router and the policy import it).
 """
