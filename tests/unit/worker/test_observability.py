@@ -22,7 +22,7 @@ from pdserve.worker import observability as obs
 
 @dataclass(frozen=True)
 class Record:
-    """A transport's record (the ``TransferTimes`` fields), monotonic ns."""
+    """A transport's record (the ``HandoffRecord`` fields it reads), monotonic ns."""
 
     transport: str = "store"
     num_bytes: int = 0

@@ -17,15 +17,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdserve.engine.outputs import FinishReason
 from pdserve.telemetry import tracing
 from pdserve.timing import RequestTiming, Timing
+from pdserve.transfer.record import HandoffRecord
 from pdserve.worker.delta import DecodeDelta, Finished
 from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
 from pdserve.worker.prefill import PrefillResult
-from pdserve.worker.stages import MeasuredTimes, StageRecorder
+from pdserve.worker.stages import StageRecorder
 
 
 @dataclass(frozen=True)
 class Record:
-    """A transport's record (the ``TransferTimes`` fields), monotonic ns."""
+    """A transport's record (the ``HandoffRecord`` fields it reads), monotonic ns."""
 
     transport: str = "shm"
     num_bytes: int = 0
@@ -115,7 +116,7 @@ def test_a_send_without_a_record_is_measured_from_the_reported_duration(
     call.returned(prefill_result(transfer=None, timing=Timing(transfer_ms=2.0, transfer_bytes=64)))
     assert "kv.transfer.send" in names(exporter)
     [(measured, direction)] = observed.transfers
-    assert direction == SEND and isinstance(measured, MeasuredTimes)
+    assert direction == SEND and isinstance(measured, HandoffRecord)
     assert (measured.transport, measured.num_bytes) == ("store", 64)
     assert measured.send_end_ns - measured.send_start_ns == 2_000_000
 
@@ -150,7 +151,7 @@ def test_a_decode_records_the_receive_and_its_stages(exporter: InMemorySpanExpor
     assert (spans["decode.generate"].attributes or {})["pdserve.tokens"] == 2
     # No record from the transport: the receive is measured around it, under its name.
     [(received, direction)] = observed.transfers
-    assert direction == RECV and isinstance(received, MeasuredTimes)
+    assert direction == RECV and isinstance(received, HandoffRecord)
     assert (received.transport, received.num_bytes) == ("shm", 10)
 
 
