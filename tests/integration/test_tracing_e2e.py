@@ -283,10 +283,10 @@ def test_every_stage_once_under_the_request_by_its_service(run: Run) -> None:
             assert r.service == STAGE_SERVICE[r.span.name], (rid, r.span.name)
             assert r.span.parent_span_id == request.span.span_id, (rid, r.span.name)
         # The prefill asks the decode worker which prefix blocks it holds only for prompts of
-        # at least one whole block: that lookup's server span is not a decode step's.
+        # at least one whole block: that query's server span is not a decode step's.
         decode_span_counts.add(
             sum(
-                r.service == "pdserve-decode" and not r.span.name.endswith("/Lookup")
+                r.service == "pdserve-decode" and not r.span.name.endswith("/CachedPrefix")
                 for r in members
             )
         )

@@ -24,21 +24,6 @@ from pdserve.worker.prefill import PrefillResult
 from pdserve.worker.stages import StageRecorder
 
 
-@dataclass(frozen=True)
-class Record:
-    """A transport's record (the ``HandoffRecord`` fields it reads), monotonic ns."""
-
-    transport: str = "shm"
-    num_bytes: int = 0
-    send_start_ns: int = 0
-    first_layer_ns: int = 0
-    send_end_ns: int = 0
-    recv_start_ns: int = 0
-    recv_end_ns: int = 0
-    fallback_reason: str = ""
-    overlap_ms: float = 0.0
-
-
 @dataclass
 class Observed:
     """Stands for ``WorkerTelemetry``: keeps what ``observe_transfer`` was given."""
@@ -78,7 +63,9 @@ def stamps() -> RequestTiming:
     return t
 
 
-def prefill_result(*, transfer: Record | None, timing: Timing | None = None) -> PrefillResult:
+def prefill_result(
+    *, transfer: HandoffRecord | None, timing: Timing | None = None
+) -> PrefillResult:
     return PrefillResult(
         first_token_id=1,
         first_logprob=-0.5,
@@ -86,7 +73,7 @@ def prefill_result(*, transfer: Record | None, timing: Timing | None = None) -> 
         finish_reason=None,
         timing=timing or Timing(),
         num_cached_tokens=4,
-        transfer=cast(Any, transfer),
+        transfer=transfer,
         stamps=stamps(),
     )
 
@@ -95,8 +82,8 @@ def test_a_prefill_records_its_stages_and_the_send(exporter: InMemorySpanExporte
     observed = Observed()
     recorder = StageRecorder(cast(WorkerTelemetry, observed))
     now = time.monotonic_ns()
-    record = Record(
-        num_bytes=1000, send_start_ns=now - 900_000_000, first_layer_ns=now - 900_000_000,
+    record = HandoffRecord(
+        "shm", num_bytes=1000, send_start_ns=now - 900_000_000, first_layer_ns=now - 900_000_000,
         send_end_ns=now - 800_000_000,
     )  # fmt: skip
     call = recorder.prefill("r1", prompt_tokens=17)
@@ -130,11 +117,9 @@ def test_a_prefill_that_moved_nothing_records_no_send(exporter: InMemorySpanExpo
     assert observed.transfers == []
 
 
-def last_delta(transfer: Record | None = None) -> DecodeDelta:
+def last_delta(transfer: HandoffRecord | None = None) -> DecodeDelta:
     timing = Timing(transport="shm", transfer_bytes=10)
-    return DecodeDelta(
-        [9], [-0.1], FinishReason.LENGTH, Finished(timing, stamps(), cast(Any, transfer)), 2
-    )
+    return DecodeDelta([9], [-0.1], FinishReason.LENGTH, Finished(timing, stamps(), transfer), 2)
 
 
 def test_a_decode_records_the_receive_and_its_stages(exporter: InMemorySpanExporter) -> None:
