@@ -166,7 +166,7 @@ asyncio.run(SegmentReader().receive(desc, timeout_s=5.0))
 desc, _ = sealed({shm_prefix!r}, rid="kept-for-the-parent")
 print(desc.key)
 """
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]  # the repository: tests.* imports from there
     out = subprocess.run(
         [sys.executable, "-W", "error", "-c", code],
         cwd=root,

@@ -206,7 +206,7 @@ def test_a_killed_reader_gives_the_slot_back(pool: SlotPool, maps: SlotMappings)
     path = SHM_DIR / d.key
     proc = subprocess.Popen(
         [sys.executable, "-c", READER, str(path), str(d.generation), d.capability.hex()],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[4],
     )  # fmt: skip
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
