@@ -50,6 +50,7 @@ from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
+from pdserve.transfer.stream.push import PushClient
 from pdserve.transfer.transports import SendSide, senders
 from pdserve.transfer.wrappers import Deferred, Suffix
 from pdserve.worker.announce import Announced, Announcers
@@ -133,7 +134,8 @@ class PrefillWorker:
         self.chooser = TransportChooser(self.host, engine.layout, self.options)
         self.prefix = prefix
         self.fingerprint = engine.fingerprint
-        self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
+        self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' prefix lookups
+        self._pushes: dict[str, PushClient] = {}  # decode workers' Decode.Push (direct)
         self.announcers = announcers
         self.assignments = assignments
         # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
@@ -148,7 +150,7 @@ class PrefillWorker:
         o = self.options
         self.transports = senders(
             SendSide(
-                store=store, endpoint=self._endpoint, host=self.host, lease_s=o.lease_s,
+                store=store, endpoint=self._push, host=self.host, lease_s=o.lease_s,
                 compression=o.compression, sealer=self._sealer, shm_pool=self._shm_pool,
                 shm_closer=self._shm_closer, shm_slots=self._shm_slots, faults=o.faults,
             )
@@ -170,11 +172,22 @@ class PrefillWorker:
         endpoints, self._endpoints = self._endpoints, {}
         for client in endpoints.values():
             await client.close()
+        pushes, self._pushes = self._pushes, {}
+        for push in pushes.values():
+            await push.close()
 
     def _endpoint(self, address: str) -> KVStoreClient:
         client = self._endpoints.get(address)
         if client is None:
             client = self._endpoints[address] = KVStoreClient(
+                address, timeout_s=self.store.timeout_s, security=self.store.security
+            )
+        return client
+
+    def _push(self, address: str) -> PushClient:
+        client = self._pushes.get(address)
+        if client is None:
+            client = self._pushes[address] = PushClient(
                 address, timeout_s=self.store.timeout_s, security=self.store.security
             )
         return client
