@@ -1,9 +1,9 @@
 """``python -m services.decode``: a decode worker, or with ``--role mixed`` a colocated one.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine backend -> Decode service, plus the worker's own KVStore endpoint into which prefill
-workers stream ``direct`` hand-offs, assembled as they land (``services.decode.inbox``;
-``--inbox-bytes`` of RAM, leases swept every second);
+engine backend -> Decode service, whose ``Push`` takes the ``direct`` hand-offs prefill workers
+stream in, assembled as they land (``pdserve.transfer.stream.inbox``; ``--inbox-bytes`` of RAM,
+leases swept every second), and whose ``CachedPrefix`` answers prefill workers' prefix queries;
 role mixed: also Mixed, and Prefill when ``--kvstore`` is given -> serve with heartbeats until
 SIGTERM. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 """
@@ -16,22 +16,20 @@ import logging
 import os
 
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.store import KVStore
-from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn
 from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
+from pdserve.transfer.stream.inbox import Inbox
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
-from services.decode.inbox import InboxServicer
-from services.decode.servicer import DecodeServicer, MixedServicer
+from services.decode.servicer import DecodeServicer, MixedServicer, add_decode_servicer
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
@@ -40,7 +38,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint
     )
     stages = StageRecorder(telemetry)  # the calls' spans and transfer metrics
-    inbox = KVStore(options.inbox_bytes, default_lease_s=options.kv_lease_s)
+    inbox = Inbox(
+        options.inbox_bytes, expected_layout=engine.layout, default_lease_s=options.kv_lease_s
+    )
     worker = DecodeWorker(
         engine,
         store_timeout_s=options.kv_timeout_s,
@@ -55,11 +55,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         stack.push_async_callback(worker.close)
         stack.callback(inbox.close)
         servicers: list[tuple[AddServicerFn, object]] = [
-            (decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker, stages)),
-            (
-                add_kvstore_servicer,
-                InboxServicer(inbox, expected_layout=engine.layout),
-            ),
+            (add_decode_servicer, DecodeServicer(worker, stages)),
         ]
         links = None
         if options.role is WorkerRole.MIXED:
@@ -81,9 +77,6 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     )
                 )
 
-        def bound(address: str) -> None:
-            worker.address = address  # direct hand-offs naming it are read in-process
-
         async def sweep() -> None:
             inbox.sweep()
 
@@ -91,7 +84,6 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             options,
             engine,
             servicers,
-            on_bound=bound,
             sweeps=[("inbox sweep", sweep), ("prefetch sweep", worker.sweep)],
             telemetry=telemetry,
             links=links,

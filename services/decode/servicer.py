@@ -1,19 +1,27 @@
-"""The Decode and Mixed gRPC services: translate pdserve.v1 messages to ``DecodeWorker`` calls."""
+"""The Decode and Mixed gRPC services: translate pdserve.v1 messages to ``DecodeWorker`` calls.
+
+``Decode.Push`` takes its chunks through the KV chunk codec (``pdserve.kvstore.wire``), so
+register ``DecodeServicer`` with ``add_decode_servicer``, not the generated function.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, TypeAlias
 
+import grpc
 from grpc.aio import ServicerContext
 
-from pdserve.errors import InvalidArgumentError
+from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.kvstore.wire import Chunk, chunk_stream_handler
 from pdserve.rpc.convert import sampling_from_proto
 from pdserve.rpc.convert.kv import handle_from_proto
 from pdserve.rpc.convert.prefix import cached_prefix_response, prefix_query_from_proto
 from pdserve.rpc.convert.worker import chunk_to_proto
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.rpc.handlers import add_with_overrides
+from pdserve.transfer.stream.inbox import Inbox
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.stages import StageRecorder
 
@@ -66,6 +74,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.CachedPrefixResponse:
         found = await self.worker.cached_prefix(prefix_query_from_proto(request))
         return cached_prefix_response(found)
+
+    async def Push(  # noqa: N802 - gRPC method names
+        self, request_iterator: AsyncIterator[Chunk], context: Context
+    ) -> kvstore_pb2.PutResponse:
+        received = await self._inbox().receive(request_iterator)
+        return kvstore_pb2.PutResponse(
+            key=received.key,
+            num_bytes=received.num_bytes,
+            num_chunks=received.num_chunks,
+            lease_s=received.lease_s,
+        )
+
+    async def Drop(  # noqa: N802 - gRPC method names
+        self, request: kvstore_pb2.DeleteRequest, context: Context
+    ) -> kvstore_pb2.DeleteResponse:
+        if not request.key:
+            raise InvalidArgumentError("key", "must not be empty")
+        return kvstore_pb2.DeleteResponse(deleted=self._inbox().drop(request.key))
+
+    def _inbox(self) -> Inbox:
+        if self.worker.inbox is None:
+            raise WorkerUnavailableError("this worker takes no pushed hand-offs")
+        return self.worker.inbox
+
+
+def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``pdserve.v1.Decode``: every method as generated, but ``Push``
+    through the KV chunk codec (its chunks' data stays where gRPC received it)."""
+    add_with_overrides(
+        decode_pb2_grpc.add_DecodeServicer_to_server,
+        servicer,
+        server,
+        {"Push": chunk_stream_handler(servicer.Push)},
+    )
 
 
 class MixedServicer(decode_pb2_grpc.MixedServicer):

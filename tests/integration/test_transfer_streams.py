@@ -1,5 +1,6 @@
 """The KV hand-off between two engines in one process, over each transport, through the real
-KVStore servicer on loopback (the store, and the decode worker's own endpoint for direct).
+servicers on loopback (the KVStore servicer for store, the decode worker's Decode servicer,
+whose Push takes direct hand-offs).
 
 Greedy tokens after a hand-off must be those of the engine alone; a corrupted frame, a stalled
 or cut-off stream and an unreachable store must each end in recompute with the same tokens;
@@ -24,14 +25,14 @@ import torch
 
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
-from pdserve.rpc.server import build_server
+from pdserve.rpc.server import AddServicerFn, build_server
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.faults import SendFaults
@@ -46,11 +47,12 @@ from pdserve.transfer.stream.frames import (
     stream_bytes,
 )
 from pdserve.transfer.stream.header import StreamHeader
+from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.sender import StreamSender
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
-from services.decode.inbox import InboxServicer
+from services.decode.servicer import DecodeServicer, add_decode_servicer
 from services.kvstore.servicer import KVStoreServicer
 from tests.unit.transfer.stream.test_frames import received
 
@@ -81,13 +83,15 @@ class Pair:
     prefill: PrefillWorker
     decode: DecodeWorker
     store: KVStore
-    inbox: KVStore
+    inbox: Inbox
     inbox_address: str
     engines: tuple[AsyncEngine, AsyncEngine]
 
 
-async def _serve(stack: AsyncExitStack, servicer: KVStoreServicer) -> str:
-    server, port, _ = build_server([(add_kvstore_servicer, servicer)], port=0)
+async def _serve(
+    stack: AsyncExitStack, servicer: object, add: AddServicerFn = add_kvstore_servicer
+) -> str:
+    server, port, _ = build_server([(add, servicer)], port=0)
     await server.start()
     stack.push_async_callback(server.stop, None)
     return f"127.0.0.1:{port}"
@@ -105,18 +109,17 @@ async def pair(
             ae.start()
             stack.push_async_callback(ae.close)
             engines.append(ae)
-        store, inbox = KVStore(64 * 1024**2), KVStore(64 * 1024**2)
+        store = KVStore(64 * 1024**2)
+        # As the decode service does: direct hand-offs are pushed and assembled as they land.
+        inbox = Inbox(64 * 1024**2, expected_layout=engines[1].layout)
         address = store_address or await _serve(stack, KVStoreServicer(store))
-        # As the decode service does: direct hand-offs are assembled as they land.
-        inbox_address = await _serve(stack, InboxServicer(inbox, expected_layout=engines[1].layout))
         client = KVStoreClient(address, timeout_s=5)
         stack.push_async_callback(client.close)
         prefill = PrefillWorker(TorchBackend(engines[0]), client, host=HOST, options=options)
         stack.push_async_callback(prefill.close)
-        decode = DecodeWorker(
-            TorchBackend(engines[1]), inbox=inbox, address=inbox_address, host=HOST
-        )
+        decode = DecodeWorker(TorchBackend(engines[1]), inbox=inbox, host=HOST)
         stack.push_async_callback(decode.close)
+        inbox_address = await _serve(stack, DecodeServicer(decode), add_decode_servicer)
         yield Pair(prefill, decode, store, inbox, inbox_address, (engines[0], engines[1]))
         # Nothing may be left behind, whatever the test did.
         for s in (store, inbox):
@@ -217,7 +220,7 @@ def test_a_corrupted_frame_is_caught_and_recomputed(
             assert result.kv is not None
             if transport == "store":  # the store keeps what it got; the reader notices
                 assert result.kv.kind.value == transport
-            else:  # the decode endpoint checks frames as they land: the Put fails at once
+            else:  # the decode worker checks frames as they land: the Push fails at once
                 assert result.kv.kind is TransportKind.RECOMPUTE
             tokens, _, timing = await hand_off(p, "good-1", prompt, transport)
             assert tokens == reference[1] and timing.transfer.transport == transport  # type: ignore[attr-defined]
@@ -397,8 +400,8 @@ def test_a_flipped_byte_fails_the_frame_check_whichever_crcs_came_along() -> Non
 
 
 def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> None:
-    """By the time the prefill answers, the decode endpoint holds the hand-off as a checked,
-    assembled payload (its frames as the entry's data); the decode then only imports it."""
+    """By the time the prefill answers, the decode worker holds the pushed hand-off as a
+    checked, assembled payload; the decode then only takes it."""
 
     async def body() -> None:
         async with pair(tiny_llama_dir, TransferOptions()) as p:
@@ -407,18 +410,9 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
                 "landed", prompt, GREEDY, decode_address=p.inbox_address, transport="direct"
             )
             assert result.kv is not None and result.kv.kind is TransportKind.DIRECT
-            entry = p.inbox.get(result.kv.key)
-            payload = entry.attachment
-            assert isinstance(payload, KVPayload) and payload.num_tokens == len(prompt)
-            assert entry.num_bytes == result.timing.transfer_bytes
-            # The frames hold exactly the layer stream the prefill worker sent.
-            header = StreamHeader.decode(entry.header)
-            again = FrameCollector(header)
-            again.feed(entry.data)
-            rebuilt = again.build()
-            for i in range(payload.layout.num_layers):
-                assert torch.equal(rebuilt.keys[i], payload.keys[i])
-                assert torch.equal(rebuilt.values[i], payload.values[i])
+            stats = p.inbox.stats()
+            assert (stats.num_entries, stats.num_writing) == (1, 0)
+            assert stats.used_bytes == result.timing.transfer_bytes
             stream = p.decode.decode(
                 "landed", prompt, (result.first_token_id, result.first_logprob), GREEDY, result.kv
             )
@@ -426,7 +420,28 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
                 async for delta in stream:
                     final = delta.finished
             assert final is not None and final.transfer is not None
-            assert final.transfer.transport == "direct"
+            assert final.transfer.transport == "direct" and not final.transfer.fallback_reason
+            assert final.transfer.num_bytes == result.timing.transfer_bytes
+
+    run(body)
+
+
+def test_a_direct_hand_off_discarded_after_its_last_layer_is_dropped_at_the_decode_worker(
+    tiny_llama_dir: Path,
+) -> None:
+    """A request that ends at its first token discards its pushed hand-off: the sender's
+    ``discard`` drops it at the decode worker (``Decode.Drop``) instead of leaving it there
+    for its lease."""
+
+    async def body() -> None:
+        async with pair(tiny_llama_dir, TransferOptions()) as p:
+            prompt = prompts(5, [30])[0]
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            result = await p.prefill.prefill(
+                "one-token", prompt, one, decode_address=p.inbox_address, transport="direct"
+            )
+            assert result.kv is None or result.kv.kind is not TransportKind.DIRECT
+            # pair() checks on exit that the inbox holds nothing.
 
     run(body)
 

@@ -69,13 +69,67 @@ class PutResult:
     lease_s: float
 
 
-def _translate(err: AioRpcError, what: str) -> PdServeError:
+def translate_error(err: AioRpcError, what: str) -> PdServeError:
     code, details = err.code(), err.details() or ""
     if code is grpc.StatusCode.NOT_FOUND:
         return UnknownRequestError(f"{what}: {details}")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return CapacityError(f"{what}: {details}")
     return KVTransferError(f"{what} failed with {code.name}: {details}")
+
+
+async def send_pieces(
+    call: grpc.aio.StreamUnaryMultiCallable,
+    key: str,
+    pieces: AsyncIterable[Bytes | Piece],
+    *,
+    header: bytes = b"",
+    total_bytes: int = 0,
+    lease_s: float = 0.0,
+    cache: bool = False,
+    timeout_s: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    what: str,
+) -> PutResult:
+    """Stream ``pieces`` as ``KVChunk``s into ``call`` (``KVStore.Put``, ``Decode.Push``: any
+    client-streaming method of ``Chunk`` answered by a ``PutResponse``), each sent at once, in
+    chunks of ``chunk_bytes`` (a ``Piece`` with its CRC-32 as one chunk, however long). The
+    first chunk carries ``key``, ``header``, ``total_bytes``, ``lease_s`` and ``cache``.
+
+    If ``pieces`` raises, the stream is cut off (the receiver keeps nothing) and the error
+    propagates as ``KVTransferError``; a failed call as ``translate_error`` maps it (``what`` names
+    it). No deadline unless ``timeout_s`` is given.
+    """
+    failure: list[Exception] = []
+
+    async def chunks() -> AsyncGenerator[Chunk, None]:
+        try:
+            async for chunk in _chunks():
+                yield chunk
+        except Exception as err:  # gRPC turns it into a cancelled call: keep the cause
+            failure.append(err)
+            raise
+
+    async def _chunks() -> AsyncGenerator[Chunk, None]:
+        sequence = ChunkSequence(key, header, lease_s, total_bytes, cache)
+        async for piece in pieces:
+            if isinstance(piece, tuple):
+                yield sequence.chunk(*piece)
+                continue
+            view = memoryview(piece).cast("B")
+            for start in range(0, len(view), chunk_bytes):
+                yield sequence.chunk(view[start : start + chunk_bytes])
+        yield sequence.end()
+
+    try:
+        resp: kvstore_pb2.PutResponse = await call(chunks(), timeout=timeout_s)
+    except AioRpcError as err:
+        raise translate_error(err, what) from err
+    except asyncio.CancelledError:
+        if failure:  # the data source failed, not the caller who cancelled
+            raise KVTransferError(f"{what}: its data failed: {failure[0]}") from failure[0]
+        raise
+    return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
 
 
 class KVStoreClient:
@@ -135,7 +189,7 @@ class KVStoreClient:
                 chunks, timeout=timeout_s or self.timeout_s
             )
         except AioRpcError as err:
-            raise _translate(err, f"put {key!r} to {self.address}") from err
+            raise translate_error(err, f"put {key!r} to {self.address}") from err
         return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
 
     async def put_stream(
@@ -158,39 +212,18 @@ class KVStoreClient:
         no deadline unless ``timeout_s`` is given: it lasts as long as its producer (a prefill
         of any length), so bound the wait from the caller and cancel to cut it off.
         """
-
-        failure: list[Exception] = []
-
-        async def chunks() -> AsyncGenerator[Chunk, None]:
-            try:
-                async for chunk in _chunks():
-                    yield chunk
-            except Exception as err:  # gRPC turns it into a cancelled call: keep the cause
-                failure.append(err)
-                raise
-
-        async def _chunks() -> AsyncGenerator[Chunk, None]:
-            sequence = ChunkSequence(key, header, lease_s, total_bytes, cache)
-            async for piece in pieces:
-                if isinstance(piece, tuple):
-                    yield sequence.chunk(*piece)
-                    continue
-                view = memoryview(piece).cast("B")
-                for start in range(0, len(view), self.chunk_bytes):
-                    yield sequence.chunk(view[start : start + self.chunk_bytes])
-            yield sequence.end()
-
-        try:
-            resp: kvstore_pb2.PutResponse = await self._chunks.Put(chunks(), timeout=timeout_s)
-        except AioRpcError as err:
-            raise _translate(err, f"put {key!r} to {self.address}") from err
-        except asyncio.CancelledError:
-            if failure:  # the data source failed, not the caller who cancelled
-                raise KVTransferError(
-                    f"put {key!r} to {self.address}: its data failed: {failure[0]}"
-                ) from failure[0]
-            raise
-        return PutResult(resp.num_bytes, resp.num_chunks, resp.lease_s)
+        return await send_pieces(
+            self._chunks.Put,
+            key,
+            pieces,
+            header=header,
+            total_bytes=total_bytes,
+            lease_s=lease_s,
+            cache=cache,
+            timeout_s=timeout_s,
+            chunk_bytes=self.chunk_bytes,
+            what=f"put {key!r} to {self.address}",
+        )
 
     async def stream(
         self,
@@ -226,7 +259,7 @@ class KVStoreClient:
             reader.check_complete()
             await crcs.drain()
         except AioRpcError as err:
-            raise _translate(err, f"get {key!r} from {self.address}") from err
+            raise translate_error(err, f"get {key!r} from {self.address}") from err
         finally:
             crcs.cancel()
             call.cancel()  # a no-op once the stream ended; stops it on any early exit
@@ -238,7 +271,7 @@ class KVStoreClient:
                 kvstore_pb2.LookupRequest(keys=list(keys)), timeout=timeout_s or self.timeout_s
             )
         except AioRpcError as err:
-            raise _translate(err, f"lookup on {self.address}") from err
+            raise translate_error(err, f"lookup on {self.address}") from err
         return int(resp.num_leading)
 
     async def get(
@@ -258,7 +291,7 @@ class KVStoreClient:
             async for chunk in call:
                 assembler.feed(chunk)
         except AioRpcError as err:
-            raise _translate(err, f"get {key!r} from {self.address}") from err
+            raise translate_error(err, f"get {key!r} from {self.address}") from err
         except InvalidArgumentError as err:  # gaps or repeats: the stream is broken, not the call
             raise KVTransferError(
                 f"get {key!r} from {self.address}: bad chunk stream: {err}"
@@ -275,7 +308,7 @@ class KVStoreClient:
                 kvstore_pb2.DeleteRequest(key=key), timeout=timeout_s or self.timeout_s
             )
         except AioRpcError as err:
-            raise _translate(err, f"delete {key!r} on {self.address}") from err
+            raise translate_error(err, f"delete {key!r} on {self.address}") from err
         return resp.deleted
 
     async def stat(self, key: str = "", *, timeout_s: float | None = None) -> StoreStat:
@@ -285,7 +318,7 @@ class KVStoreClient:
                 kvstore_pb2.StatRequest(key=key), timeout=timeout_s or self.timeout_s
             )
         except AioRpcError as err:
-            raise _translate(err, f"stat {key!r} on {self.address}") from err
+            raise translate_error(err, f"stat {key!r} on {self.address}") from err
         return store_stat_from_proto(r, totals=not key)
 
     async def close(self) -> None:

@@ -20,12 +20,13 @@ bytes without protobuf (loopback TCP: 4.1 GB/s). The bytes on the wire stay exac
   every data chunk of a hand-off (``chunks.split_parts``).
 
 ``Chunk`` is the domain type both ends see; ``add_kvstore_servicer`` and ``KVStoreCalls``
-register and call ``Put``/``Get`` with this codec, the other methods with protobuf's.
+register and call ``Put``/``Get`` with this codec, the other methods with protobuf's;
+``chunk_stream_handler`` and ``chunk_stream_call`` do the same for ``Decode.Push``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -192,16 +193,32 @@ class KVStoreServicerLike(Protocol):
     def Stat(self, request: kvstore_pb2.StatRequest, context: Any) -> Any: ...  # noqa: N802
 
 
+def chunk_stream_handler(behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """The server side of a stream of ``Chunk``s answered by a ``PutResponse`` with this
+    module's codec: ``KVStore.Put``, and ``Decode.Push`` (the same stream, into a decode
+    worker)."""
+    return grpc.stream_unary_rpc_method_handler(
+        behaviour,
+        request_deserializer=decode,
+        response_serializer=kvstore_pb2.PutResponse.SerializeToString,
+    )
+
+
+def chunk_stream_call(channel: grpc.aio.Channel, method: str) -> grpc.aio.StreamUnaryMultiCallable:
+    """The client side of ``chunk_stream_handler``'s methods (``method``: ``/service/name``)."""
+    return channel.stream_unary(
+        method,
+        request_serializer=encode,
+        response_deserializer=kvstore_pb2.PutResponse.FromString,
+    )
+
+
 def add_kvstore_servicer(servicer: KVStoreServicerLike, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as ``pdserve.v1.KVStore`` on ``server`` (what the generated
     ``add_KVStoreServicer_to_server`` does, with this module's codec for the chunks)."""
     pb = kvstore_pb2
     handlers = {
-        "Put": grpc.stream_unary_rpc_method_handler(
-            servicer.Put,
-            request_deserializer=decode,
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
+        "Put": chunk_stream_handler(servicer.Put),
         "Get": grpc.unary_stream_rpc_method_handler(
             servicer.Get,
             request_deserializer=pb.GetRequest.FromString,
@@ -226,11 +243,7 @@ class KVStoreCalls:
     """The client side: ``Put`` and ``Get`` with this module's codec, the rest generated."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.Put: grpc.aio.StreamUnaryMultiCallable = channel.stream_unary(
-            f"/{SERVICE}/Put",
-            request_serializer=encode,
-            response_deserializer=kvstore_pb2.PutResponse.FromString,
-        )
+        self.Put = chunk_stream_call(channel, f"/{SERVICE}/Put")
         self.Get: grpc.aio.UnaryStreamMultiCallable = channel.unary_stream(
             f"/{SERVICE}/Get",
             request_serializer=kvstore_pb2.GetRequest.SerializeToString,

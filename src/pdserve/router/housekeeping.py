@@ -24,7 +24,14 @@ from pdserve.router.downstream import late_kv
 from pdserve.router.state import RequestState
 from pdserve.router.telemetry import detached
 from pdserve.telemetry.spans import ROUTER_RELEASE
-from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +117,28 @@ class Housekeeper:
             ttl_s = resp.ttl_s
 
     async def delete_kv(self, kv: common_pb2.KVHandle) -> None:
-        """Delete a KV payload from the store its handle names (absent is fine)."""
+        """Delete a KV payload nobody picked up where its handle names it (absent is fine): a
+        store entry (``KVStore.Delete``), a hand-off pushed into a decode worker
+        (``Decode.Drop``)."""
         where = kv.WhichOneof("location")
+        request = kvstore_pb2.DeleteRequest()
         if where == "store":
-            address, key = kv.store.address, kv.store.key
+            address = kv.store.address
+            request.key = kv.store.key
+            call = kvstore_pb2_grpc.KVStoreStub(self.channels.get(address)).Delete
         elif where == "direct":
-            address, key = kv.direct.address, kv.direct.key
+            address = kv.direct.address
+            request.key = kv.direct.key
+            call = decode_pb2_grpc.DecodeStub(self.channels.get(address)).Drop
         else:
             return  # shm segments and native state are owned by the workers
-        stub = kvstore_pb2_grpc.KVStoreStub(self.channels.get(address))
         try:
-            await stub.Delete(kvstore_pb2.DeleteRequest(key=key), timeout=self.timeout_s)
+            await call(request, timeout=self.timeout_s)
         except AioRpcError as err:
             if err.code() is not grpc.StatusCode.NOT_FOUND:
-                logger.warning("KV delete of %s at %s failed: %s", key, address, err.details())
+                logger.warning(
+                    "KV delete of %s at %s failed: %s", request.key, address, err.details()
+                )
 
     async def drain(self, stream: Any) -> None:
         """Read a worker stream that sent its last chunk to its end (its status), so that the

@@ -1,9 +1,10 @@
 """The registries the worker roles choose their transports from, bound to their resources.
 
-``senders`` (a prefill worker): ``store``/``direct`` (``stream.StreamSender``) and ``shm``
-(``shm.ShmSender``); ``receivers`` (a decode worker): ``store``/``direct``
-(``stream.StreamReceiver``, or ``stream.LocalReceiver`` for a ``direct`` hand-off into this
-worker's own endpoint) and ``shm`` (``shm.ShmReceiver``). The resources (connections, threads,
+``senders`` (a prefill worker): ``store``/``direct`` (``stream.StreamSender``, into the KV
+store or pushed into the decode worker) and ``shm`` (``shm.ShmSender``); ``receivers`` (a
+decode worker): ``store`` (``stream.StreamReceiver``), ``direct`` (``stream.LocalReceiver``:
+the hand-off pushed into this worker's ``stream.inbox.Inbox``) and ``shm``
+(``shm.ShmReceiver``). The resources (connections, threads,
 reused shm slots) are the worker's: it owns, shares and closes them.
 """
 
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.store import KVStore
 from pdserve.transfer.base import (
     KVLocation,
     KVReceiver,
@@ -31,8 +31,9 @@ from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.slots import SlotMappings, SlotPool
 from pdserve.transfer.shm.writer import SegmentWriter
+from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
-from pdserve.transfer.stream.sender import StreamSender
+from pdserve.transfer.stream.sender import StreamSender, StreamTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +42,8 @@ class SendSide:
 
     store: KVStoreClient
     """The KV store (``store``)."""
-    endpoint: Callable[[str], KVStoreClient]
-    """A decode worker's own KVStore endpoint, by address (``direct``)."""
+    endpoint: Callable[[str], StreamTarget]
+    """A decode worker's ``Decode.Push``, by address (``direct``: ``stream.push.PushClient``)."""
     host: str
     lease_s: float
     compression: Compression
@@ -65,7 +66,7 @@ def senders(side: SendSide) -> TransportRegistry:
         )
         return ShmSender(writer, faults=side.faults)
 
-    def stream(kind: TransportKind, client: Callable[[str], KVStoreClient]) -> Transport:
+    def stream(kind: TransportKind, client: Callable[[str], StreamTarget]) -> Transport:
         def make(peer_address: str) -> KVSender:
             return StreamSender(
                 client(peer_address),
@@ -90,14 +91,12 @@ class ReceiveSide:
     """What a decode worker's receivers use."""
 
     store: Callable[[str], KVStoreClient]
-    """A KVStore endpoint (the store, or another worker's), by address."""
+    """The KV store, by address."""
     expected_layout: KVLayout
     """The decode engine's: a payload of another model or dtype is refused."""
     host: str
-    inbox: KVStore | None = None
-    """This worker's own endpoint, into which prefill workers write ``direct`` hand-offs."""
-    address: str = ""
-    """Where ``inbox`` is served."""
+    inbox: Inbox | None = None
+    """The ``direct`` hand-offs prefill workers pushed into this worker (``Decode.Push``)."""
     hash_pool: Executor | None = None
     """Checks the K half of shm layers beside the reading thread's V half."""
     slot_maps: SlotMappings | None = None
@@ -117,13 +116,12 @@ def receivers(side: ReceiveSide) -> TransportRegistry:
         return ShmReceiver(reader, location)
 
     def stream(location: KVLocation, *, follow: bool = False) -> KVReceiver:
-        local = side.inbox is not None and location.address == side.address
-        if location.kind is TransportKind.DIRECT and local and side.inbox is not None:
-            return LocalReceiver(side.inbox, location, expected_layout=side.expected_layout)
         if not location.address:
             raise InvalidArgumentError(
                 f"kv.{location.kind}.address", "must be the endpoint's host:port"
             )
+        if location.kind is TransportKind.DIRECT:  # pushed here (else not here: recompute)
+            return LocalReceiver(side.inbox, location, expected_layout=side.expected_layout)
         return StreamReceiver(
             side.store(location.address),
             location,

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
+from pdserve.v1 import kvstore_pb2 as pdserve_dot_v1_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,16 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.stream_unary(
+                '/pdserve.v1.Decode/Push',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVChunk.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/pdserve.v1.Decode/Drop',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -63,7 +74,7 @@ class DecodeServicer:
 
     def Prefetch(self, request, context):
         """Read a hand-off's KV while the prefill worker is still writing it (store, shm; direct
-        streams arrive here anyway), so that the Decode call finds it ready: the read overlaps
+        hand-offs arrive here anyway, by Push), so that the Decode call finds it ready: the read overlaps
         the prefill's compute. The prefill worker calls this when the hand-off begins; it answers
         once the last layer has landed and been checked (or the read failed), so the caller knows
         the decode worker holds the KV when its commit returns. The Decode call naming the same
@@ -79,6 +90,30 @@ class DecodeServicer:
         that the prefill worker sends only the KV of the rest (docs/kv-transfer.md, "Prefix
         reuse from the decode worker"). Answered from the engine's cache map; only a hint: the
         blocks may be evicted before the hand-off lands (the decode worker then recomputes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request_iterator, context):
+        """A direct hand-off: the prefill worker streams a request's layer stream into this worker
+        while it computes, as the chunks of a KVStore.Put (the first chunk carries the key
+        kv/{request_id}/{capability hex}, the stream header and total_bytes; then the layer frames;
+        the last chunk has last = true). Each frame is checked and assembled as it lands; the call
+        answers once the last layer has landed and been checked, or fails with the reason
+        (INVALID_ARGUMENT naming the field of a malformed key or header, RESOURCE_EXHAUSTED when
+        the worker's inbox is full, UNAVAILABLE for a frame that fails its check). The Decode call
+        whose handle names the key takes the payload; one that no Decode call takes is dropped
+        when its lease (lease_s, 0: the worker's default) ends. A stream that breaks off leaves
+        nothing behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drop(self, request, context):
+        """Drop a pushed hand-off that no Decode call will take (the prefill worker's discard, the
+        router's clean-up), by its key; deleted = false if it is not here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,6 +136,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.CachedPrefix,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.SerializeToString,
+            ),
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVChunk.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.DeleteRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.DeleteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +229,60 @@ class Decode:
             '/pdserve.v1.Decode/CachedPrefix',
             pdserve_dot_v1_dot_decode__pb2.CachedPrefixRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.CachedPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/Push',
+            pdserve_dot_v1_dot_kvstore__pb2.KVChunk.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Drop',
+            pdserve_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

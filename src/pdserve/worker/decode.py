@@ -2,10 +2,11 @@
 
 ``decode`` (the Decode service), by the handle's location:
 
-* ``store`` / ``direct`` elsewhere: stream the layer stream from that KVStore endpoint with
-  ``delete_after_read``, assembling layers as the chunks arrive;
-* ``direct`` here: the prefill worker wrote the stream into this worker's own endpoint; read
-  it in-process;
+* ``store``: stream the layer stream from the KV store with ``delete_after_read``,
+  assembling layers as the chunks arrive;
+* ``direct``: the prefill worker pushed the stream into this worker (``Decode.Push``), which
+  assembled it as it landed (``inbox``); take it in-process (one naming another worker is not
+  here: recompute);
 * ``shm``: read the segment on this host (the reader unlinks it);
 * ``native``: the prefill worker's engine kept the KV; this worker's engine, of the same
   backend, pulls it itself as the decode starts (TensorRT-LLM's generation-only request);
@@ -60,12 +61,12 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.store import KVStore
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.timing import RequestTiming
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVReceiver, TransportKind
 from pdserve.transfer.shm.slots import SlotMappings
+from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.transports import ReceiveSide, receivers
 from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 from pdserve.worker.migration import Resumed, resume
@@ -100,8 +101,8 @@ class _Arrival:
 class DecodeWorker:
     """Streams decodes (and colocated generations) from one engine backend.
 
-    ``inbox``: this worker's own KVStore endpoint, served on ``address``, into which prefill
-    workers stream ``direct`` hand-offs. ``transfer_timeout_s``: bound on each receive (0: from
+    ``inbox``: the ``direct`` hand-offs prefill workers push into this worker
+    (``Decode.Push``). ``transfer_timeout_s``: bound on each receive (0: from
     the payload's size and the bandwidth measured so far). ``security``: TLS and the internal
     token of the calls to KV stores.
     """
@@ -111,8 +112,7 @@ class DecodeWorker:
         engine: EngineBackend,
         *,
         store_timeout_s: float = 10.0,
-        inbox: KVStore | None = None,
-        address: str = "",
+        inbox: Inbox | None = None,
         host: str | None = None,
         transfer_timeout_s: float = 0.0,
         security: SecurityOptions = INSECURE,
@@ -124,7 +124,6 @@ class DecodeWorker:
         self.engine = engine
         self.store_timeout_s = store_timeout_s
         self.inbox = inbox
-        self.address = address
         self.host = host or socket.gethostname()
         self.transfer_timeout_s = transfer_timeout_s
         self.security = security
@@ -139,7 +138,7 @@ class DecodeWorker:
         self.transports = receivers(
             ReceiveSide(
                 store=self._store, expected_layout=engine.layout, host=self.host, inbox=inbox,
-                address=address, hash_pool=self._hash_pool, slot_maps=self._slot_maps,
+                hash_pool=self._hash_pool, slot_maps=self._slot_maps,
             )
         )  # fmt: skip
         # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).

@@ -51,6 +51,7 @@ from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
+from pdserve.transfer.stream.push import PushClient
 from pdserve.transfer.transports import SendSide, senders
 from pdserve.transfer.wrappers import Deferred, Suffix
 from pdserve.worker.announce import Announced, Announcers
@@ -134,11 +135,11 @@ class PrefillWorker:
         self.chooser = TransportChooser(self.host, engine.layout, self.options)
         self.prefix = prefix
         self.fingerprint = engine.fingerprint
-        self._endpoints: dict[str, KVStoreClient] = {}  # decode workers' KV endpoints (direct)
         # Decode workers' cached-prefix answers (decode_prefix), with the store's deadline.
         self._prefix_queries = DecodePrefixClients(
             timeout_s=store.timeout_s, security=store.security
         )
+        self._pushes: dict[str, PushClient] = {}  # decode workers' Decode.Push (direct)
         self.announcers = announcers
         self.assignments = assignments
         # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
@@ -153,7 +154,7 @@ class PrefillWorker:
         o = self.options
         self.transports = senders(
             SendSide(
-                store=store, endpoint=self._endpoint, host=self.host, lease_s=o.lease_s,
+                store=store, endpoint=self._push, host=self.host, lease_s=o.lease_s,
                 compression=o.compression, sealer=self._sealer, shm_pool=self._shm_pool,
                 shm_closer=self._shm_closer, shm_slots=self._shm_slots, faults=o.faults,
             )
@@ -172,15 +173,15 @@ class PrefillWorker:
         if self._shm_slots is not None:
             self._shm_slots.close()
         self._sealer.shutdown(wait=True)
-        endpoints, self._endpoints = self._endpoints, {}
-        for client in endpoints.values():
-            await client.close()
         await self._prefix_queries.close()
+        pushes, self._pushes = self._pushes, {}
+        for push in pushes.values():
+            await push.close()
 
-    def _endpoint(self, address: str) -> KVStoreClient:
-        client = self._endpoints.get(address)
+    def _push(self, address: str) -> PushClient:
+        client = self._pushes.get(address)
         if client is None:
-            client = self._endpoints[address] = KVStoreClient(
+            client = self._pushes[address] = PushClient(
                 address, timeout_s=self.store.timeout_s, security=self.store.security
             )
         return client

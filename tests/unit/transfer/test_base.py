@@ -10,7 +10,6 @@ import pytest
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.store import KVStore
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
@@ -23,6 +22,8 @@ from pdserve.transfer.base import (
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
+from pdserve.transfer.stream.inbox import Inbox
+from pdserve.transfer.stream.push import PushClient
 from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
 from pdserve.transfer.stream.sender import StreamSender
 from pdserve.transfer.transports import ReceiveSide, SendSide, receivers, senders
@@ -129,7 +130,7 @@ def test_the_worker_registries_choose_by_kind() -> None:
 
 
 async def _registries_choose_by_kind() -> None:
-    store, peer = KVStoreClient("store:1"), KVStoreClient("peer:2")
+    store, peer = KVStoreClient("store:1"), PushClient("peer:2")
     endpoints = {"peer:2": peer}
     with ThreadPoolExecutor(1) as sealer:
         sending = senders(
@@ -143,18 +144,19 @@ async def _registries_choose_by_kind() -> None:
         direct = sending.sender(TransportKind.DIRECT, "peer:2")
         assert isinstance(direct, StreamSender) and direct.client is peer
 
-    inbox = KVStore(1024)
+    inbox = Inbox(1024)
     layout = make_layout()
-    side = ReceiveSide(lambda a: store if a == "store:1" else peer, layout, "h1", inbox, "me:3")
+    side = ReceiveSide(lambda a: store, layout, "h1", inbox)
     receiving = receivers(side)
     at = KVLocation(TransportKind.DIRECT, "r", 1, 0, "fp", key="k")
-    assert isinstance(receiving.receiver(dataclasses.replace(at, address="me:3")), LocalReceiver)
-    remote = receiving.receiver(dataclasses.replace(at, address="peer:2"), follow=True)
-    assert isinstance(remote, StreamReceiver) and remote.client is peer and remote.follow
+    # A direct hand-off is taken from this worker's inbox by its key, whoever it names.
+    for address in ("me:3", "peer:2"):
+        local = receiving.receiver(dataclasses.replace(at, address=address))
+        assert isinstance(local, LocalReceiver) and local.inbox is inbox
     stored = receiving.receiver(
-        dataclasses.replace(at, kind=TransportKind.STORE, address="store:1")
+        dataclasses.replace(at, kind=TransportKind.STORE, address="store:1"), follow=True
     )
-    assert isinstance(stored, StreamReceiver) and stored.client is store
+    assert isinstance(stored, StreamReceiver) and stored.client is store and stored.follow
     with pytest.raises(InvalidArgumentError) as err:
         receiving.receiver(at)  # no address
     assert err.value.field == "kv.direct.address"

@@ -1,6 +1,7 @@
 """The KVSender/KVReceiver contract (``transfer.base``), checked against every backend:
-``fake`` (in memory, on the real frames), ``shm`` (a segment on this host) and ``stream``
-(``store``: the layer stream into a real KVStore servicer on loopback gRPC)."""
+``fake`` (in memory, on the real frames), ``shm`` (a segment on this host), ``stream``
+(``store``: the layer stream into a real KVStore servicer on loopback gRPC) and ``direct`` (the
+same stream pushed into a real Decode servicer's inbox on loopback gRPC)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,12 +26,15 @@ from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.writer import SegmentWriter
-from pdserve.transfer.stream.receiver import StreamReceiver
+from pdserve.transfer.stream.inbox import Inbox
+from pdserve.transfer.stream.push import PushClient
+from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
 from pdserve.transfer.stream.sender import StreamSender
+from services.decode.servicer import DecodeServicer, add_decode_servicer
 from services.kvstore.servicer import KVStoreServicer
 from tests.unit.transfer.conftest import assert_same_payload, leftovers, make_layout, random_payload
 
-BACKENDS = ["fake", "shm", "stream"]
+BACKENDS = ["fake", "shm", "stream", "direct"]
 
 
 @dataclass
@@ -61,6 +66,29 @@ async def backend(name: str, shm_prefix: str) -> AsyncIterator[Backend]:
             lambda loc, lay: ShmReceiver(SegmentReader(expected_layout=lay), loc),
             lambda: leftovers(shm_prefix),
         )
+        return
+    if name == "direct":
+        async with AsyncExitStack() as stack:
+            inbox = Inbox(16 * 1024**2)
+            servicer = DecodeServicer(SimpleNamespace(inbox=inbox))  # type: ignore[arg-type]
+            server, port, _ = build_server([(add_decode_servicer, servicer)], port=0)
+            await server.start()
+            stack.push_async_callback(server.stop, None)
+            push = PushClient(f"127.0.0.1:{port}", timeout_s=5)
+            stack.push_async_callback(push.close)
+            sealer = stack.enter_context(ThreadPoolExecutor(1))
+
+            def pushed() -> list[str]:
+                stats = inbox.stats()
+                n = stats.num_entries + stats.num_writing
+                return [f"{n} entries"] if n else []
+
+            yield Backend(
+                name,
+                lambda: StreamSender(push, TransportKind.DIRECT, lease_s=30, sealer=sealer),
+                lambda loc, lay: LocalReceiver(inbox, loc, expected_layout=lay),
+                pushed,
+            )
         return
     async with AsyncExitStack() as stack:
         store = KVStore(16 * 1024**2)

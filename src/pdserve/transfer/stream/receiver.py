@@ -1,9 +1,9 @@
 """The decode side of a ``store``/``direct`` hand-off: ``KVReceiver``s of a layer stream.
 
-* ``StreamReceiver``: a layer stream in a remote KVStore endpoint (the KV store, or another
-  worker's endpoint), read with ``delete_after_read`` and assembled as the chunks arrive.
-* ``LocalReceiver``: a layer stream the prefill worker wrote into this decode worker's own
-  endpoint (``direct``); read in-process, no network hop.
+* ``StreamReceiver``: a layer stream in the KV store (``store``), read with
+  ``delete_after_read`` and assembled as the chunks arrive.
+* ``LocalReceiver``: a layer stream the prefill worker pushed into this decode worker
+  (``direct``, ``Decode.Push``), assembled as it landed (``inbox.Inbox``); taken in-process.
 
 Every receive is bounded by ``timeout_s``; a timeout, a broken stream, a bad checksum or a
 missing entry raises ``KVTransferError`` or ``UnknownRequestError`` (the decode worker then
@@ -20,7 +20,6 @@ import time
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.store import KVStore, StoredPayload
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
@@ -30,6 +29,7 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.stream.frames import FrameCollector
 from pdserve.transfer.stream.header import StreamHeader, read_header
+from pdserve.transfer.stream.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class _Timed:
 
 
 class StreamReceiver(_Timed):
-    """A layer stream from a remote KVStore endpoint (``store``, or ``direct`` elsewhere)."""
+    """A layer stream from a KVStore endpoint (``store``)."""
 
     def __init__(
         self,
@@ -132,43 +132,34 @@ class StreamReceiver(_Timed):
 
 
 class LocalReceiver(_Timed):
-    """``direct``: the stream the prefill worker wrote into this worker's own endpoint."""
+    """``direct``: the hand-off the prefill worker pushed into this worker's ``Inbox``, taken
+    by the location's key (capability included). A hand-off pushed to another worker, or
+    none, is not there: ``UnknownRequestError``, and the caller recomputes. ``inbox`` None:
+    this worker takes no pushes."""
 
     def __init__(
-        self, store: KVStore, location: KVLocation, *, expected_layout: KVLayout | None = None
+        self, inbox: Inbox | None, location: KVLocation, *, expected_layout: KVLayout | None = None
     ) -> None:
         super().__init__(TransportKind.DIRECT, location)
-        self.store = store
+        self.inbox = inbox
         self.expected_layout = expected_layout
         self._consumed = False
 
     async def _read(self, location: KVLocation, timeout_s: float) -> KVPayload:
-        handle = self.store.open_read(location.key)  # UnknownRequestError if absent
-        try:
-            # Checksums and copies of up to GBs: off the event loop.
-            payload = await asyncio.to_thread(self._parse, handle.payload, location)
-        finally:
-            handle.close()
-        self.record.num_bytes = handle.payload.num_bytes
-        self.store.delete(location.key, version=handle.payload.version)
+        if self.inbox is None:
+            raise KVTransferError(f"direct hand-off {location.request_id!r}: no inbox here")
+        entry = self.inbox.take(location.key)  # UnknownRequestError if not here
         self._consumed = True
-        return payload
-
-    def _parse(self, entry: StoredPayload, location: KVLocation) -> KVPayload:
-        header = read_header(entry.header)
-        _check_header(header, location)
-        self.compression = header.compression.value
-        if isinstance(entry.attachment, KVPayload):
-            # Assembled and checked as it arrived (``services.decode.inbox``): nothing to do.
-            if self.expected_layout is not None:
-                self.expected_layout.check_compatible(entry.attachment.layout)
-            return entry.attachment
-        collector = FrameCollector(header, expected_layout=self.expected_layout)
-        for data, crc in entry.parts:  # as written, with the CRCs the servicer checked
-            collector.feed(data, crc)
-        return collector.build()
+        # Checked and assembled as it arrived (``inbox.Inbox``): nothing left to do.
+        _check_header(entry.header, location)
+        self.compression = entry.header.compression.value
+        if self.expected_layout is not None:
+            self.expected_layout.check_compatible(entry.payload.layout)
+        self.record.num_bytes = entry.num_bytes
+        return entry.payload
 
     async def discard(self) -> None:
         if not self._consumed:
             self._consumed = True
-            self.store.delete(self.location.key)
+            if self.inbox is not None:
+                self.inbox.drop(self.location.key)

@@ -1,16 +1,17 @@
 """The prefill side of a ``store``/``direct`` hand-off: ``StreamSender``, a ``KVSender``.
 
-A ``KVStore.Put`` stream, opened at ``begin``, into the KV store or straight into the decode
-worker's own KVStore endpoint. The layer hook takes each layer (engine thread; a GPU's is
-copied to the host) and queues it to be sealed (the frame's CRCs computed): a small layer by
-the event loop as it sends it, a large one at once by the sealing thread. The event loop sends
+A chunk stream opened at ``begin``: a ``KVStore.Put`` into the KV store (``store``), or a
+``Decode.Push`` straight into the decode worker (``direct``, ``push.PushClient``). The layer
+hook takes each layer (engine thread; a GPU's is copied to the host) and queues it to be
+sealed (the frame's CRCs computed): a small layer by the event loop as it sends it, a large
+one at once by the sealing thread. The event loop sends
 each sealed frame as soon as it is ready, while the engine computes the next layers. The last
-layer ends the stream; ``commit`` waits, bounded, for the store's acknowledgement.
+layer ends the stream; ``commit`` waits, bounded, for the endpoint's acknowledgement.
 
 The layer hook (``send_layer``) never raises: it runs inside the engine's batched forward
 pass. A failure is recorded and raised by ``commit``. ``discard`` frees whatever the hand-off
-holds on every other path (a stream still missing layers is cancelled, so the store drops the
-partial entry; one whose last layer ended it, committed or not, is deleted at the endpoint).
+holds on every other path (a stream still missing layers is cancelled, so the endpoint drops
+the partial entry; one whose last layer ended it, committed or not, is deleted at the endpoint).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from concurrent.futures import Executor, Future
+from typing import Protocol
 
 import torch
 
 from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
-from pdserve.kvstore.client import KVStoreClient, Piece, PutResult
+from pdserve.kvstore.client import Bytes, Piece, PutResult
 from pdserve.kvstore.keys import handoff_key
 from pdserve.transfer.base import (
     HandoffRecord,
@@ -55,12 +57,42 @@ Sealing = Future[list[Piece]] | Callable[[], list[Piece]]
 run by the event loop."""
 
 
+class StreamTarget(Protocol):
+    """Where a layer stream goes: the KV store (``KVStoreClient``, a ``KVStore.Put``) or a
+    decode worker (``push.PushClient``, a ``Decode.Push``)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+    async def put_stream(
+        self,
+        key: str,
+        pieces: AsyncIterable[Bytes | Piece],
+        *,
+        header: bytes = b"",
+        total_bytes: int = 0,
+        lease_s: float = 0.0,
+        timeout_s: float | None = None,
+    ) -> PutResult:
+        """Stream the pieces under ``key``; returns once the endpoint holds all of them."""
+        ...
+
+    async def delete(self, key: str, *, timeout_s: float | None = None) -> bool:
+        """Free what the endpoint holds under ``key``; False if nothing."""
+        ...
+
+
 class StreamSender:
-    """``store``/``direct``: the layer stream into a KVStore endpoint (see the module doc)."""
+    """``store``/``direct``: the layer stream into the KV store or a decode worker (see the
+    module doc)."""
 
     def __init__(
         self,
-        client: KVStoreClient,
+        client: StreamTarget,
         kind: TransportKind,
         *,
         lease_s: float,
@@ -103,7 +135,7 @@ class StreamSender:
         return self._busy_ns + max(0, tail)
 
     def begin(self, request_id: str, layout: KVLayout, num_tokens: int) -> None:
-        """Open the Put stream (call on the event loop); the store reserves the whole size."""
+        """Open the stream (call on the event loop); the endpoint reserves the whole size."""
         if num_tokens < 1:
             raise InvalidArgumentError("num_tokens", f"must be >= 1, got {num_tokens}")
         self.record.send_start_ns = time.monotonic_ns()
