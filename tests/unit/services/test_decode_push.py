@@ -18,8 +18,8 @@ from pdserve.errors import CapacityError, KVTransferError
 from pdserve.kvstore import wire
 from pdserve.kvstore.chunks import ChunkSequence
 from pdserve.kvstore.client import PutResult
+from pdserve.kvstore.keys import handoff_key
 from pdserve.rpc.server import build_server
-from pdserve.transfer.base import store_key
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.stream.frames import LayerCopy, stream_bytes
 from pdserve.transfer.stream.header import StreamHeader
@@ -73,7 +73,7 @@ def test_a_push_lands_in_the_inbox_and_drop_frees_it() -> None:
     async def body() -> None:
         inbox = Inbox(1 << 20, expected_layout=LAYOUT)
         async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
-            key = store_key("r", secrets.token_bytes(16))
+            key = handoff_key("r", secrets.token_bytes(16))
             result = await push(client, key)
             size = stream_bytes(StreamHeader("r", LAYOUT, N))
             assert (result.num_bytes, result.lease_s) == (size, 30)
@@ -93,7 +93,7 @@ def test_a_bad_frame_reaches_the_sender_with_its_reason() -> None:
         inbox = Inbox(1 << 20, expected_layout=LAYOUT)
         async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
             with pytest.raises(KVTransferError, match="checksum"):
-                await push(client, store_key("r", secrets.token_bytes(16)), corrupt=True)
+                await push(client, handoff_key("r", secrets.token_bytes(16)), corrupt=True)
             assert inbox.stats().used_bytes == inbox.stats().num_writing == 0
 
     run(body)
@@ -104,7 +104,7 @@ def test_a_full_inbox_refuses_the_push() -> None:
         inbox = Inbox(stream_bytes(StreamHeader("r", LAYOUT, N)) - 1, expected_layout=LAYOUT)
         async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
             with pytest.raises(CapacityError, match="inbox full"):
-                await push(client, store_key("r", secrets.token_bytes(16)))
+                await push(client, handoff_key("r", secrets.token_bytes(16)))
             assert inbox.stats().used_bytes == 0
 
     run(body)
@@ -146,7 +146,7 @@ def test_a_malformed_push_is_invalid_argument_naming_the_field(
         "another request": StreamHeader("q", LAYOUT, N).encode(),
     }
     if key == "good":
-        key = store_key("r", secrets.token_bytes(16))
+        key = handoff_key("r", secrets.token_bytes(16))
     sequence = ChunkSequence(key, headers[header], 30, stream_bytes(good))
     chunks = [sequence.chunk(b"", 0), *(sequence.chunk(*p) for p in pieces()), sequence.end()]
 
@@ -180,6 +180,6 @@ def test_drop_needs_a_key_and_a_worker_without_an_inbox_takes_no_push() -> None:
             assert (err.value.details() or "").startswith("kv:")
         async with serving(None) as address, PushClient(address, timeout_s=5) as client:
             with pytest.raises(KVTransferError, match="UNAVAILABLE"):
-                await push(client, store_key("r", secrets.token_bytes(16)))
+                await push(client, handoff_key("r", secrets.token_bytes(16)))
 
     run(body)

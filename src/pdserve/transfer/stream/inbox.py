@@ -9,7 +9,7 @@ into once. At the last chunk the assembled ``KVPayload`` is held under the strea
 ``Decode`` call that follows (``receiver.LocalReceiver``) only takes it: decoding starts as soon
 as the last layer has landed.
 
-* The key must be a hand-off's, ``kv/{request_id}/{capability hex}`` (``handle.store_key``),
+* The key must be a hand-off's, ``kv/{request_id}/{capability hex}`` (``kvstore.keys.handoff_key``),
   naming the header's request: a ``Decode`` call takes the entry by its handle's key, so only
   a caller that knows the capability can take (or ``drop``) it. A malformed key or header is
   ``InvalidArgumentError`` naming the field, before any data is kept.
@@ -44,8 +44,8 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.kvstore.chunks import ChunkReader, CrcPipeline
+from pdserve.kvstore.keys import HANDOFF_PREFIX
 from pdserve.kvstore.wire import Buffer, Chunk
-from pdserve.transfer.handle import STORE_KEY_PREFIX
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.frames import FrameCollector
 from pdserve.transfer.stream.header import StreamHeader, read_header
@@ -58,13 +58,13 @@ def request_of_key(key: str) -> str:
     key is ``kv/{request_id}/{capability hex}``."""
     if not key:
         raise InvalidArgumentError("key", "the first chunk must carry the hand-off's key")
-    if not key.startswith(STORE_KEY_PREFIX):
-        raise InvalidArgumentError("key", f"must be in the {STORE_KEY_PREFIX!r} namespace")
-    request_id, _, capability = key[len(STORE_KEY_PREFIX) :].rpartition("/")
+    if not key.startswith(HANDOFF_PREFIX):
+        raise InvalidArgumentError("key", f"must be in the {HANDOFF_PREFIX!r} namespace")
+    request_id, _, capability = key[len(HANDOFF_PREFIX) :].rpartition("/")
     if not request_id or not _CAPABILITY_HEX.fullmatch(capability):
         raise InvalidArgumentError(
             "key",
-            f"must be {STORE_KEY_PREFIX}{{request_id}}/{{capability}}, the capability "
+            f"must be {HANDOFF_PREFIX}{{request_id}}/{{capability}}, the capability "
             f"{2 * CAPABILITY_BYTES} lowercase hex digits",
         )
     return request_id

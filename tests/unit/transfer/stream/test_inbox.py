@@ -20,8 +20,9 @@ from pdserve.errors import (
 )
 from pdserve.kvstore import wire
 from pdserve.kvstore.chunks import ChunkSequence
+from pdserve.kvstore.keys import handoff_key
 from pdserve.kvstore.wire import Chunk
-from pdserve.transfer.base import KVLocation, TransferState, TransportKind, store_key
+from pdserve.transfer.base import KVLocation, TransferState, TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.stream.frames import LayerCopy, stream_bytes
 from pdserve.transfer.stream.header import StreamHeader
@@ -42,7 +43,7 @@ class Clock:
 
 
 def key_of(rid: str) -> str:
-    return store_key(rid, secrets.token_bytes(16))
+    return handoff_key(rid, secrets.token_bytes(16))
 
 
 def chunks_of(
