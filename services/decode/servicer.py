@@ -93,6 +93,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise InvalidArgumentError("key", "must not be empty")
         return kvstore_pb2.DeleteResponse(deleted=self._inbox().drop(request.key))
 
+    async def InboxStat(  # noqa: N802 - gRPC method names
+        self, request: decode_pb2.InboxStatRequest, context: Context
+    ) -> decode_pb2.InboxStatResponse:
+        stats = self._inbox().stats()
+        return decode_pb2.InboxStatResponse(
+            used_bytes=stats.used_bytes,
+            capacity_bytes=stats.capacity_bytes,
+            num_entries=stats.num_entries,
+            num_writing=stats.num_writing,
+        )
+
     def _inbox(self) -> Inbox:
         if self.worker.inbox is None:
             raise WorkerUnavailableError("this worker takes no pushed hand-offs")

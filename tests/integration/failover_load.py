@@ -26,6 +26,7 @@ from pdserve.service_process import ServiceProcess
 from pdserve.supervisor import RestartPolicy
 from pdserve.transfer.janitor import SHM_DIR, holds_hand_off, parse_owner_pid
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.inbox import inbox_held
 
 INTERVAL_S = 0.5
 """The workers' heartbeat interval."""
@@ -255,11 +256,13 @@ async def nothing_left(c: Cluster, *, dead_pids: set[int]) -> None:
             return False
         if any(w.kv_blocks_free != w.kv_blocks_total or w.running_seqs for w in beats):
             return False
-        for address in [c.kvstore_address, *(s.address for s in c.workers("decode"))]:
-            async with KVStoreClient(address, timeout_s=5) as client:
-                t = (await client.stat()).totals
-            assert t is not None
-            if t.num_entries - t.num_cache_entries or t.num_writing:
+        async with KVStoreClient(c.kvstore_address, timeout_s=5) as client:
+            t = (await client.stat()).totals
+        assert t is not None
+        if t.num_entries - t.num_cache_entries or t.num_writing:
+            return False
+        for s in c.workers("decode"):
+            if any(await inbox_held(s.address)):
                 return False
         pids = cluster_pids(c, dead_pids)
         for path in SHM_DIR.glob("pdserve-kv-*"):

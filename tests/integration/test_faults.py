@@ -32,6 +32,7 @@ from pdserve.transfer.janitor import (
     segment_state,
 )
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.integration.inbox import inbox_held
 from tests.integration.test_transfer import hand_off
 
 pytestmark = pytest.mark.integration
@@ -98,12 +99,17 @@ async def writing(address: str) -> int:
     return totals.num_writing
 
 
+async def arriving(address: str) -> int:
+    """Pushes still arriving at a decode worker's inbox."""
+    return (await inbox_held(address))[1]
+
+
 def owner(path: Path) -> int | None:
     return parse_owner_pid(path.name)
 
 
 async def assert_nothing_left(c: Cluster, *, dead: set[str]) -> None:
-    """No hand-off entry or pending write (store, decode endpoints), no shm segment of any
+    """No hand-off entry or pending write (store, decode workers' inboxes), no shm segment of any
     cluster process (dead ones included: the janitor reclaims those), no busy KV block."""
     pids = {s.proc.pid for s in c.services if s.proc is not None}
     endpoints = [("kvstore", c.kvstore_address)] + [
@@ -113,6 +119,10 @@ async def assert_nothing_left(c: Cluster, *, dead: set[str]) -> None:
     async def clean() -> bool:
         for name, address in endpoints:
             if name in dead:
+                continue
+            if name != "kvstore":
+                if any(await inbox_held(address)):
+                    return False
                 continue
             async with KVStoreClient(address, timeout_s=5) as client:
                 t = (await client.stat()).totals
@@ -192,7 +202,7 @@ def test_prefill_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None
                 for t in ("direct", "shm")
                 for i, p in enumerate(batch[4:])
             ]
-            await until(lambda: _at_least(writing(decode.address), 4), "4 stalled direct streams")
+            await until(lambda: _at_least(arriving(decode.address), 4), "4 stalled direct streams")
             await until(lambda: _at_least(segments(), 4), "4 stalled shm segments")
             prefill.proc.kill()  # type: ignore[union-attr]
             prefill.proc.wait()  # type: ignore[union-attr]

@@ -83,6 +83,8 @@ class Fuzzed:
     reservations: set[str] = field(default_factory=set)
     stored: set[tuple[str, str]] = field(default_factory=set)
     """(address, key) of entries the fuzzer's own Puts stored."""
+    pushed: set[str] = field(default_factory=set)
+    """Keys of hand-offs the decode worker's inbox took from the fuzzer's Pushes."""
     answers: dict[str, set[str]] = field(default_factory=dict)
     """Method -> status codes seen (for the report of a failure)."""
 
@@ -467,7 +469,16 @@ def test_kvstore(
     delete: kvstore_pb2.DeleteRequest,
     stat: kvstore_pb2.StatRequest,
 ) -> None:
-    address = fuzzed.cluster.kvstore_address if target == "kvstore" else fuzzed.decode
+    if target == "decode":  # the decode worker takes layer streams by Push, nothing else
+        address = fuzzed.decode
+        code, answer = fuzzed.call(address, "/pdserve.v1.Decode/Push", chunks, request_stream=True)
+        if code is grpc.StatusCode.OK:
+            assert isinstance(answer, bytes)
+            fuzzed.pushed.add(kvstore_pb2.PutResponse.FromString(answer).key)
+        fuzzed.call(address, "/pdserve.v1.Decode/Drop", delete)
+        fuzzed.call(address, "/pdserve.v1.Decode/InboxStat", decode_pb2.InboxStatRequest())
+        return
+    address = fuzzed.cluster.kvstore_address
     code, answer = fuzzed.call(address, "/pdserve.v1.KVStore/Put", chunks, request_stream=True)
     if code is grpc.StatusCode.OK:
         assert isinstance(answer, bytes)
@@ -553,6 +564,8 @@ def test_everything_survived_and_nothing_is_held(fuzzed: Fuzzed) -> None:
                     scheduler_pb2.ReleaseRequest(reservation_id=reservation))  # fmt: skip
     for address, key in fuzzed.stored:
         fuzzed.call(address, "/pdserve.v1.KVStore/Delete", kvstore_pb2.DeleteRequest(key=key))
+    for key in fuzzed.pushed:
+        fuzzed.call(fuzzed.decode, "/pdserve.v1.Decode/Drop", kvstore_pb2.DeleteRequest(key=key))
     deadline = time.monotonic() + 30
     while problems := _held(fuzzed):
         assert time.monotonic() < deadline, "still held after the fuzz:\n" + "\n".join(problems)
@@ -568,15 +581,22 @@ def _held(f: Fuzzed) -> list[str]:
     c = f.cluster
     assert c.redis_url is not None
     problems: list[str] = []
-    for name, address in (("kvstore", c.kvstore_address), ("decode", f.decode)):
-        _, raw = f.call(address, "/pdserve.v1.KVStore/Stat", kvstore_pb2.StatRequest())
-        assert isinstance(raw, bytes)
-        t = kvstore_pb2.StatResponse.FromString(raw)
-        if t.num_entries - t.num_cache_entries or t.num_writing or t.reserved_bytes:
-            problems.append(
-                f"{name}: {t.num_entries} entries ({t.num_cache_entries} cache), "
-                f"{t.num_writing} writing, {t.reserved_bytes} bytes reserved"
-            )
+    _, raw = f.call(c.kvstore_address, "/pdserve.v1.KVStore/Stat", kvstore_pb2.StatRequest())
+    assert isinstance(raw, bytes)
+    t = kvstore_pb2.StatResponse.FromString(raw)
+    if t.num_entries - t.num_cache_entries or t.num_writing or t.reserved_bytes:
+        problems.append(
+            f"kvstore: {t.num_entries} entries ({t.num_cache_entries} cache), "
+            f"{t.num_writing} writing, {t.reserved_bytes} bytes reserved"
+        )
+    _, raw = f.call(f.decode, "/pdserve.v1.Decode/InboxStat", decode_pb2.InboxStatRequest())
+    assert isinstance(raw, bytes)
+    inbox = decode_pb2.InboxStatResponse.FromString(raw)
+    if inbox.num_entries or inbox.num_writing or inbox.used_bytes:
+        problems.append(
+            f"decode inbox: {inbox.num_entries} entries, {inbox.num_writing} arriving, "
+            f"{inbox.used_bytes} bytes"
+        )
     for w in read_heartbeats(c.redis_url, c.namespace):
         if w.kv_blocks_free != w.kv_blocks_total or w.running_seqs or w.reservations or w.draining:
             problems.append(

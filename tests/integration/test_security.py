@@ -258,19 +258,22 @@ def internal_calls(
         lambda: decode.CachedPrefix(decode_pb2.CachedPrefixRequest(kv_fingerprint="x",
                                                                    block_size=8), timeout=10),
     ]  # fmt: skip
-    for name in ("kvstore", "decode"):  # the KV store, and the decode worker's own endpoint
-        kv = kvstore_pb2_grpc.KVStoreStub(channels[name])
+    kv = kvstore_pb2_grpc.KVStoreStub(channels["kvstore"])
 
-        async def one_chunk() -> Any:
-            yield kvstore_pb2.KVChunk(key="kv/x", last=True)
+    async def one_chunk() -> Any:
+        yield kvstore_pb2.KVChunk(key="kv/x", last=True)
 
-        calls += [
-            lambda kv=kv: kv.Stat(kvstore_pb2.StatRequest(), timeout=10),
-            lambda kv=kv: kv.Delete(kvstore_pb2.DeleteRequest(key="kv/x"), timeout=10),
-            lambda kv=kv: kv.Lookup(kvstore_pb2.LookupRequest(keys=["kv/x"]), timeout=10),
-            lambda kv=kv: read_all(kv.Get(kvstore_pb2.GetRequest(key="kv/x"), timeout=10)),
-            lambda kv=kv: kv.Put(one_chunk(), timeout=10),
-        ]
+    calls += [
+        lambda: kv.Stat(kvstore_pb2.StatRequest(), timeout=10),
+        lambda: kv.Delete(kvstore_pb2.DeleteRequest(key="kv/x"), timeout=10),
+        lambda: kv.Lookup(kvstore_pb2.LookupRequest(keys=["kv/x"]), timeout=10),
+        lambda: read_all(kv.Get(kvstore_pb2.GetRequest(key="kv/x"), timeout=10)),
+        lambda: kv.Put(one_chunk(), timeout=10),
+        # the decode worker's inbox of direct hand-offs
+        lambda: decode.Push(one_chunk(), timeout=10),
+        lambda: decode.Drop(kvstore_pb2.DeleteRequest(key="kv/x"), timeout=10),
+        lambda: decode.InboxStat(decode_pb2.InboxStatRequest(), timeout=10),
+    ]
     return calls
 
 

@@ -37,6 +37,7 @@ from pdserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from tests.integration.inbox import inbox_held
 
 pytestmark = pytest.mark.integration
 
@@ -158,19 +159,21 @@ async def _prefill_decode(
 
 
 async def assert_nothing_left(c: Cluster) -> None:
-    """No hand-off entry, pending write, segment of a cluster process, or busy KV block."""
+    """No hand-off entry or pending write (KV store, decode workers' inboxes), segment of a
+    cluster process, or busy KV block."""
     pids = {s.proc.pid for s in c.services if s.proc is not None}
     deadline = time.monotonic() + 20
     while True:
         problems = []
-        for name, address in [("kvstore", c.kvstore_address)] + [
-            (s.name, s.address) for s in c.workers("decode")
-        ]:
-            async with KVStoreClient(address, timeout_s=5) as client:
-                t = (await client.stat()).totals
-            assert t is not None
-            if t.num_entries - t.num_cache_entries or t.num_writing:
-                problems.append(f"{name}: {t.num_entries} entries, {t.num_writing} writing")
+        async with KVStoreClient(c.kvstore_address, timeout_s=5) as client:
+            t = (await client.stat()).totals
+        assert t is not None
+        if t.num_entries - t.num_cache_entries or t.num_writing:
+            problems.append(f"kvstore: {t.num_entries} entries, {t.num_writing} writing")
+        for s in c.workers("decode"):
+            held, arriving = await inbox_held(s.address)
+            if held or arriving:
+                problems.append(f"{s.name}: inbox holds {held}, {arriving} arriving")
         segments = [
             p.name
             for p in SHM_DIR.glob("pdserve-kv-*")

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import kvstore_pb2 as pdserve_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/kvstore.proto\"\xff\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x15\n\rfirst_logprob\x18\x04 \x01(\x02\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x16\n\x0ereservation_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x19\n\x11resumed_token_ids\x18\t \x03(\r\"3\n\x0fPrefetchRequest\x12 \n\x02kv\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"C\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"W\n\x13\x43\x61\x63hedPrefixRequest\x12\x16\n\x0ekv_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"*\n\x14\x43\x61\x63hedPrefixResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x96\x01\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\"\xa2\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r2\xd9\x02\n\x06\x44\x65\x63ode\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x45\n\x08Prefetch\x12\x1b.pdserve.v1.PrefetchRequest\x1a\x1c.pdserve.v1.PrefetchResponse\x12Q\n\x0c\x43\x61\x63hedPrefix\x12\x1f.pdserve.v1.CachedPrefixRequest\x1a .pdserve.v1.CachedPrefixResponse\x12\x36\n\x04Push\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PutResponse(\x01\x12=\n\x04\x44rop\x12\x19.pdserve.v1.DeleteRequest\x1a\x1a.pdserve.v1.DeleteResponse2L\n\x05Mixed\x12\x43\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/kvstore.proto\"\xff\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x15\n\rfirst_logprob\x18\x04 \x01(\x02\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x16\n\x0ereservation_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x19\n\x11resumed_token_ids\x18\t \x03(\r\"3\n\x0fPrefetchRequest\x12 \n\x02kv\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"C\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"W\n\x13\x43\x61\x63hedPrefixRequest\x12\x16\n\x0ekv_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"*\n\x14\x43\x61\x63hedPrefixResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x12\n\x10InboxStatRequest\"i\n\x11InboxStatResponse\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_entries\x18\x03 \x01(\r\x12\x13\n\x0bnum_writing\x18\x04 \x01(\r\"\x96\x01\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\"\xa2\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r2\xa3\x03\n\x06\x44\x65\x63ode\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x45\n\x08Prefetch\x12\x1b.pdserve.v1.PrefetchRequest\x1a\x1c.pdserve.v1.PrefetchResponse\x12Q\n\x0c\x43\x61\x63hedPrefix\x12\x1f.pdserve.v1.CachedPrefixRequest\x1a .pdserve.v1.CachedPrefixResponse\x12\x36\n\x04Push\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PutResponse(\x01\x12=\n\x04\x44rop\x12\x19.pdserve.v1.DeleteRequest\x1a\x1a.pdserve.v1.DeleteResponse\x12H\n\tInboxStat\x12\x1c.pdserve.v1.InboxStatRequest\x1a\x1d.pdserve.v1.InboxStatResponse2L\n\x05Mixed\x12\x43\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,12 +43,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHEDPREFIXREQUEST']._serialized_end=557
   _globals['_CACHEDPREFIXRESPONSE']._serialized_start=559
   _globals['_CACHEDPREFIXRESPONSE']._serialized_end=601
-  _globals['_COLOCATEDREQUEST']._serialized_start=604
-  _globals['_COLOCATEDREQUEST']._serialized_end=754
-  _globals['_DECODECHUNK']._serialized_start=757
-  _globals['_DECODECHUNK']._serialized_end=919
-  _globals['_DECODE']._serialized_start=922
-  _globals['_DECODE']._serialized_end=1267
-  _globals['_MIXED']._serialized_start=1269
-  _globals['_MIXED']._serialized_end=1345
+  _globals['_INBOXSTATREQUEST']._serialized_start=603
+  _globals['_INBOXSTATREQUEST']._serialized_end=621
+  _globals['_INBOXSTATRESPONSE']._serialized_start=623
+  _globals['_INBOXSTATRESPONSE']._serialized_end=728
+  _globals['_COLOCATEDREQUEST']._serialized_start=731
+  _globals['_COLOCATEDREQUEST']._serialized_end=881
+  _globals['_DECODECHUNK']._serialized_start=884
+  _globals['_DECODECHUNK']._serialized_end=1046
+  _globals['_DECODE']._serialized_start=1049
+  _globals['_DECODE']._serialized_end=1468
+  _globals['_MIXED']._serialized_start=1470
+  _globals['_MIXED']._serialized_end=1546
 # @@protoc_insertion_point(module_scope)

@@ -63,6 +63,22 @@ class CachedPrefixResponse(_message.Message):
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
+class InboxStatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InboxStatResponse(_message.Message):
+    __slots__ = ("used_bytes", "capacity_bytes", "num_entries", "num_writing")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITING_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    capacity_bytes: int
+    num_entries: int
+    num_writing: int
+    def __init__(self, used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_entries: _Optional[int] = ..., num_writing: _Optional[int] = ...) -> None: ...
+
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
