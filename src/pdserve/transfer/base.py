@@ -33,9 +33,9 @@ decode worker, both used once):
      frees.
 
 Both sides keep a ``HandoffRecord`` (``record``) of their stamps. Backends: ``transfer.stream``
-(``store``/``direct``: the layer stream into a KVStore endpoint), ``transfer.shm`` (same host),
-``transfer.fake`` (in memory, on the stream's real frames; tests). ``transfer.wrappers`` change
-a sender's hand-off on its way out.
+(``store``/``direct``: the layer stream into the KV store, or pushed into the decode worker),
+``transfer.shm`` (same host), ``transfer.fake`` (in memory, on the stream's real frames;
+tests). ``transfer.wrappers`` change a sender's hand-off on its way out.
 
 This module imports no torch (the policy and janitor use it from torch-free processes); the
 tensor-facing types appear in annotations only.
@@ -184,8 +184,8 @@ class KVReceiver(Protocol):
 
 
 class SenderFactory(Protocol):
-    """A fresh sender for one hand-off; ``peer_address``: the decode worker's KV endpoint
-    (``direct``; the others ignore it)."""
+    """A fresh sender for one hand-off; ``peer_address``: the decode worker's address
+    (``direct`` pushes into it; the others ignore it)."""
 
     def __call__(self, peer_address: str) -> KVSender: ...
 

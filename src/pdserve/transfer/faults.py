@@ -1,6 +1,7 @@
 """``SendFaults``: the faults a sender injects on purpose (fault tests only; never set in
 production). ``stream``, ``shm`` and ``fake`` honour corrupt and stall; drop is the fake's
-alone (a KVStore endpoint refuses a stream shorter than it announced, before any reader).
+alone (the KV store and a decode worker's inbox refuse a stream shorter than it announced,
+before any reader).
 
 Each applies to the requests whose id starts with its prefix (None: the fault is off;
 "": every request).

@@ -21,7 +21,7 @@ class TransportKind(StrEnum):
     STORE = "store"
     """Through the KVStore service (put by prefill, get by decode)."""
     DIRECT = "direct"
-    """Streamed from the prefill worker's own KV endpoint to the decode worker."""
+    """Streamed by the prefill worker straight into the decode worker (``Decode.Push``)."""
     SHM = "shm"
     """A POSIX shared-memory segment; prefill and decode on the same host."""
     RECOMPUTE = "recompute"
@@ -62,7 +62,8 @@ class KVLocation:
     model_fingerprint: str
     """``kv_payload.kv_fingerprint`` of the writer; a reader with another one refuses it."""
     address: str = ""
-    """store/direct: host:port of the KVStore endpoint holding it."""
+    """store: host:port of the KV store holding it; direct: of the decode worker it was
+    pushed to."""
     key: str = ""
     """store/direct: the entry's key; shm: the segment's name; fake: the hub's key."""
     host: str = ""

@@ -106,7 +106,7 @@ class WorkerOptions:
     prefix_chunk_tokens: int = 256
     prefix_lease_s: float = 600.0
     inbox_bytes: int = 2 * 1024**3
-    """RAM budget of a decode worker's own KV endpoint (direct hand-offs land there)."""
+    """RAM budget of a decode worker's inbox (the direct hand-offs pushed into it)."""
     shm_slot_bytes: int = 1024**3
     """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.shm.slots``);
     0: a fresh segment per hand-off."""
@@ -311,7 +311,7 @@ def worker_parser(
         "--inbox-bytes",
         type=int,
         default=int(d("inbox_bytes", 2 * 1024**3)),
-        help="decode: RAM budget of the worker's own KV endpoint (direct)",
+        help="decode: RAM budget of the inbox of pushed direct hand-offs",
     )
     t.add_argument(
         "--shm-slot-bytes",
