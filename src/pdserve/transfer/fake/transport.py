@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
+from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.kvstore.client import Piece
 from pdserve.kvstore.keys import handoff_key
@@ -182,12 +182,9 @@ class FakeSender:
         h = self._header
         if h is None:
             raise KVTransferError("planned() before begin()")
-        return KVLocation(
-            kind=self.kind,
-            request_id=h.request_id,
-            num_tokens=h.num_tokens,
+        return h.location(
+            self.kind,
             num_bytes=self.record.num_bytes,
-            model_fingerprint=kv_fingerprint(h.layout),
             address=FAKE_ADDRESS,
             key=self.key,
             capability=self.capability,

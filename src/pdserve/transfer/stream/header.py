@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.engine.kv_payload import DTYPES, KVLayout
+from pdserve.engine.kv_payload import DTYPES, KVLayout, kv_fingerprint
 from pdserve.errors import KVPayloadMismatchError, KVTransferError
 from pdserve.transfer.compress import Compression
+from pdserve.transfer.handle import KVLocation, TransportKind
 
 _HEADER_MAGIC = b"PDKVS1\n"
 
@@ -64,6 +65,21 @@ class StreamHeader:
             "compression": self.compression.value,
         }
         return _HEADER_MAGIC + json.dumps(meta, sort_keys=True).encode()
+
+    def location(
+        self, kind: TransportKind, *, num_bytes: int, address: str, key: str, capability: bytes
+    ) -> KVLocation:
+        """Where this stream's hand-off lies once committed (``KVSender.planned``)."""
+        return KVLocation(
+            kind=kind,
+            request_id=self.request_id,
+            num_tokens=self.num_tokens,
+            num_bytes=num_bytes,
+            model_fingerprint=kv_fingerprint(self.layout),
+            address=address,
+            key=key,
+            capability=capability,
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> StreamHeader:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
+from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import Bytes, Piece, PutResult
 from pdserve.kvstore.keys import handoff_key
@@ -234,12 +234,9 @@ class StreamSender:
         h = self._header
         if h is None:
             raise KVTransferError("planned() before begin()")
-        return KVLocation(
-            kind=self.kind,
-            request_id=h.request_id,
-            num_tokens=h.num_tokens,
+        return h.location(
+            self.kind,
             num_bytes=self.record.num_bytes,
-            model_fingerprint=kv_fingerprint(h.layout),
             address=self.client.address,
             key=self.key,
             capability=self.capability,
