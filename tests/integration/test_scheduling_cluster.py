@@ -283,6 +283,9 @@ def test_the_planner_service_moves_a_worker_and_requests_keep_flowing(model_dir:
                               if w.duty == "prefill" and not w.switching],
                      "the planner's move to take effect")  # fmt: skip
         assert moved[0].phases == ("prefill",)
+        # The other keeps the duty it started with: no order in Redis is no order.
+        others = [w for w in read_heartbeats(url, c.namespace) if w.id != moved[0].id]
+        assert [(w.duty, w.phases) for w in others] == [("decode", ("decode", "colocated"))]
         assert metric(planner_metrics, "pdserve_planner_leader") == 1
         assert metric(planner_metrics, "pdserve_planner_moves_total", duty="prefill") == 1
         with Client(c.router_address, timeout=60) as client:

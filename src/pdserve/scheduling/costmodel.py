@@ -19,8 +19,9 @@ what the worker's prefix cache holds, ``prefix_index``):
   disaggregated on ``(p, d)``: queue wait + prefill time on ``p`` + moving the prompt's KV to
   ``d`` (bytes over the link's measured bandwidth; the prefill answers once it is moved) + the
   cost of the extra call (``hop_s``);
-* **stall**: what one step carrying the prefill adds to the inter-token gap of the
-  sequences decoding on the same engine; a placement *harms ITL* when a worker that decodes
+* **stall**: what one step carrying the prefill, and the prompt tokens queued ahead of it
+  there (up to a step's token budget), adds to the inter-token gap of the sequences decoding
+  on the same engine; a placement *harms ITL* when a worker that decodes
   would stall its streams past the ITL SLO (what a decode step leaves of it). Where nothing
   decodes yet, the streams at risk are those of the requests expected to arrive while the
   prefill runs (the arrival rate times the stall): at low load a long prompt may run
@@ -124,8 +125,10 @@ class CostModel:
 
     def stall_on(self, view: WorkerView, tokens: int) -> float:
         """What prefilling ``tokens`` here adds to the step of the worker's decoding streams
-        (0 when none decode there)."""
-        return self.stall_s(view.info, tokens) if decoding(view) else 0.0
+        (0 when none decode there). The step that carries them also carries the prompt tokens
+        queued ahead (the engine fills a step's token budget from its waiting queue), so many
+        medium prompts arriving together stall the streams as one long one would."""
+        return self.stall_s(view.info, view.pending_tokens + tokens) if decoding(view) else 0.0
 
     def itl_budget_s(self, view: WorkerView) -> float:
         """What a decode step of the worker leaves of the ITL SLO for prefill work."""
@@ -135,7 +138,7 @@ class CostModel:
         """Prefilling ``tokens`` here would push the worker's decoding streams past the ITL SLO."""
         if not {"decode", "colocated"} & set(view.info.phases):
             return False
-        stall = self.stall_s(view.info, tokens)
+        stall = self.stall_s(view.info, view.pending_tokens + tokens)
         if stall <= self.itl_budget_s(view):
             return False
         if decoding(view) > 0:

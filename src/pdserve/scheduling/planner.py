@@ -5,8 +5,10 @@ offline profile): through the cost model (``costmodel``),
 
 * **prefill pressure**: the predicted wait of a new prompt on the prefill side (the least
   loaded prefill-duty worker's queue, reservations included) over the TTFT SLO;
-* **decode pressure**: the predicted decode step of the busiest decode-duty worker over the
-  ITL SLO, or the share of its KV blocks in use, whichever is larger.
+* **decode pressure**: the predicted gap between tokens on the busiest decode-duty worker
+  (its decode step, plus what a step carrying the prompt tokens queued there adds: a
+  decode-duty mixed worker also serves colocated requests) over the ITL SLO, or the share of
+  its KV blocks in use, whichever is larger.
 
 So 1 means "at the SLO" (or "KV full"). The engines' busy shares are not terms: on a host
 whose engines share the cores, every engine looks busy while it waits for them. When one
@@ -149,7 +151,11 @@ def pressure(views: Sequence[WorkerView], model: CostModel, config: PlannerConfi
         p = min(model.queue_s(v) for v in prefills) / config.ttft_slo_s
     d = 0.0
     if decodes:
-        steps = [model.decode_step_s(v.info, decoding(v)) for v in decodes if decoding(v)]
+        steps = [
+            model.decode_step_s(v.info, decoding(v)) + model.stall_on(v, 0)
+            for v in decodes
+            if decoding(v)
+        ]
         used = max(1 - v.free_blocks / max(1, v.info.kv_blocks_total) for v in decodes)
         d = max(max(steps, default=0.0) / config.itl_slo_s, used)
     return Pressure(p, d, len(prefills), len(decodes))

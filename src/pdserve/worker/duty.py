@@ -6,7 +6,11 @@ it has a KV store to hand its KV over through. A planner (``services.planner``) 
 mixed worker a *duty* by writing it to ``{ns}:duty:{worker_id}``, read with every heartbeat:
 
 * ``prefill``: prefills only;  * ``decode``: decode and colocated requests;
-* ``""`` (or no key): everything it can.
+* ``""``: everything it can.
+
+No key means no order: the worker serves its start duty (``--duty``; none: everything it can).
+So a cluster started with fixed duties keeps them, and a worker whose order is gone (a
+restarted Redis) returns to what it was started as until a planner orders again.
 
 A change of duty drains first: until the engine is idle the worker takes new work only of
 the phases both duties share (usually none), so that what it still runs of its old duty
@@ -45,6 +49,8 @@ class Duty:
     def __init__(self, role: WorkerRole, capabilities: tuple[str, ...], duty: str = "") -> None:
         self.role = role
         self.capabilities = capabilities
+        self.start = duty
+        """The duty it was started with: what it serves while no order is in Redis."""
         self.duty = duty
         self.target = duty
         self.switches = 0
@@ -55,8 +61,11 @@ class Duty:
         return tuple(p for p in self.capabilities if p in wanted)
 
     def order(self, value: bytes | str | None) -> None:
-        """The planner's order for this worker (None: no order, everything it can)."""
-        duty = value.decode() if isinstance(value, bytes) else (value or "")
+        """The planner's order for this worker (None: no order, its start duty)."""
+        if value is None:
+            duty = self.start
+        else:
+            duty = value.decode() if isinstance(value, bytes) else value
         if duty == self.target:
             return
         if self.role is not WorkerRole.MIXED or duty not in DUTIES or not self._phases(duty):

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import CostModel, WorkerRole
+from pdserve.scheduling import CostModel, WorkerRole, WorkerView
 from pdserve.scheduling.costmodel import DEFAULT_BANDWIDTH, decoding
 
 from .factories import view, worker
@@ -63,6 +63,21 @@ def test_a_long_prefill_harms_the_streams_of_a_worker_that_decodes() -> None:
     assert busy_cluster.harms_itl(idle, 2000)  # streams would start during its 0.6 s
     prefill_only = view("p", WorkerRole.PREFILL, running_seqs=8, prefill_token_s=0.0003)
     assert decoding(prefill_only) == 0 and not MODEL.harms_itl(prefill_only, 2000)
+
+
+def test_prompts_queued_ahead_share_the_step_and_its_stall() -> None:
+    def mixed(queued: int) -> WorkerView:
+        return view("m", WorkerRole.MIXED, running_seqs=4, queued_tokens=queued,
+                    max_batch_tokens=2048, step_overhead_s=0.01, decode_seq_s=0.001,
+                    prefill_token_s=0.0003)  # fmt: skip
+
+    assert not MODEL.harms_itl(mixed(0), 300)  # 90 ms alone fits the 150 ms SLO
+    assert MODEL.stall_on(mixed(0), 300) == pytest.approx(300 * 0.0003)
+    # Three medium prompts already wait: the step carrying this one carries theirs too.
+    assert MODEL.harms_itl(mixed(900), 300)
+    assert MODEL.stall_on(mixed(900), 300) == pytest.approx(1200 * 0.0003)
+    # A step's token budget bounds it.
+    assert MODEL.stall_on(mixed(5000), 300) == pytest.approx(2048 * 0.0003)
 
 
 def test_small_chunks_keep_a_long_prefill_within_the_itl_budget() -> None:

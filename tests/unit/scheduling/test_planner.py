@@ -57,6 +57,15 @@ def test_decode_pressure_takes_an_idle_prefill_worker() -> None:
     assert move is not None and (move.worker_id, move.duty) == ("p2", "decode")
 
 
+def test_colocated_prefills_queued_on_a_decode_worker_count_as_decode_pressure() -> None:
+    calm = on_decode("d", running_seqs=4)  # 14 ms steps
+    stalled = on_decode("d", running_seqs=4, queued_tokens=300)  # + 150 ms of prefill a step
+    assert pressure([on_prefill("p"), calm], MODEL, CONFIG).decode < CONFIG.low
+    assert pressure([on_prefill("p"), stalled], MODEL, CONFIG).decode > 1
+    move = decide([on_prefill("p1"), on_prefill("p2"), stalled], MODEL, CONFIG, hour=12)
+    assert move is not None and move.duty == "decode" and move.reason == "decode pressure"
+
+
 def test_a_side_at_most_half_as_loaded_gives_a_worker() -> None:
     # Decode steps of 60 ms (0.4 of the ITL SLO) are not idle, but the prefill queue is at
     # twice that pressure.

@@ -42,3 +42,17 @@ def test_the_heartbeat_reports_a_duty_switch_until_the_engine_is_idle() -> None:
     assert busy.capabilities == ("prefill", "decode", "colocated")
     idle = worker_info(IDENTITY, snapshot(running=0), draining=False, duty=duty, now=100.0)
     assert not idle.switching and idle.phases == ("prefill",)
+
+
+def test_a_start_duty_holds_while_no_order_is_in_redis() -> None:
+    duty = Duty(WorkerRole.MIXED, capabilities(WorkerRole.MIXED, can_prefill=True), "decode")
+    duty.order(None)  # the heartbeat read no key: no planner has ordered anything
+    info = worker_info(IDENTITY, snapshot(running=0), draining=False, duty=duty, now=100.0)
+    assert info.duty == "decode" and info.phases == ("decode", "colocated")
+    duty.order(b"")  # an explicit order for everything it can
+    info = worker_info(IDENTITY, snapshot(running=0), draining=False, duty=duty, now=100.0)
+    assert info.duty == "" and info.phases == ("prefill", "decode", "colocated")
+    duty.order(b"prefill")
+    duty.order(None)  # the order is gone (Redis restarted): back to the start duty
+    info = worker_info(IDENTITY, snapshot(running=0), draining=False, duty=duty, now=100.0)
+    assert info.duty == "decode" and duty.switches == 2
