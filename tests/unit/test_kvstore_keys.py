@@ -14,4 +14,3 @@ def test_each_namespace_has_its_shape() -> None:
     assert chunk == "pfx/fp/abcd"
     assert not keys.is_handoff_key(chunk)
     assert not key.startswith(keys.PREFIX_CHUNK_PREFIX)
-

@@ -143,9 +143,7 @@ class SegmentReader:
         if d.kind is not TransportKind.SHM:
             raise InvalidArgumentError("descriptor.kind", f"expected shm, got {d.kind.value!r}")
         if d.host and d.host != self.host:
-            raise KVTransferError(
-                f"shm segment {d.key!r} is on host {d.host!r}, not {self.host!r}"
-            )
+            raise KVTransferError(f"shm segment {d.key!r} is on host {d.host!r}, not {self.host!r}")
         # The name comes off the network: it must name a file directly in shm_dir.
         if not d.key or "/" in d.key or "\0" in d.key or d.key in (".", ".."):
             raise InvalidArgumentError("descriptor.name", f"not a segment name: {d.key!r}")

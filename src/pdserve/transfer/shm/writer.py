@@ -400,4 +400,3 @@ class SegmentWriter:
         if self.name:
             segment.unlink(self.shm_dir / self.name)
         self.state = advance(self.state, TransferState.FAILED)
-

@@ -37,9 +37,7 @@ from tests.unit.transfer.conftest import (
 )
 
 
-def sealed(
-    prefix: str, rid: str = "r", num_tokens: int = 6
-) -> tuple[KVLocation, KVPayload]:
+def sealed(prefix: str, rid: str = "r", num_tokens: int = 6) -> tuple[KVLocation, KVPayload]:
     payload = random_payload(make_layout(num_layers=3), num_tokens)
     sender = SegmentWriter(prefix=prefix)
     sender.begin(rid, payload.layout, num_tokens)
@@ -86,9 +84,7 @@ def test_unsealed_segment_is_left_to_its_writer(shm_prefix: str) -> None:
     payload = random_payload(make_layout(num_layers=2), 4)
     sender = SegmentWriter(prefix=shm_prefix)
     sender.begin("r", payload.layout, 4)
-    early = KVLocation(
-        sender.kind, "r", 4, 0, "", key=sender.name, capability=sender.capability
-    )
+    early = KVLocation(sender.kind, "r", 4, 0, "", key=sender.name, capability=sender.capability)
     with pytest.raises(KVTransferError, match="not sealed"):
         asyncio.run(SegmentReader().receive(early, timeout_s=5.0))
     assert leftovers(shm_prefix) == [sender.name]
