@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.router.output import RouteChunk, RouteUsage
-from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto
+from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto, usage_to_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -11,7 +11,7 @@ def usage_of(u: RouteUsage | None) -> common_pb2.Usage | None:
     """The wire form of a request's token accounting (None before the last chunk)."""
     if u is None:
         return None
-    return common_pb2.Usage(
+    return usage_to_proto(
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
         cached_tokens=u.cached_tokens,
