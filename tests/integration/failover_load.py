@@ -44,6 +44,10 @@ RESTARTS = RestartPolicy(initial_backoff_s=0.2, max_backoff_s=2.0, poll_s=0.05)
 RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.05, max_backoff_s=0.5)
 """Clients ride out a restart: UNAVAILABLE before the first token is retried."""
 MAX_TOKENS = 96
+LONG_STREAM = 320
+"""Tokens of the streams a kill must catch mid-way: long enough that they outlast the
+heartbeat (up to ``INTERVAL_S`` old) by which the test picks its victim, and short enough
+that all eight of them fit one decode worker's 256 blocks when the other dies."""
 
 
 def supervised(model: Path, **kwargs: object) -> Cluster:
@@ -64,7 +68,7 @@ class Job:
     params: SamplingParams
 
 
-def jobs(seed: int, n: int, *, prefix: str = "ok") -> list[Job]:
+def jobs(seed: int, n: int, *, prefix: str = "ok", max_tokens: int = MAX_TOKENS) -> list[Job]:
     """``n`` requests: greedy ones and seeded sampled ones (their draws follow the output
     position, so a migrated stream must continue them exactly)."""
     rng = random.Random(seed)
@@ -76,7 +80,7 @@ def jobs(seed: int, n: int, *, prefix: str = "ok") -> list[Job]:
             temperature=0.8 if sampled else 0.0,
             top_k=40 if sampled else 0,
             seed=1000 + i if sampled else None,
-            max_tokens=MAX_TOKENS,
+            max_tokens=max_tokens,
             ignore_eos=True,
         )
         out.append(Job(f"{prefix}-{seed}-{i}", prompt, params))

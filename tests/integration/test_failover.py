@@ -27,6 +27,7 @@ from pdserve.service_process import ServiceProcess
 from pdserve.supervisor import REDIS, RestartPolicy
 from pdserve.transfer.janitor import SHM_DIR, SegmentState, parse_owner_pid, segment_state
 from tests.integration.failover_load import (
+    LONG_STREAM,
     RESTARTS,
     WORKER_ARGS,
     Load,
@@ -62,7 +63,7 @@ def running_on(c: Cluster, worker: ServiceProcess) -> int:
 
 def test_decode_worker_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None:
     """Its streams migrate to the other decode worker and go on where they were."""
-    batch = jobs(1, 8)
+    batch = jobs(1, 8, max_tokens=LONG_STREAM)
     expected = references(engine, batch)
     with supervised(tiny_llama_dir) as c:
         decodes = c.workers("decode")
@@ -91,7 +92,7 @@ def test_decode_worker_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -
 
 def test_mixed_worker_killed_mid_stream(tiny_llama_dir: Path, engine: Engine) -> None:
     """Colocated: the streams of a dead mixed worker move to the other one the same way."""
-    batch = jobs(12, 6)
+    batch = jobs(12, 6, max_tokens=LONG_STREAM)
     expected = references(engine, batch)
     with supervised(tiny_llama_dir, mode="colocated") as c:
         mixed = c.workers("mixed")

@@ -215,19 +215,22 @@ def test_token_travels_as_call_credentials_over_tls(certs: ClusterCerts, token: 
 
 
 def test_reflection_is_off_unless_asked_for() -> None:
-    async def reflected(channel: grpc.aio.Channel) -> set[str]:
+    async def reflected(channel: grpc.aio.Channel, *, ask: bool = True) -> set[str]:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
 
-        async def one() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
-            yield reflection_pb2.ServerReflectionRequest(list_services="")
+        async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+            if ask:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
 
-        async for reply in stub.ServerReflectionInfo(one(), timeout=5):
+        async for reply in stub.ServerReflectionInfo(requests(), timeout=20):
             return {s.name for s in reply.list_services_response.service}
         return set()
 
     async def off(address: str) -> None:
         async with INSECURE.aio_channel(address) as channel:
-            assert await refused(reflected(channel)) == grpc.StatusCode.UNIMPLEMENTED
+            # No request message: a write racing the server's immediate UNIMPLEMENTED can
+            # surface as INTERNAL in the gRPC core; the method's absence is what is checked.
+            assert await refused(reflected(channel, ask=False)) == grpc.StatusCode.UNIMPLEMENTED
 
     async def on(address: str) -> None:
         async with INSECURE.aio_channel(address) as channel:

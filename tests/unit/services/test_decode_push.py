@@ -31,10 +31,13 @@ from tests.unit.transfer.conftest import make_layout, random_payload
 
 LAYOUT = make_layout(num_layers=3)
 N = 11
+CALL_S = 20
+"""Deadline of each call: a hang guard only, generous so a loaded machine cannot turn a
+validation error into DEADLINE_EXCEEDED."""
 
 
 def run(body: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(body(), timeout=30))
+    asyncio.run(asyncio.wait_for(body(), timeout=3 * CALL_S))
 
 
 @asynccontextmanager
@@ -72,7 +75,7 @@ async def push(client: PushClient, key: str, rid: str = "r", **kw: bool) -> PutR
 def test_a_push_lands_in_the_inbox_and_drop_frees_it() -> None:
     async def body() -> None:
         inbox = Inbox(1 << 20, expected_layout=LAYOUT)
-        async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
+        async with serving(inbox) as address, PushClient(address, timeout_s=CALL_S) as client:
             key = handoff_key("r", secrets.token_bytes(16))
             result = await push(client, key)
             size = stream_bytes(StreamHeader("r", LAYOUT, N))
@@ -91,7 +94,7 @@ def test_a_push_lands_in_the_inbox_and_drop_frees_it() -> None:
 def test_a_bad_frame_reaches_the_sender_with_its_reason() -> None:
     async def body() -> None:
         inbox = Inbox(1 << 20, expected_layout=LAYOUT)
-        async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
+        async with serving(inbox) as address, PushClient(address, timeout_s=CALL_S) as client:
             with pytest.raises(KVTransferError, match="checksum"):
                 await push(client, handoff_key("r", secrets.token_bytes(16)), corrupt=True)
             assert inbox.stats().used_bytes == inbox.stats().num_writing == 0
@@ -102,7 +105,7 @@ def test_a_bad_frame_reaches_the_sender_with_its_reason() -> None:
 def test_a_full_inbox_refuses_the_push() -> None:
     async def body() -> None:
         inbox = Inbox(stream_bytes(StreamHeader("r", LAYOUT, N)) - 1, expected_layout=LAYOUT)
-        async with serving(inbox) as address, PushClient(address, timeout_s=5) as client:
+        async with serving(inbox) as address, PushClient(address, timeout_s=CALL_S) as client:
             with pytest.raises(CapacityError, match="inbox full"):
                 await push(client, handoff_key("r", secrets.token_bytes(16)))
             assert inbox.stats().used_bytes == 0
@@ -120,7 +123,7 @@ async def raw_push(address: str, chunks: list[wire.Chunk]) -> grpc.aio.AioRpcErr
                 yield chunk
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await call(gen(), timeout=5)
+            await call(gen(), timeout=CALL_S)
         return err.value
 
 
@@ -170,15 +173,15 @@ def test_drop_needs_a_key_and_a_worker_without_an_inbox_takes_no_push() -> None:
         ):
             stub = decode_pb2_grpc.DecodeStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Drop(kvstore_pb2.DeleteRequest(key=""), timeout=5)
+                await stub.Drop(kvstore_pb2.DeleteRequest(key=""), timeout=CALL_S)
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert (err.value.details() or "").startswith("key:")
             # The other methods are registered as generated: Prefetch reaches its handler.
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Prefetch(decode_pb2.PrefetchRequest(), timeout=5)
+                await stub.Prefetch(decode_pb2.PrefetchRequest(), timeout=CALL_S)
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert (err.value.details() or "").startswith("kv:")
-        async with serving(None) as address, PushClient(address, timeout_s=5) as client:
+        async with serving(None) as address, PushClient(address, timeout_s=CALL_S) as client:
             with pytest.raises(KVTransferError, match="UNAVAILABLE"):
                 await push(client, handoff_key("r", secrets.token_bytes(16)))
 
