@@ -26,7 +26,10 @@ what the worker's prefix cache holds, ``prefix_index``):
   decodes yet, the streams at risk are those of the requests expected to arrive while the
   prefill runs (the arrival rate times the stall): at low load a long prompt may run
   colocated, under load it may not. A decode worker whose queued prefill work would stall a
-  stream harms the ITL of a stream sent there too.
+  stream harms the ITL of a stream sent there too. On a host whose engines take turns on the
+  cores (the host lease), a step carrying more prompt tokens than the worker's
+  ``interactive_tokens`` is bulk work and waits behind the other engines' bulk steps: it
+  harms the ITL of the streams it decodes whatever its own length.
 """
 
 from __future__ import annotations
@@ -138,7 +141,13 @@ class CostModel:
         """Prefilling ``tokens`` here would push the worker's decoding streams past the ITL SLO."""
         if not {"decode", "colocated"} & set(view.info.phases):
             return False
-        stall = self.stall_s(view.info, view.pending_tokens + tokens)
+        info = view.info
+        step_tokens = min(view.pending_tokens + tokens, max(1, info.max_batch_tokens))
+        if decoding(view) and 0 < info.interactive_tokens < step_tokens:
+            # The step turns bulk on a shared host: it waits for the cores behind the other
+            # engines' bulk steps (whole prefill steps), and its streams with it.
+            return True
+        stall = self.stall_s(info, view.pending_tokens + tokens)
         if stall <= self.itl_budget_s(view):
             return False
         if decoding(view) > 0:

@@ -54,6 +54,7 @@ _INT_FIELDS = (
     "queued_tokens",
     "running_seqs",
     "kv_bytes_per_token",
+    "interactive_tokens",
 )
 
 
@@ -115,6 +116,11 @@ class WorkerInfo:
     """Measured KV hand-offs from this worker: ``(peer host, transport, bytes/s)``."""
     kv_bytes_per_token: int = 0
     """Bytes of KV one prompt token hands over (all layers); 0: unknown."""
+    interactive_tokens: int = 0
+    """The most prompt tokens a step may carry and still take a shared host's cores ahead of
+    the other engines' bulk work (the host lease's bulk threshold, ``compute.lease``); a step
+    carrying more waits behind their bulk steps, and so do the streams it decodes. 0: the
+    worker's engine shares no cores."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):

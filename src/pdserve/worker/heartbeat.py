@@ -32,6 +32,8 @@ class WorkerIdentity:
     max_batch_tokens: int
     lane: str = "any"
     kv_bytes_per_token: int = 0
+    interactive_tokens: int = 0
+    """The host lease's bulk threshold (0: no lease): ``WorkerInfo.interactive_tokens``."""
 
 
 def worker_info(
@@ -79,6 +81,7 @@ def worker_info(
         busy=steps.busy_at(time.perf_counter() if now is None else now),
         links=links,
         kv_bytes_per_token=identity.kv_bytes_per_token,
+        interactive_tokens=identity.interactive_tokens,
     )
 
 

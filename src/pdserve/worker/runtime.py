@@ -56,6 +56,11 @@ from pdserve.worker.prefill import PrefillWorker
 logger = logging.getLogger(__name__)
 
 
+def leased(options: WorkerOptions) -> bool:
+    """The worker's engine takes turns on the host's cores (a host lease; our engine only)."""
+    return options.host_lease is not None and options.backend != TENSORRT_LLM
+
+
 async def open_backend(options: WorkerOptions) -> EngineBackend:
     """Load the model on the engine ``options.backend`` names (blocking: call before serving)
     and start it."""
@@ -209,6 +214,7 @@ async def run_worker(
         max_batch_tokens=engine.max_num_batched_tokens,
         lane=options.scheduling.lane,
         kv_bytes_per_token=engine.layout.num_layers * engine.layout.bytes_per_token_per_layer,
+        interactive_tokens=options.bulk_tokens if leased(options) else 0,
     )
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None

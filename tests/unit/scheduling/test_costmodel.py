@@ -80,6 +80,21 @@ def test_prompts_queued_ahead_share_the_step_and_its_stall() -> None:
     assert MODEL.stall_on(mixed(5000), 300) == pytest.approx(2048 * 0.0003)
 
 
+def test_a_step_that_turns_bulk_on_a_shared_host_harms_its_streams() -> None:
+    def mixed(queued: int = 0, running: int = 4) -> WorkerView:
+        return view("m", WorkerRole.MIXED, running_seqs=running, queued_tokens=queued,
+                    max_batch_tokens=2048, step_overhead_s=0.01, decode_seq_s=0.001,
+                    prefill_token_s=0.0001, interactive_tokens=256)  # fmt: skip
+
+    assert not MODEL.harms_itl(mixed(), 200)  # an interactive step: 20 ms of prefill
+    assert MODEL.harms_itl(mixed(), 300)  # 30 ms of its own, but it queues behind bulk work
+    assert MODEL.harms_itl(mixed(queued=100), 200)  # the step carries the queued 100 too
+    assert not MODEL.harms_itl(mixed(running=0), 300)  # no stream to stall
+    unshared = view("m", WorkerRole.MIXED, running_seqs=4, max_batch_tokens=2048,
+                    step_overhead_s=0.01, decode_seq_s=0.001, prefill_token_s=0.0001)  # fmt: skip
+    assert not MODEL.harms_itl(unshared, 300)
+
+
 def test_small_chunks_keep_a_long_prefill_within_the_itl_budget() -> None:
     chunked = view("m", WorkerRole.MIXED, running_seqs=8, max_batch_tokens=256,
                    step_overhead_s=0.01, decode_seq_s=0.001, prefill_token_s=0.0003)  # fmt: skip
