@@ -131,7 +131,7 @@ class CostModel:
         (0 when none decode there). The step that carries them also carries the prompt tokens
         queued ahead (the engine fills a step's token budget from its waiting queue), so many
         medium prompts arriving together stall the streams as one long one would."""
-        return self.stall_s(view.info, view.pending_tokens + tokens) if decoding(view) else 0.0
+        return self.stall_s(view.info, _with_queued(view, tokens)) if decoding(view) else 0.0
 
     def itl_budget_s(self, view: WorkerView) -> float:
         """What a decode step of the worker leaves of the ITL SLO for prefill work."""
@@ -141,13 +141,12 @@ class CostModel:
         """Prefilling ``tokens`` here would push the worker's decoding streams past the ITL SLO."""
         if not {"decode", "colocated"} & set(view.info.phases):
             return False
-        info = view.info
-        step_tokens = min(view.pending_tokens + tokens, max(1, info.max_batch_tokens))
-        if decoding(view) and 0 < info.interactive_tokens < step_tokens:
+        info, queued = view.info, _with_queued(view, tokens)
+        if decoding(view) and 0 < info.interactive_tokens < min(queued, info.max_batch_tokens):
             # The step turns bulk on a shared host: it waits for the cores behind the other
             # engines' bulk steps (whole prefill steps), and its streams with it.
             return True
-        stall = self.stall_s(info, view.pending_tokens + tokens)
+        stall = self.stall_s(info, queued)
         if stall <= self.itl_budget_s(view):
             return False
         if decoding(view) > 0:
@@ -195,6 +194,12 @@ class CostModel:
         half the ITL SLO on a typical worker (the median per-token cost of ``views``)."""
         costs = sorted(self.token_s(v.info) for v in views) or [self.prior_prefill_token_s]
         return max(1, int(self.itl_slo_s / 2 / costs[len(costs) // 2]))
+
+
+def _with_queued(view: WorkerView, tokens: int) -> int:
+    """``tokens`` plus the prompt tokens queued ahead on the worker: what the engine's next
+    prefill steps carry (it fills a step's budget from its waiting queue)."""
+    return view.pending_tokens + tokens
 
 
 def decoding(view: WorkerView) -> int:

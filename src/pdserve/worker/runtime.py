@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 from pdserve.backends import TENSORRT_LLM, EngineBackend
 from pdserve.backends.pytorch import TorchBackend
@@ -56,9 +57,10 @@ from pdserve.worker.prefill import PrefillWorker
 logger = logging.getLogger(__name__)
 
 
-def leased(options: WorkerOptions) -> bool:
-    """The worker's engine takes turns on the host's cores (a host lease; our engine only)."""
-    return options.host_lease is not None and options.backend != TENSORRT_LLM
+def host_lease_dir(options: WorkerOptions) -> Path | None:
+    """Where the worker's engine takes turns on the host's cores (``--host-lease``); None
+    without a lease, and for TensorRT-LLM, which runs on a GPU of its own."""
+    return None if options.backend == TENSORRT_LLM else options.host_lease
 
 
 async def open_backend(options: WorkerOptions) -> EngineBackend:
@@ -71,9 +73,10 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
         backend = TensorRTLLMBackend.from_pretrained(options.model, trtllm_config(options))
     else:
         gate = None
-        if options.host_lease is not None:  # take turns on the cores with the host's engines
+        lease_dir = host_lease_dir(options)
+        if lease_dir is not None:  # take turns on the cores with the host's engines
             gate = HostLease(
-                options.host_lease,
+                lease_dir,
                 interactive_period_s=options.interactive_period_ms / 1000.0,
                 bulk_tokens=options.bulk_tokens,
             )
@@ -214,7 +217,7 @@ async def run_worker(
         max_batch_tokens=engine.max_num_batched_tokens,
         lane=options.scheduling.lane,
         kv_bytes_per_token=engine.layout.num_layers * engine.layout.bytes_per_token_per_layer,
-        interactive_tokens=options.bulk_tokens if leased(options) else 0,
+        interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
     )
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
