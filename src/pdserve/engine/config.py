@@ -16,8 +16,9 @@ class EngineConfig:
     """
 
     dtype: Literal["bfloat16", "float32", "auto"] = "auto"
-    """Compute and KV dtype. ``auto``: bfloat16 (fast bf16 matmul on CPUs with AVX-512 bf16 and on
-    GPUs). float16 is refused on CPU, where it has no fast kernel."""
+    """Compute and KV dtype. ``auto``: bfloat16 where the device has fast bf16 matmuls (GPUs;
+    CPUs with AVX512-BF16, AMX or AVX-NE-CONVERT), else float32 (``resolve_dtype``). float16
+    is refused on CPU, where it has no fast kernel."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` / ``cuda:N``; the same code runs on both."""
     block_size: int = 16

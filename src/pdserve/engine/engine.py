@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.dtype import resolve_dtype
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
@@ -100,7 +101,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        dtype_name = "bfloat16" if config.dtype == "auto" else config.dtype
+        dtype_name = resolve_dtype(config.dtype, config.device)
         self.dtype: torch.dtype = getattr(torch, dtype_name)
         mc = self.model_config
         # Within a sliding window, full attention is exact; past it we would diverge, so cap there.

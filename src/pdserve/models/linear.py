@@ -19,14 +19,29 @@ from torch import nn
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN prepacking is available for weights of ``dtype`` on ``device``."""
+    """Whether oneDNN prepacking is available for weights of ``dtype`` on ``device``.
+
+    bf16 packing needs the CPU's bf16 instructions (AVX512-BF16/AMX or AVX-NE-CONVERT);
+    without them oneDNN refuses to pack, so an AVX2-only machine keeps the plain layer.
+    """
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or cpu_has_bf16_kernels())
     )
+
+
+def cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 matmul kernels on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT).
+
+    Without them (an AVX2-only CPU) torch emulates bf16 matmuls, many times slower than fp32
+    ones at prefill sizes. False where this torch build has no such probe.
+    """
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 class Linear(nn.Linear):

@@ -13,8 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import dtype as dtype_module
+from pdserve.engine.dtype import resolve_dtype
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models import linear as linear_module
 from pdserve.models.linear import Linear, can_prepack
 from tests.unit.engine.hf_reference import HFReference
 from tests.unit.engine.test_parity import GREEDY, assert_matches_hf, prompts_of, run_collect
@@ -75,6 +78,8 @@ def test_bf16_prepacked_matches_plain(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8, 300])
 def test_prepacked_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    if not can_prepack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
     g = torch.Generator().manual_seed(rows)
     layer = Linear(96, 40, bias=True).to(dtype)
     with torch.no_grad():
@@ -91,6 +96,27 @@ def test_prepacked_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> Non
 def test_no_prepack_off_cpu() -> None:
     assert not can_prepack(torch.device("cuda"), torch.bfloat16)
     assert not can_prepack(torch.device("cpu"), torch.float16)
+
+
+def test_no_bf16_prepack_without_bf16_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN refuses to pack bf16 weights on a CPU without bf16 instructions (AVX2 only)."""
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_kernels", lambda: False)
+    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_auto_dtype_follows_the_cpus_bf16_kernels(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: bool
+) -> None:
+    """``auto`` is bfloat16 only where bf16 matmuls are native; the KV layout says the same."""
+    monkeypatch.setattr(dtype_module, "cpu_has_bf16_kernels", lambda: kernels)
+    # Plain weights: packing bf16 would need the kernels this test pretends are there.
+    engine = Engine.from_pretrained(tiny_llama_dir, prepack_weights=False, num_kv_blocks=8)
+    expected = torch.bfloat16 if kernels else torch.float32
+    assert engine.dtype == expected
+    assert engine.layout.dtype == str(expected).removeprefix("torch.")
+    assert resolve_dtype("float32", "cpu") == "float32"
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
 
 
 def test_mixed_decode_and_prefill_step(tiny_llama_dir: Path) -> None:
