@@ -37,7 +37,7 @@ when the router has API keys (the key names the tenant)."""
 Context: TypeAlias = ServicerContext[Any, Any]
 
 
-def _tenant(request: router_pb2.GenerateRequest, context: Context, api_keys: ApiKeys | None) -> str:
+def _tenant(context: Context, api_keys: ApiKeys | None, requested: str = "") -> str:
     metadata = context.invocation_metadata() or ()
     if api_keys is not None:
         tenant = api_keys.tenant_of(bearer(metadata))
@@ -47,7 +47,7 @@ def _tenant(request: router_pb2.GenerateRequest, context: Context, api_keys: Api
     for key, value in metadata:
         if key == TENANT_METADATA_KEY:
             return value if isinstance(value, str) else value.decode()
-    return request.tenant
+    return requested
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -89,7 +89,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(  # noqa: N802 - gRPC method names
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
-        tenant = _tenant(request, context, self.api_keys)
+        tenant = _tenant(context, self.api_keys, request.tenant)
         async with contextlib.AsyncExitStack() as cleanup:
             with self.telemetry.request(tenant) as observed:
                 route = await self._route(request, context, tenant)
@@ -113,7 +113,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GenerateUnary(  # noqa: N802
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> router_pb2.GenerateResponse:
-        tenant = _tenant(request, context, self.api_keys)
+        tenant = _tenant(context, self.api_keys, request.tenant)
         with self.telemetry.request(tenant) as observed:
             route = await self._route(request, context, tenant)
             observed.prepared(route)
@@ -122,3 +122,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 route, timeout_s=context.time_remaining(), observed=observed
             )
         return generate_response(total)
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: router_pb2.GetModelInfoRequest, context: Context
+    ) -> router_pb2.ModelInfo:
+        # A router with keys refuses a call without a valid one before it reaches here
+        # (AuthInterceptor), so this also tells a caller whether its key is accepted.
+        return router_pb2.ModelInfo(
+            max_model_len=self.preparer.model.max_model_len,
+            max_prompt_tokens=self.preparer.limits.max_prompt_tokens,
+            tenant=_tenant(context, self.api_keys),
+        )

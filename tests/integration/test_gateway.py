@@ -90,6 +90,8 @@ def test_models_and_health(cluster: Cluster, oai: openai.OpenAI, tiny_llama_dir:
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra is not None
     assert models[0].model_extra["root"] == str(tiny_llama_dir)
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert models[0].model_extra["max_model_len"] == config["max_position_embeddings"]
     health = httpx.get(f"{cluster.http_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 

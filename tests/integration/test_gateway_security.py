@@ -6,6 +6,8 @@
 * each HTTP request's ``Authorization: Bearer KEY`` is the key of its router calls: a valid
   key gets the same tokens as the gRPC path with that key, a missing or wrong one is a 401
   (OpenAI's ``invalid_api_key``), ``/health`` needs none;
+* ``/v1/models`` is gated alike (it asks the router's ``GetModelInfo`` with the caller's key),
+  and ``Client.model_info`` names the key's tenant;
 * the tenant is the key's: a tenant at its quota is refused (429 naming the quota) over HTTP
   and gRPC alike, while another key is served;
 * the banner's curl command works as printed.
@@ -160,6 +162,34 @@ def test_a_wrong_key_is_401(url: str, certs: ClusterCerts, tiny_llama_dir: Path)
         verify=trusting(certs), timeout=60,
     )  # fmt: skip
     assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_models_needs_a_key(url: str, certs: ClusterCerts, tiny_llama_dir: Path) -> None:
+    for headers in ({}, {"Authorization": "Bearer k-" + "2" * 30}):
+        reply = httpx.get(f"{url}/v1/models", headers=headers, verify=trusting(certs), timeout=60)
+        assert reply.status_code == 401, reply.text
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+    with oai(url, certs, KEYS["acme"]) as c:
+        assert [m.id for m in c.models.list().data] == [tiny_llama_dir.name]
+
+
+def test_model_info_names_the_keys_tenant(
+    up: UpProcess, certs: ClusterCerts, tiny_llama_dir: Path
+) -> None:
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    with grpc_client(up, certs, "small") as g:
+        info = g.model_info()
+        assert info.tenant == "small"
+        assert info.max_model_len == config["max_position_embeddings"]
+        # The key of the call, not the client's, decides; no key is refused.
+        assert g.model_info(api_key=KEYS["acme"]).tenant == "acme"
+        with pytest.raises(Unauthenticated):
+            g.model_info(api_key="k-" + "3" * 30)
+    with (
+        Client(up.router, tls=router_tls(certs), timeout=60) as anonymous,
+        pytest.raises(Unauthenticated),
+    ):
+        anonymous.model_info()
 
 
 def test_the_tenant_is_the_keys(

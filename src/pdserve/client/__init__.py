@@ -19,7 +19,7 @@ from pdserve.client.errors import (
     Unavailable,
 )
 from pdserve.client.request import DEFAULT_TIMEOUT_S, RequestOptions, RetryPolicy
-from pdserve.client.results import Completion, Delta, Timing, Usage
+from pdserve.client.results import Completion, Delta, ModelInfo, Timing, Usage
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream
 from pdserve.security.tls import TlsConfig
 
@@ -34,6 +34,7 @@ __all__ = [
     "DeadlineExceeded",
     "Delta",
     "InvalidRequest",
+    "ModelInfo",
     "NotFound",
     "Overloaded",
     "PdServeClientError",

@@ -43,9 +43,9 @@ from pdserve.client.request import (
     check_timeout,
     metadata,
 )
-from pdserve.client.results import Completion
+from pdserve.client.results import Completion, ModelInfo
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
-from pdserve.rpc.convert.client import completion_from_proto
+from pdserve.rpc.convert.client import completion_from_proto, model_info_from_proto
 from pdserve.security.tls import TlsConfig
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -107,6 +107,12 @@ class _Base:
             api_key if api_key is not None else self._api_key,
         )
         return request, deadline, md
+
+    def _info_call(
+        self, timeout: float | None, api_key: str | None
+    ) -> tuple[float | None, tuple[tuple[str, str], ...]]:
+        left = self.timeout if timeout is None else check_timeout(timeout)
+        return left, metadata(self.tenant, api_key if api_key is not None else self._api_key)
 
 
 class Client(_Base):
@@ -184,6 +190,19 @@ class Client(_Base):
             self.retry,
             deadline,
         )
+
+    def model_info(self, *, timeout: float | None = None, api_key: str | None = None) -> ModelInfo:
+        """What the router serves (lengths) and the caller's tenant. A router with API keys
+        answers only a call with a valid key (else ``Unauthenticated``), so this also checks
+        a key. Not retried."""
+        left, md = self._info_call(timeout, api_key)
+        try:
+            reply = self._stub.GetModelInfo(
+                router_pb2.GetModelInfoRequest(), timeout=left, metadata=md
+            )
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from err
+        return model_info_from_proto(reply)
 
     def close(self) -> None:
         """Close the channel; calls still running are cancelled."""
@@ -279,6 +298,19 @@ class AsyncClient(_Base):
             self.retry,
             deadline,
         )
+
+    async def model_info(
+        self, *, timeout: float | None = None, api_key: str | None = None
+    ) -> ModelInfo:
+        """See ``Client.model_info``."""
+        left, md = self._info_call(timeout, api_key)
+        try:
+            reply = await self._get_stub().GetModelInfo(
+                router_pb2.GetModelInfoRequest(), timeout=left, metadata=md
+            )
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from err
+        return model_info_from_proto(reply)
 
     async def health(self, timeout: float = 2.0) -> bool:
         """True when the router's gRPC health check says SERVING (False when it says anything

@@ -19,6 +19,18 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a router serves (``Client.model_info``)."""
+
+    max_model_len: int
+    """Tokens a sequence may hold, prompt and output together."""
+    max_prompt_tokens: int
+    """Token ids a prompt may have."""
+    tenant: str
+    """The caller's tenant as the router sees it (its key's, where the router has keys)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """One streamed piece: new tokens and text; the last one carries finish_reason and totals."""
 

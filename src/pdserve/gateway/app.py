@@ -9,7 +9,8 @@
 
 The caller's ``Authorization: Bearer KEY`` travels with each router call of its request
 (``api_key_of``); a router with API keys refuses a missing or unknown one, which answers 401.
-``/health`` and ``/v1/models`` call no generation and take no key.
+``/v1/models`` asks the router (``GetModelInfo``) with the caller's key, so it is gated alike;
+``/health`` takes no key.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: a body that does not
 validate is a 400 naming the parameter (``messages[0].role``), and router errors take their
@@ -172,8 +173,8 @@ def create_app(
         return _error_response(GatewayError(UNAVAILABLE, "the router is not serving"))
 
     @app.get("/v1/models", response_model=None)
-    async def models() -> JSONResponse:
-        listing: ModelList = gateway.models()
+    async def models(request: Request) -> JSONResponse:
+        listing: ModelList = await gateway.models(api_key_of(request))
         return _json(listing)
 
     @app.post("/v1/completions", response_model=None)

@@ -141,12 +141,18 @@ class Gateway:
 
     # -- /v1/models, /health -------------------------------------------------------------------
 
-    def models(self) -> ModelList:
+    async def models(self, api_key: str | None) -> ModelList:
+        """The served model, as the router reports it. The router checks ``api_key`` as it
+        does for a generation, so a secured cluster lists nothing to a caller without one."""
+        try:
+            info = await self.client.model_info(timeout=self.config.timeout_s, api_key=api_key)
+        except PdServeClientError as err:
+            raise from_client_error(err, prompt_param="", api_key_sent=api_key is not None) from err
         card = ModelCard(
             id=self.config.model_name,
             created=self.created,
             root=str(self.config.model_dir),
-            max_model_len=self.limits.max_model_len,
+            max_model_len=info.max_model_len,
         )
         return ModelList(data=[card])
 

@@ -8,6 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("max_model_len", "max_prompt_tokens", "tenant")
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    max_prompt_tokens: int
+    tenant: str
+    def __init__(self, max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "sampling", "request_id", "skip_special_tokens", "tenant")
     TEXT_FIELD_NUMBER: _ClassVar[int]

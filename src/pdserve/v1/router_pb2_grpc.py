@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/pdserve.v1.Router/GetModelInfo',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -63,6 +68,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What this router serves and who the caller is; needs a key where the router has keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GenerateUnary,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Router:
             '/pdserve.v1.Router/GenerateUnary',
             pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/GetModelInfo',
+            pdserve_dot_v1_dot_router__pb2.GetModelInfoRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

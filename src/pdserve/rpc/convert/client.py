@@ -1,11 +1,12 @@
 """The Router service's answers as the client SDK reads them: ``GenerateChunk`` -> ``Delta``,
-``GenerateResponse`` -> ``Completion``, ``Usage`` -> ``Usage`` (``pdserve.client.results``).
+``GenerateResponse`` -> ``Completion``, ``Usage`` -> ``Usage``, ``ModelInfo`` -> ``ModelInfo``
+(``pdserve.client.results``).
 
 The server's side of the same messages is ``rpc.convert.router``."""
 
 from __future__ import annotations
 
-from pdserve.client.results import Completion, Delta, Usage
+from pdserve.client.results import Completion, Delta, ModelInfo, Usage
 from pdserve.rpc.convert.common import finish_reason_name, timing_from_proto
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -38,3 +39,8 @@ def completion_from_proto(msg: router_pb2.GenerateResponse) -> Completion:
         timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
         request_id=msg.request_id,
     )
+
+
+def model_info_from_proto(msg: router_pb2.ModelInfo) -> ModelInfo:
+    """The ``Router.GetModelInfo`` answer."""
+    return ModelInfo(msg.max_model_len, msg.max_prompt_tokens, msg.tenant)
