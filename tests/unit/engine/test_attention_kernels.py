@@ -1,6 +1,6 @@
 """The native CPU attention kernels (``pdserve.models.cpu_attention``) against a float64
-reference on random inputs, over many shapes, in both builds (portable and AVX512-BF16) where
-this machine can run them; and checks that the engine really runs them when they are built."""
+reference on random inputs, over many shapes, in each build (portable, AVX2, AVX512-BF16) this
+machine can run; and checks that the engine really runs them when they are built."""
 
 from __future__ import annotations
 
@@ -28,8 +28,14 @@ needs_native = pytest.mark.skipif(
 
 
 def _runnable_builds() -> list[str]:
-    avx512bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags()
-    return [b for b in BUILT if b == "_attention" or avx512bf16]
+    """The builds present that this CPU can run, the loader's preferred one first."""
+    flags = cpu_flags()
+    needs = {
+        "_attention_avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+        "_attention_avx2": {"avx2", "fma"},
+        "_attention": set(),
+    }
+    return [b for b, need in needs.items() if b in BUILT and need <= flags]
 
 
 @pytest.fixture(params=_runnable_builds() or [pytest.param("", marks=needs_native)])
@@ -44,8 +50,7 @@ def test_preferred_build_is_loaded() -> None:
     """A build that is present must import: a broken one must not silently leave torch's path."""
     if not BUILT:
         pytest.skip("native attention kernels not built (no compiler)")
-    runnable = _runnable_builds()
-    expected = "_attention_avx512bf16" if "_attention_avx512bf16" in runnable else "_attention"
+    expected = _runnable_builds()[0]
     assert expected == cpu_attention.NATIVE_MODULE
     if expected == "_attention_avx512bf16":
         assert cpu_attention.bf16_dot_head_dims() == {32, 64, 96, 128}
