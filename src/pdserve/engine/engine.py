@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.admission import check_import, prompt_ids, resumed_ids
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.dtype import resolve_dtype
@@ -34,7 +35,13 @@ from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import GenerationResult, RequestOutput, StepFailedError
+from pdserve.engine.outputs import (
+    EngineStats,
+    GenerationResult,
+    RequestOutput,
+    StepFailedError,
+    StepShape,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
@@ -49,33 +56,6 @@ from pdserve.errors import (
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import checkpoint_fingerprint, load_state_dict
 from pdserve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for heartbeats and metrics."""
-
-    num_blocks_total: int
-    num_blocks_free: int
-    block_size: int
-    num_running: int
-    num_waiting: int
-    num_held: int
-    queued_tokens: int
-    """Tokens still to prefill across waiting and running sequences."""
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What one step computed."""
-
-    prefill_tokens: int = 0
-    """Prompt tokens (prefill chunks, recomputes after preemption)."""
-    decodes: int = 0
-    """Sequences that decoded one token."""
 
 
 @dataclass(slots=True)
@@ -183,13 +163,14 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self._held:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        token_ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        token_ids = prompt_ids(prompt, self.tokenizer, vocab, self.max_model_len)
         params.check_against(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             prompt_len=len(token_ids),
         )
-        resumed = self._resumed_ids(generated, params, kv)
+        resumed = resumed_ids(generated, params, kv, vocab)
         need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
             raise CapacityError(
@@ -219,7 +200,7 @@ class Engine:
         elif kv is None:
             self.scheduler.add(seq)
         else:
-            self._check_import(kv, token_ids, first_token)
+            check_import(self.layout, kv, token_ids, first_token, vocab)
             assert first_token is not None
             seq.token_ids.append(first_token[0])
             seq.output_logprobs.append(first_token[1])
@@ -227,43 +208,6 @@ class Engine:
             self._imports.append((seq, kv))
         self._requests[request_id] = req
         return token_ids
-
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgumentError("prompt", "must not be empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise InvalidArgumentError("prompt_token_ids", "must not be empty")
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidArgumentError("prompt_token_ids", f"token {bad} outside [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                "prompt", f"{len(ids)} tokens; the model's maximum length is {self.max_model_len}"
-            )
-        return ids
-
-    def _resumed_ids(
-        self, generated: Seq[int], params: SamplingParams, kv: KVPayload | None
-    ) -> list[int]:
-        ids = [int(t) for t in generated]
-        if not ids:
-            return ids
-        if kv is not None:
-            raise InvalidArgumentError("generated", "a resumed request brings no KV")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgumentError("generated", f"token {bad} outside [0, {vocab})")
-        if len(ids) >= params.max_tokens:
-            raise InvalidArgumentError(
-                "generated", f"{len(ids)} tokens leave nothing of max_tokens {params.max_tokens}"
-            )
-        return ids
 
     def _resume(self, req: _Request, generated: list[int]) -> None:
         """Queue a sequence that already has output tokens. Its text stream sees them (they
@@ -280,19 +224,6 @@ class Engine:
                 "generated", "the request already ended (a stop token or its length)"
             )
         self.scheduler.add(seq)
-
-    def _check_import(
-        self, kv: KVPayload, token_ids: list[int], first: tuple[int, float] | None
-    ) -> None:
-        self.layout.check_compatible(kv.layout)
-        if kv.num_tokens != len(token_ids):
-            raise InvalidArgumentError(
-                "kv", f"payload holds {kv.num_tokens} tokens but the prompt has {len(token_ids)}"
-            )
-        if first is None or not 0 <= first[0] < self.model_config.vocab_size:
-            raise InvalidArgumentError(
-                "first_token", "a valid first token must come with an imported KV"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. False if it is not (or no longer) here."""
@@ -315,17 +246,7 @@ class Engine:
         seq = self._held.get(request_id)
         if seq is None:
             raise UnknownRequestError(f"no held KV for request {request_id!r}")
-        n = seq.num_prompt_tokens
-        layers = [
-            self.runner.read_layer(i, seq.block_table, n)
-            for i in range(self.model_config.num_layers)
-        ]
-        return KVPayload(
-            self.layout,
-            n,
-            tuple(k.to("cpu").contiguous() for k, _ in layers),
-            tuple(v.to("cpu").contiguous() for _, v in layers),
-        )
+        return self._read_payload(seq.block_table, seq.num_prompt_tokens)
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept."""
@@ -354,8 +275,13 @@ class Engine:
         if not ids or any(i is None for i in ids):
             return None
         table = [i for i in ids if i is not None]
-        n = len(table) * self.config.block_size
-        layers = [self.runner.read_layer(i, table, n) for i in range(self.model_config.num_layers)]
+        return self._read_payload(table, len(table) * self.config.block_size)
+
+    def _read_payload(self, block_table: list[int], n: int) -> KVPayload:
+        """A CPU copy of the first ``n`` tokens' KV in ``block_table``, every layer."""
+        layers = [
+            self.runner.read_layer(i, block_table, n) for i in range(self.model_config.num_layers)
+        ]
         return KVPayload(
             self.layout,
             n,

@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step deltas and whole results."""
+"""What the engine hands back: per-step deltas, whole results, step shapes and stats."""
 
 from __future__ import annotations
 
@@ -71,3 +71,30 @@ class StepFailedError(PdServeError):
         super().__init__(f"{len(failures)} request(s) failed in an engine step")
         self.failures = failures
         self.outputs = outputs
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for heartbeats and metrics."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_held: int
+    queued_tokens: int
+    """Tokens still to prefill across waiting and running sequences."""
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computed."""
+
+    prefill_tokens: int = 0
+    """Prompt tokens (prefill chunks, recomputes after preemption)."""
+    decodes: int = 0
+    """Sequences that decoded one token."""

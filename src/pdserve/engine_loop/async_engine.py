@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.engine.block_manager import BlockEvents
-from pdserve.engine.engine import Engine, EngineStats
+from pdserve.engine.engine import Engine
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
-from pdserve.engine.outputs import RequestOutput, StepFailedError
+from pdserve.engine.outputs import EngineStats, RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.engine.step_meter import StepMeter

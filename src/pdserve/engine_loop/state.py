@@ -19,7 +19,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from pdserve.engine.engine import EngineStats
+from pdserve.engine.outputs import EngineStats
 from pdserve.engine.step_meter import StepModel
 from pdserve.errors import InvalidArgumentError
 
