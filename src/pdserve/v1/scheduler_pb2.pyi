@@ -109,7 +109,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "host", "model_fingerprint", "kv_blocks_total", "kv_blocks_free", "block_size", "max_batch_tokens", "queued_tokens", "running_seqs", "draining", "ts", "heartbeat_age_s", "reserved_tokens", "reserved_blocks", "serves", "lane", "duty", "switching", "step_overhead_s", "decode_seq_s", "prefill_token_s", "busy", "indexed_blocks")
+    __slots__ = ("id", "role", "address", "host", "model_fingerprint", "kv_blocks_total", "kv_blocks_free", "block_size", "max_batch_tokens", "queued_tokens", "running_seqs", "draining", "ts", "heartbeat_age_s", "reserved_tokens", "reserved_blocks", "serves", "lane", "duty", "switching", "step_overhead_s", "decode_seq_s", "prefill_token_s", "busy", "indexed_blocks", "kv_bytes_per_token", "interactive_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,8 @@ class WorkerStatus(_message.Message):
     PREFILL_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INTERACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -160,7 +162,9 @@ class WorkerStatus(_message.Message):
     prefill_token_s: float
     busy: float
     indexed_blocks: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_seqs: _Optional[int] = ..., draining: _Optional[bool] = ..., ts: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., reserved_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., serves: _Optional[_Iterable[str]] = ..., lane: _Optional[str] = ..., duty: _Optional[str] = ..., switching: _Optional[bool] = ..., step_overhead_s: _Optional[float] = ..., decode_seq_s: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., busy: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_token: int
+    interactive_tokens: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_seqs: _Optional[int] = ..., draining: _Optional[bool] = ..., ts: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., reserved_tokens: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., serves: _Optional[_Iterable[str]] = ..., lane: _Optional[str] = ..., duty: _Optional[str] = ..., switching: _Optional[bool] = ..., step_overhead_s: _Optional[float] = ..., decode_seq_s: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., busy: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., interactive_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

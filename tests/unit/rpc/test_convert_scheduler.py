@@ -28,6 +28,8 @@ def info(wid: str, role: WorkerRole) -> WorkerInfo:
         running_seqs=3,
         draining=True,
         ts=12.0,
+        kv_bytes_per_token=4096,
+        interactive_tokens=256,
     )
 
 
@@ -91,3 +93,4 @@ def test_worker_status_carries_the_view() -> None:
     assert (msg.id, msg.address, msg.kv_blocks_free, msg.running_seqs) == ("m", "m:1", 40, 3)
     assert (msg.reserved_tokens, msg.reserved_blocks, msg.heartbeat_age_s) == (7, 2, 0.5)
     assert msg.draining and msg.indexed_blocks == 9
+    assert (msg.kv_bytes_per_token, msg.interactive_tokens) == (4096, 256)

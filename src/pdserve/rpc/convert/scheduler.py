@@ -111,4 +111,6 @@ def worker_status(view: WorkerView, indexed_blocks: int = 0) -> scheduler_pb2.Wo
         prefill_token_s=info.prefill_token_s,
         busy=info.busy,
         indexed_blocks=indexed_blocks,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        interactive_tokens=info.interactive_tokens,
     )
