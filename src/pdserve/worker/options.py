@@ -17,7 +17,6 @@ from typing import Any
 from pdserve.backends import BACKEND_NAMES, TORCH
 from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
 from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
-from pdserve.engine.faults import EngineFaults
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import WorkerRole
 from pdserve.security.options import (
@@ -28,7 +27,7 @@ from pdserve.security.options import (
 )
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
-from pdserve.transfer.faults import SendFaults
+from pdserve.worker.fault_specs import parse_faults
 from pdserve.worker.placement import AUTO, TRANSPORT_CHOICES, TransferOptions
 from pdserve.worker.scheduling_options import (
     SchedulingOptions,
@@ -338,55 +337,6 @@ def worker_parser(
     add_security_args(p, env)
     add_scheduling_args(p, d)
     return p
-
-
-def parse_faults(specs: Sequence[str]) -> SendFaults | None:
-    """The hand-off faults of ``--fault`` values (see ``parse_engine_faults`` for the grammar).
-    For fault tests; none: None."""
-    corrupt: str | None = None
-    stall: str | None = None
-    after = 1
-    for name, arg, prefix in _fault_specs(specs):
-        if name == "corrupt":
-            corrupt = prefix
-        elif name == "stall":
-            stall, after = prefix, int(arg)
-    if corrupt is None and stall is None:
-        return None
-    return SendFaults(corrupt_prefix=corrupt, stall_prefix=stall, stall_after_layers=after)
-
-
-def parse_engine_faults(specs: Sequence[str]) -> EngineFaults | None:
-    """The engine faults of ``--fault`` values: ``corrupt``, ``stall:N`` (hand-offs), ``nan``
-    or ``step`` (``EngineFaults``), each optionally ``@PREFIX`` (only request ids starting
-    with PREFIX). For fault tests; none: None."""
-    nan: str | None = None
-    step: str | None = None
-    for name, _, prefix in _fault_specs(specs):
-        if name == "nan":
-            nan = prefix
-        elif name == "step":
-            step = prefix
-    if nan is None and step is None:
-        return None
-    return EngineFaults(nan_prefix=nan, step_prefix=step)
-
-
-def _fault_specs(specs: Sequence[str]) -> list[tuple[str, str, str]]:
-    """(name, argument, prefix) of each ``--fault`` value, checked."""
-    parsed = []
-    for spec in specs:
-        kind, _, prefix = spec.partition("@")
-        name, _, arg = kind.partition(":")
-        if not (name in ("corrupt", "nan", "step") and not arg) and not (
-            name == "stall" and arg.isdigit()
-        ):
-            raise InvalidArgumentError(
-                "--fault",
-                f"expected corrupt, stall:N, nan or step, then @PREFIX or nothing; got {spec!r}",
-            )
-        parsed.append((name, arg, prefix))
-    return parsed
 
 
 def _int(value: str | None) -> int | None:

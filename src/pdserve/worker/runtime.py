@@ -48,10 +48,11 @@ from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.duty import Duty, capabilities
+from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import Links, WorkerHeartbeat, WorkerIdentity
 from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
-from pdserve.worker.options import WorkerOptions, parse_engine_faults
+from pdserve.worker.options import WorkerOptions
 from pdserve.worker.prefill import PrefillWorker
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.engine_loop.state import FailureTracker
 from pdserve.errors import InvalidArgumentError, RequestFailedError, WorkerUnavailableError
-from pdserve.worker.options import parse_engine_faults, parse_faults
+from pdserve.worker.fault_specs import parse_engine_faults, parse_faults
 from tests.unit.engine_loop.test_async_engine import collect, prompts, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
