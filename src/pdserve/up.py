@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.backends import BACKEND_NAMES, TENSORRT_LLM, TORCH
+from pdserve.backends import BACKEND_NAMES, SIM, TENSORRT_LLM, TORCH
 from pdserve.errors import InvalidArgumentError
 from pdserve.launcher import MODES, Cluster, default_model
 from pdserve.scheduling import redacted
@@ -20,6 +20,7 @@ from pdserve.supervisor import RestartPolicy
 from pdserve.telemetry.service import describe_telemetry
 
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_SIM_PROFILE = "roofline:h100:llama-3-8b"
 
 
 def up_parser() -> argparse.ArgumentParser:
@@ -34,8 +35,21 @@ def up_parser() -> argparse.ArgumentParser:
                    help="conditional: prefill + mixed workers, the scheduler choosing colocated "
                    "or disaggregated per request")  # fmt: skip
     p.add_argument("--backend", default=TORCH, choices=BACKEND_NAMES,
-                   help="the workers' engine: torch (pdserve's own) or tensorrt-llm (a GPU "
-                   "with TensorRT-LLM installed; see docs/backends.md)")  # fmt: skip
+                   help="the workers' engine: torch (pdserve's own), tensorrt-llm (a GPU "
+                   "with TensorRT-LLM installed; see docs/backends.md) or sim (modelled "
+                   "accelerators; see docs/simulation.md)")  # fmt: skip
+    p.add_argument("--sim-profile", default=DEFAULT_SIM_PROFILE,
+                   help="with --backend sim: the timing model, roofline:ACCEL:MODEL[:tpN] or "
+                   "fitted:FILE (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=1.0,
+        help="with --backend sim: every modelled second lasts this many real ones",
+    )
+    p.add_argument("--sim-link", default="rdma-400",
+                   help="with --backend sim: the modelled link of hand-offs (nvlink, rdma-400, "
+                   "rdma-200, tcp-25, same-host)")  # fmt: skip
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
@@ -88,6 +102,7 @@ def main_up(argv: Sequence[str]) -> int:
         raise InvalidArgumentError("--router-client-auth", "needs --tls DIR")
     if args.tls is None:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
+    worker_args = [*args.worker_arg, *sim_worker_args(args)]
     model = args.model if args.model is not None else default_model(args.preset)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,7 +110,7 @@ def main_up(argv: Sequence[str]) -> int:
     cluster = Cluster(
         model, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode,
         redis_url=args.redis_url, router_port=args.port, log_dir=args.log_dir,
-        worker_args=args.worker_arg, trace_file=args.trace_file,
+        worker_args=worker_args, trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint, metrics_base_port=args.metrics_base_port,
         host_lease=args.host_lease, backend=args.backend, supervise=args.restart,
         restart_policy=RestartPolicy(crash_loop_restarts=args.max_restarts),
@@ -137,6 +152,21 @@ def main_up(argv: Sequence[str]) -> int:
                 return 1
         print("stopping ...", flush=True)
     return 0
+
+
+def sim_worker_args(args: argparse.Namespace) -> list[str]:
+    """The sim flags for the workers, checked here first so that a bad one stops ``up``
+    before anything starts; none unless ``--backend sim``."""
+    if args.backend != SIM:
+        return []
+    from pdserve.sim.backend import SimOptions
+
+    SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
+    return [
+        f"--sim-profile={args.sim_profile}",
+        f"--sim-time-scale={args.sim_time_scale}",
+        f"--sim-link={args.sim_link}",
+    ]
 
 
 def _http_lines(url: str, model: str, ca: Path | None = None, *, api_key: bool = False) -> str:

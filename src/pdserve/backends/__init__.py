@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pdserve.backends.base import (
     BACKEND_NAMES,
+    SIM,
     TENSORRT_LLM,
     TORCH,
     BackendFeatures,
@@ -22,6 +23,7 @@ from pdserve.backends.base import (
 
 __all__ = [
     "BACKEND_NAMES",
+    "SIM",
     "TENSORRT_LLM",
     "TORCH",
     "BackendFeatures",

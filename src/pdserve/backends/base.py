@@ -19,7 +19,8 @@ What the workers ask of an engine, whatever computes:
 never silently. Streams (``generate``, ``decode``) raise their errors at the first
 ``__anext__``; closing one before its last output aborts the request and frees its KV.
 
-Implementations: ``backends.pytorch.TorchBackend`` (pdserve's own engine) and
+Implementations: ``backends.pytorch.TorchBackend`` (pdserve's own engine; also the simulated
+one of ``pdserve.sim``, whose steps take modelled time) and
 ``backends.tensorrt_llm.TensorRTLLMBackend`` (TensorRT-LLM's LLM API, imported lazily).
 """
 
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
 TORCH = "torch"
 TENSORRT_LLM = "tensorrt-llm"
-BACKEND_NAMES = (TORCH, TENSORRT_LLM)
+SIM = "sim"
+BACKEND_NAMES = (TORCH, TENSORRT_LLM, SIM)
 """The values of ``--backend``."""
 
 
@@ -135,6 +137,12 @@ class EngineBackend(Protocol):
     @property
     def fingerprint(self) -> str:
         """What must be equal between a KV writer and its reader (heartbeats, handles)."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's KV over all layers: what a hand-off moves per prompt token
+        (for a simulated engine, the modelled model's, not its small stand-in payload's)."""
         ...
 
     @property

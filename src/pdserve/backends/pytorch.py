@@ -8,8 +8,9 @@ prefill, and the prefix cache; it has no native KV transfer.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,27 @@ NO_NATIVE = (
 class TorchBackend:
     """An ``AsyncEngine`` behind the ``EngineBackend`` protocol (see the module docstring)."""
 
-    name = TORCH
     features = FEATURES
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        name: str = TORCH,
+        kv_bytes_per_token: int | None = None,
+        import_delay: Callable[[KVPayload], float] | None = None,
+    ) -> None:
+        """``name``, ``kv_bytes_per_token`` and ``import_delay`` are for an engine whose steps
+        are simulated (``pdserve.sim``): its backend name, the modelled model's KV bytes per
+        token (default: the layout's), and the seconds a modelled link takes to bring a
+        handed-over payload, spent before the decode starts."""
         self.engine = engine
+        self.name = name
         self.layout: KVLayout = engine.layout
+        self.kv_bytes_per_token: int = kv_bytes_per_token or (
+            engine.layout.num_layers * engine.layout.bytes_per_token_per_layer
+        )
+        self._import_delay = import_delay
         self.fingerprint: str = kv_fingerprint(engine.layout)
         self.vocab_size: int = engine.vocab_size
         self.max_model_len: int = engine.max_model_len
@@ -157,6 +173,21 @@ class TorchBackend:
             return self._recompute_then_decode(
                 request_id, prompt_ids, params, first_token, cache_salt, tag, timing, coalesce
             )
+        if self._import_delay is not None:
+            return self._after(
+                self._import_delay(kv),
+                lambda: self.engine.generate(
+                    request_id,
+                    prompt_ids,
+                    params,
+                    cache_salt=cache_salt,
+                    kv=kv,
+                    first_token=first_token,
+                    tag=tag,
+                    timing=timing,
+                    coalesce=coalesce,
+                ),
+            )
         return self.engine.generate(
             request_id,
             prompt_ids,
@@ -168,6 +199,17 @@ class TorchBackend:
             timing=timing,
             coalesce=coalesce,
         )
+
+    @staticmethod
+    async def _after(
+        seconds: float, stream: Callable[[], AsyncGenerator[RequestOutput, None]]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``stream()``'s outputs, begun ``seconds`` from now (a modelled transfer)."""
+        await asyncio.sleep(seconds)  # the modelled link's time, not synchronisation
+        inner = stream()
+        async with aclosing(inner):
+            async for output in inner:
+                yield output
 
     async def _recompute_then_decode(
         self,

@@ -109,6 +109,7 @@ class TensorRTLLMBackend:
         self._api = api
         self.layout = layout
         self.fingerprint = kv_fingerprint(layout)
+        self.kv_bytes_per_token = layout.num_layers * layout.bytes_per_token_per_layer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens

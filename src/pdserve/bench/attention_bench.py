@@ -110,7 +110,7 @@ def run(
                     attention_kernels=kernels, max_num_batched_tokens=budget)
         for name, kernels in (("torch", False), ("native", True))
     ]  # fmt: skip
-    native = peers[1].engine.runner.native
+    native = peers[1].native
     if not (native.prefill or native.decode):
         raise InvalidArgumentError("model", "the native attention kernels do not run here")
     for p in peers:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.bench.measure import PeerError, Workload
 from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models.linear import can_prepack
 
@@ -47,7 +48,10 @@ class PdservePeer:
             self.engine.runner.device, self.engine.dtype
         )
         # How this engine is configured, printed with the results.
-        native = self.engine.runner.native
+        runner = self.engine.runner
+        assert isinstance(runner, ModelRunner)  # a real model, not a simulated one
+        self.native = native = runner.native
+        """Which attention passes run on the native CPU kernels."""
         attention = (
             f"attention: prefill {'native' if native.prefill else 'torch SDPA'}, "
             f"decode {'native' if native.decode else 'torch SDPA'}"

@@ -30,11 +30,9 @@ import torch
 from pdserve.engine.admission import check_import, prompt_ids, resumed_ids
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.dtype import resolve_dtype
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import (
     EngineStats,
     GenerationResult,
@@ -45,6 +43,7 @@ from pdserve.engine.outputs import (
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
+from pdserve.engine.step_runner import ComputeFactory, StepRunner, torch_compute
 from pdserve.engine.text import TextStream
 from pdserve.errors import (
     CapacityError,
@@ -54,7 +53,6 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.models.config import ModelConfig
-from pdserve.models.loader import checkpoint_fingerprint, load_state_dict
 from pdserve.tokenizer import Tokenizer
 
 
@@ -73,50 +71,28 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         faults: EngineFaults | None = None,
+        compute: ComputeFactory | None = None,
     ) -> None:
-        """``faults``: failures to inject on purpose, for fault tests only."""
+        """``faults``: failures to inject on purpose, for fault tests only. ``compute``: what
+        runs the steps (default: the checkpoint's model, ``torch_compute``)."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        dtype_name = resolve_dtype(config.dtype, config.device)
-        self.dtype: torch.dtype = getattr(torch, dtype_name)
         mc = self.model_config
         # Within a sliding window, full attention is exact; past it we would diverge, so cap there.
         limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         self.max_model_len = min(config.max_model_len or limit, limit)
-        block_bytes = (
-            2
-            * mc.num_layers
-            * config.block_size
-            * mc.num_kv_heads
-            * mc.head_dim
-            * self.dtype.itemsize
-        )
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
-        self.layout = KVLayout(
-            model_fingerprint=checkpoint_fingerprint(self.model_dir),
-            dtype=dtype_name,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-        )
+        built = (compute or torch_compute(faults))(self.model_dir, mc, config, self.max_model_len)
+        self.dtype: torch.dtype = built.dtype
+        self.layout: KVLayout = built.layout
+        self.runner: StepRunner = built.runner
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            built.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(
-            mc,
-            config,
-            load_state_dict(self.model_dir, dtype=self.dtype),
-            dtype=self.dtype,
-            num_blocks=num_blocks,
-            max_model_len=self.max_model_len,
-            faults=faults,
-        )
         self.gate: ComputeGate = UNGATED
         """Brackets each step's compute (sharing the device with other engines); set it
         before the first step."""
@@ -130,10 +106,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, faults: EngineFaults | None = None, **config: Any
+        cls,
+        path: str | Path,
+        *,
+        faults: EngineFaults | None = None,
+        compute: ComputeFactory | None = None,
+        **config: Any,
     ) -> Engine:
         """Load a checkpoint directory; keyword arguments are ``EngineConfig`` fields."""
-        return cls(path, EngineConfig(**config), faults=faults)
+        return cls(path, EngineConfig(**config), faults=faults, compute=compute)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(

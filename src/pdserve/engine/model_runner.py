@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.faults import EngineFaults
+from pdserve.engine.outputs import StepResult
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -23,18 +23,6 @@ from pdserve.models.attention_metadata import (
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import can_prepack
 from pdserve.models.llama import KVCache, LlamaModel
-
-
-@dataclass(slots=True)
-class StepResult:
-    sampled: dict[str, tuple[int, float]]
-    """request id -> (token, logprob) for every chunk that reached its last token."""
-    failed: dict[str, str] = field(default_factory=dict)
-    """request id -> why no token could be sampled (its logits were not finite); such a
-    request is in no other field. Its forward pass ran: its KV is as valid as any."""
-    logits: dict[str, torch.Tensor] | None = None
-    """request id -> ``[vocab]`` float32 logits, when the config asks for them."""
-
 
 GROUP_OVERHEAD_TOKENS = 256
 """A decode group's fixed cost (its gather and attention calls, per layer) in padded key

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -98,3 +98,14 @@ class StepShape:
     """Prompt tokens (prefill chunks, recomputes after preemption)."""
     decodes: int = 0
     """Sequences that decoded one token."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: dict[str, tuple[int, float]]
+    """request id -> (token, logprob) for every chunk that reached its last token."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """request id -> why no token could be sampled (its logits were not finite); such a
+    request is in no other field. Its forward pass ran: its KV is as valid as any."""
+    logits: dict[str, torch.Tensor] | None = None
+    """request id -> ``[vocab]`` float32 logits, when the config asks for them."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.backends import BACKEND_NAMES, TORCH
+from pdserve.backends import BACKEND_NAMES, SIM, TENSORRT_LLM, TORCH
 from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
 from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
 from pdserve.errors import InvalidArgumentError
@@ -45,7 +45,8 @@ class WorkerOptions:
     model: Path
     role: WorkerRole
     backend: str = TORCH
-    """The engine: ``torch`` (pdserve's own) or ``tensorrt-llm`` (``pdserve.backends``)."""
+    """The engine: ``torch`` (pdserve's own), ``tensorrt-llm`` or ``sim`` (pdserve's engine
+    with modelled step times, ``pdserve.sim``)."""
     host: str = "127.0.0.1"
     """Address to bind."""
     port: int = 0
@@ -123,6 +124,12 @@ class WorkerOptions:
     """tensorrt-llm: the share of free GPU memory its KV cache takes (None: its default)."""
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     """Lane, waiting order, KV events (``scheduling_options``)."""
+    sim_profile: str = ""
+    """sim: the timing model (``roofline:ACCEL:MODEL[:tpN]`` or ``fitted:FILE``)."""
+    sim_time_scale: float = 1.0
+    """sim: every modelled second lasts this many real ones."""
+    sim_link: str = "rdma-400"
+    """sim: the modelled link a hand-off's KV crosses to reach this worker."""
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -187,8 +194,9 @@ def worker_parser(
     p.add_argument("--model", type=Path, default=d("model"), help="checkpoint directory (required)")
     p.add_argument(
         "--backend", choices=BACKEND_NAMES, default=d("backend", TORCH),
-        help="the engine: torch (pdserve's own, CPU or CUDA) or tensorrt-llm (TensorRT-LLM's "
-        "LLM API on a GPU; KV moves through its own transfer, transport native)",
+        help="the engine: torch (pdserve's own, CPU or CUDA), tensorrt-llm (TensorRT-LLM's "
+        "LLM API on a GPU; KV moves through its own transfer, transport native) or sim "
+        "(pdserve's engine with modelled step times; see docs/simulation.md)",
     )  # fmt: skip
     p.add_argument("--role", choices=[r.value for r in roles], default=d("role", roles[0].value))
     p.add_argument(
@@ -331,6 +339,21 @@ def worker_parser(
         "--trtllm-kv-fraction", type=float, default=_float(d("trtllm_kv_fraction")),
         help="share of free GPU memory for TensorRT-LLM's KV cache (default: its own)",
     )  # fmt: skip
+    m = p.add_argument_group("the sim backend (see docs/simulation.md)")
+    m.add_argument(
+        "--sim-profile", default=d("sim_profile", ""),
+        help="timing model: roofline:ACCEL:MODEL[:tpN] (ACCEL h100, a100; MODEL llama-3-8b, "
+        "llama-3-70b, qwen2-7b or a config.json) or fitted:FILE (pdserve sim calibrate)",
+    )  # fmt: skip
+    m.add_argument(
+        "--sim-time-scale", type=float, default=float(d("sim_time_scale", 1.0)),
+        help="every modelled second lasts this many real ones (> 0)",
+    )  # fmt: skip
+    m.add_argument(
+        "--sim-link", default=d("sim_link", "rdma-400"),
+        help="modelled link of hand-offs into this worker: nvlink, rdma-400, rdma-200, "
+        "tcp-25, same-host",
+    )  # fmt: skip
     # Fault injection, for fault tests only, repeatable: corrupt[@PREFIX] or stall:N[@PREFIX]
     # (hand-offs), nan[@PREFIX] or step[@PREFIX] (the engine).
     t.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)
@@ -349,10 +372,15 @@ def _float(value: str | None) -> float | None:
 
 def check_backend(args: argparse.Namespace) -> None:
     """Refuse flags the chosen backend cannot honour, naming the flag."""
-    if args.backend == TORCH:
+    if args.backend != SIM and args.sim_profile:
+        raise InvalidArgumentError("--sim-profile", "needs --backend sim")
+    if args.backend in (TORCH, SIM):
         if args.transport == TransportKind.NATIVE.value:
             raise InvalidArgumentError("--transport", "native needs --backend tensorrt-llm")
+        if args.backend == SIM:
+            check_sim(args)
         return
+    assert args.backend == TENSORRT_LLM
     if args.transport not in (AUTO, TransportKind.NATIVE.value, TransportKind.RECOMPUTE.value):
         raise InvalidArgumentError(
             "--transport",
@@ -370,6 +398,23 @@ def check_backend(args: argparse.Namespace) -> None:
     fraction = args.trtllm_kv_fraction
     if fraction is not None and not 0.0 < fraction <= 1.0:
         raise InvalidArgumentError("--trtllm-kv-fraction", f"must be in (0, 1], got {fraction}")
+
+
+def check_sim(args: argparse.Namespace) -> None:
+    """A sim worker models exactly what its flags name, or refuses to start."""
+    from pdserve.sim.backend import SimOptions  # imported only by sim workers
+
+    if not args.sim_profile:
+        raise InvalidArgumentError(
+            "--sim-profile",
+            "--backend sim needs a timing model: roofline:ACCEL:MODEL or fitted:FILE",
+        )
+    SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
+    if args.host_lease is not None:
+        raise InvalidArgumentError(
+            "--host-lease",
+            "shares CPU cores between computing engines; a sim engine computes nothing",
+        )
 
 
 def options_from_args(
@@ -443,4 +488,7 @@ def options_from_args(
         trtllm_transceiver=args.trtllm_transceiver,
         trtllm_kv_fraction=args.trtllm_kv_fraction,
         scheduling=scheduling_options(args),
+        sim_profile=args.sim_profile,
+        sim_time_scale=args.sim_time_scale,
+        sim_link=args.sim_link,
     )

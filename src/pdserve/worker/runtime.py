@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from pdserve.backends import TENSORRT_LLM, EngineBackend
+from pdserve.backends import SIM, TENSORRT_LLM, EngineBackend
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import HostLease
@@ -60,18 +60,31 @@ logger = logging.getLogger(__name__)
 
 def host_lease_dir(options: WorkerOptions) -> Path | None:
     """Where the worker's engine takes turns on the host's cores (``--host-lease``); None
-    without a lease, and for TensorRT-LLM, which runs on a GPU of its own."""
-    return None if options.backend == TENSORRT_LLM else options.host_lease
+    without a lease, for TensorRT-LLM, which runs on a GPU of its own, and for a sim engine,
+    which models one."""
+    return None if options.backend in (TENSORRT_LLM, SIM) else options.host_lease
 
 
 async def open_backend(options: WorkerOptions) -> EngineBackend:
     """Load the model on the engine ``options.backend`` names (blocking: call before serving)
-    and start it."""
+    and start it. A sim engine reads only the checkpoint's config and tokenizer."""
     backend: EngineBackend
     if options.backend == TENSORRT_LLM:
         from pdserve.backends.tensorrt_llm import TensorRTLLMBackend  # imports tensorrt_llm
 
         backend = TensorRTLLMBackend.from_pretrained(options.model, trtllm_config(options))
+    elif options.backend == SIM:
+        from pdserve.sim.backend import SimOptions, sim_backend
+
+        sim = sim_backend(
+            options.model,
+            SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link),
+            batch_window_ms=options.max_wait_ms,
+            **options.engine_config(),
+        )
+        if options.scheduling.kv_events and options.redis_url:
+            install_events(sim.engine)
+        backend = sim
     else:
         gate = None
         lease_dir = host_lease_dir(options)
@@ -217,7 +230,7 @@ async def run_worker(
         model_fingerprint=engine.fingerprint,
         max_batch_tokens=engine.max_num_batched_tokens,
         lane=options.scheduling.lane,
-        kv_bytes_per_token=engine.layout.num_layers * engine.layout.bytes_per_token_per_layer,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
     )
     keys = KeySpace(options.namespace)

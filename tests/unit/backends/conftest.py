@@ -1,5 +1,6 @@
-"""Backends under test: the torch backend, and the tensorrt-llm backend on the stand-in
-``tensorrt_llm`` (tests/fakes), put on ``sys.path`` only while a test runs."""
+"""Backends under test: the torch backend, the tensorrt-llm backend on the stand-in
+``tensorrt_llm`` (tests/fakes), put on ``sys.path`` only while a test runs, and the sim
+backend (pdserve's engine with modelled step times)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import TypeVar
 import pytest
 
 from pdserve.backends import EngineBackend
+from pdserve.engine.engine import Engine
+from pdserve.sim.backend import SimOptions, sim_backend, sim_compute
 
 FAKES = Path(__file__).resolve().parents[2] / "fakes"
 T = TypeVar("T")
@@ -53,7 +56,21 @@ EXACT = ("torch", "tensorrt-llm")
 """Backends that compute exactly as pdserve's engine in float32 (the stand-in does)."""
 
 
-@pytest.fixture(params=["torch", "tensorrt-llm"])
+def sim_options(model_dir: Path) -> SimOptions:
+    """A sim backend modelling the checkpoint's own shape on an H100, in real time."""
+    return SimOptions.parse(f"roofline:h100:{model_dir / 'config.json'}")
+
+
+def reference_engine(kind: str, model_dir: Path) -> Engine:
+    """The engine a backend of ``kind`` drives, run alone (no loop, no backend)."""
+    if kind == "sim":
+        return Engine.from_pretrained(
+            model_dir, compute=sim_compute(sim_options(model_dir)), num_kv_blocks=256
+        )
+    return Engine.from_pretrained(model_dir, dtype="float32")
+
+
+@pytest.fixture(params=["torch", "tensorrt-llm", "sim"])
 def backend_kind(request: pytest.FixtureRequest) -> str:
     """Each backend the contract runs against; tensorrt-llm on the stand-in."""
     kind: str = request.param
@@ -75,6 +92,9 @@ def open_backend(
 
             config: dict[str, object] = {"dtype": "float32", "num_kv_blocks": 256, **overrides}
             backend = TorchBackend.from_pretrained(model_dir, **config)
+        elif kind == "sim":
+            sim: dict[str, object] = {"num_kv_blocks": 256, **overrides}
+            backend = sim_backend(model_dir, sim_options(model_dir), **sim)
         else:
             from pdserve.backends.tensorrt_llm import TensorRTLLMBackend
             from pdserve.backends.tensorrt_llm_api import TensorRTLLMConfig

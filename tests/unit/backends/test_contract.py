@@ -1,6 +1,7 @@
 """The contract every ``EngineBackend`` keeps, run against each backend (conftest
-``backend_kind``): the torch backend on pdserve's engine, and the tensorrt-llm backend on the
-stand-in ``tensorrt_llm`` package (tests/fakes), which computes with pdserve's engine too.
+``backend_kind``): the torch backend on pdserve's engine, the tensorrt-llm backend on the
+stand-in ``tensorrt_llm`` package (tests/fakes), which computes with pdserve's engine too,
+and the sim backend, whose engine spends modelled time and draws deterministic tokens.
 
 The same greedy tokens whichever way a request runs: whole, prefilled then decoded from the
 handed-over KV (the backend's own kind of hand-off), or decoded with nothing handed over
@@ -25,12 +26,11 @@ from pdserve.backends import (
     NativeKV,
     Prefilled,
 )
-from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import DuplicateRequestError, InvalidArgumentError, WorkerUnavailableError
-from tests.unit.backends.conftest import open_backend, run
+from tests.unit.backends.conftest import open_backend, reference_engine, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -87,7 +87,10 @@ def test_is_an_engine_backend(backend_kind: str, tiny_llama_dir: Path) -> None:
             assert backend.name == backend_kind and backend.name in BACKEND_NAMES
             assert backend.vocab_size == 2048
             assert backend.max_model_len > 100 and backend.max_num_batched_tokens > 0
-            assert backend.layout.num_layers == 4 and backend.layout.num_kv_heads == 2
+            assert backend.layout.num_layers == 4
+            # The sim's KV is a stand-in of one value per token and layer.
+            assert backend.layout.num_kv_heads == (1 if backend_kind == "sim" else 2)
+            assert backend.kv_bytes_per_token == 4 * 2 * 2 * 32 * 4  # the modelled fp32 tiny
             assert backend.fingerprint
 
     run(body)
@@ -110,7 +113,7 @@ def test_fingerprints_keep_backends_apart(fake_tensorrt_llm: Path, tiny_llama_di
 
 def test_generate_matches_the_engine_alone(backend_kind: str, tiny_llama_dir: Path) -> None:
     ps = prompts(1, [6, 23, 41])
-    reference = Engine.from_pretrained(tiny_llama_dir, dtype="float32").generate(ps, GREEDY)
+    reference = reference_engine(backend_kind, tiny_llama_dir).generate(ps, GREEDY)
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:

@@ -50,12 +50,77 @@ def test_backend_flag_defaults_to_torch_and_reads_the_environment() -> None:
         (("--backend", "tensorrt-llm", "--host-lease", "/tmp/lease"), "--host-lease"),
         (("--backend", "tensorrt-llm", "--prefix-reuse"), "--prefix-reuse"),
         (("--backend", "tensorrt-llm", "--trtllm-kv-fraction", "1.5"), "--trtllm-kv-fraction"),
+        (("--backend", "sim"), "--sim-profile"),
+        (("--sim-profile", "roofline:h100:llama-3-8b"), "--sim-profile"),
+        (("--backend", "sim", "--sim-profile", "roofline:tpu:llama-3-8b"), "--sim-profile"),
+        (("--backend", "sim", "--sim-profile", "roofline:h100:gpt-5"), "--sim-profile"),
+        (("--backend", "sim", "--sim-profile", "roofline:h100:llama-3-70b"), "--sim-profile"),
+        (("--backend", "sim", "--sim-profile", "fitted:/nonexistent.json"), "--sim-profile"),
+        (("--backend", "sim", "--sim-profile", "guess"), "--sim-profile"),
+        (
+            (
+                "--backend",
+                "sim",
+                "--sim-profile",
+                "roofline:h100:qwen2-7b",
+                "--sim-time-scale",
+                "0",
+            ),
+            "--sim-time-scale",
+        ),
+        (
+            (
+                "--backend",
+                "sim",
+                "--sim-profile",
+                "roofline:a100:qwen2-7b",
+                "--sim-time-scale",
+                "-2",
+            ),
+            "--sim-time-scale",
+        ),
+        (
+            ("--backend", "sim", "--sim-profile", "roofline:h100:qwen2-7b", "--sim-link", "pigeon"),
+            "--sim-link",
+        ),
+        (
+            ("--backend", "sim", "--sim-profile", "roofline:h100:qwen2-7b", "--host-lease", "/l"),
+            "--host-lease",
+        ),
+        (
+            (
+                "--backend",
+                "sim",
+                "--sim-profile",
+                "roofline:h100:qwen2-7b",
+                "--transport",
+                "native",
+            ),
+            "--transport",
+        ),
     ],
 )
 def test_flags_a_backend_cannot_honour_are_refused(flags: tuple[str, ...], field: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         parse(*flags)
     assert err.value.field == field
+
+
+def test_sim_flags_are_kept(tmp_path: Path) -> None:
+    opts = parse(
+        "--backend", "sim", "--sim-profile", "roofline:a100:llama-3-8b:tp2",
+        "--sim-time-scale", "4", "--sim-link", "tcp-25",
+    )  # fmt: skip
+    assert (opts.backend, opts.sim_profile) == ("sim", "roofline:a100:llama-3-8b:tp2")
+    assert (opts.sim_time_scale, opts.sim_link) == (4.0, "tcp-25")
+
+
+def test_a_config_json_without_a_needed_field_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text('{"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100}')
+    with pytest.raises(InvalidArgumentError) as err:
+        parse("--backend", "sim", "--sim-profile", f"roofline:h100:{config}")
+    assert err.value.field == "--sim-profile" and "num_attention_heads" in str(err.value)
 
 
 def test_tensorrt_llm_settings_from_the_shared_flags(tiny_llama_dir: Path) -> None:

@@ -1,0 +1,142 @@
+"""The ``sim`` backend: pdserve's engine on a ``SimRunner``, behind ``TorchBackend``.
+
+What is real: the engine loop, the continuous-batching scheduler, the paged block manager
+and its prefix cache (and so KV events), admission, hold/export for hand-offs, imports,
+aborts, migration, capacity and the step meter that heartbeats publish; above it every
+worker, transport, scheduler and router path runs unchanged. What is modelled: the time of
+each step (``sim.timing``), the KV pool's size (the modelled accelerator's memory, or the
+engine flags) and the time a hand-off's KV takes on the modelled link (``sim.links``),
+spent before the decode starts. The KV that moves is a small stand-in (``sim.runner``):
+one float per token and layer for K (the token id) and one for V (the position).
+
+The served vocabulary, tokenizer and length limits are the checkpoint directory's
+(``--model``; its weights are never read, so a directory with ``config.json`` and
+``tokenizer.json`` is enough); the modelled model only sets the timing and the KV bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.backends.base import SIM
+from pdserve.backends.pytorch import TorchBackend
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.step_runner import Compute, ComputeFactory
+from pdserve.engine_loop.async_engine import AsyncEngine
+from pdserve.errors import InvalidArgumentError
+from pdserve.models.config import ModelConfig
+from pdserve.sim.links import LinkModel, parse_link
+from pdserve.sim.runner import SimRunner
+from pdserve.sim.timing import SimProfile, parse_profile
+from pdserve.tokenizer import Tokenizer
+
+SIM_KV_DTYPE = "float32"
+"""The stand-in KV's dtype: token ids and positions are exact in it below 2**24."""
+
+DEFAULT_LINK = "rdma-400"
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    """What a sim worker models (``--sim-profile``, ``--sim-time-scale``, ``--sim-link``)."""
+
+    profile: SimProfile
+    time_scale: float = 1.0
+    """Every modelled second lasts this many real ones (> 0)."""
+    link: LinkModel | None = None
+    """The link a hand-off's KV crosses to reach this worker (None: ``DEFAULT_LINK``)."""
+
+    @classmethod
+    def parse(cls, profile: str, time_scale: float = 1.0, link: str = DEFAULT_LINK) -> SimOptions:
+        """From the flags' values; ``InvalidArgumentError`` names the flag at fault."""
+        if not time_scale > 0:
+            raise InvalidArgumentError("--sim-time-scale", f"must be > 0, got {time_scale}")
+        return cls(parse_profile(profile), time_scale, parse_link(link))
+
+    def transfer_s(self, num_tokens: int) -> float:
+        """Real seconds the modelled link takes for the modelled KV of ``num_tokens``."""
+        nbytes = num_tokens * self.profile.model.kv_bytes_per_token
+        link = self.link or parse_link(DEFAULT_LINK)
+        return link.transfer_time(nbytes) * self.time_scale
+
+
+def sim_fingerprint(model_dir: Path, profile: SimProfile) -> str:
+    """What sim workers must share to exchange KV: the modelled model and the served
+    vocabulary (config and tokenizer files; no weights are read)."""
+    h = hashlib.sha256(profile.model.name.encode())
+    for name in ("config.json", "tokenizer.json"):
+        file = model_dir / name
+        if file.is_file():
+            h.update(file.read_bytes())
+    return f"sim-{h.hexdigest()[:16]}"
+
+
+def sim_compute(options: SimOptions) -> ComputeFactory:
+    """A ``SimRunner`` and its stand-in layout. The pool holds ``num_kv_blocks`` if given,
+    else what the modelled accelerator's memory holds (roofline), else ``kv_cache_bytes`` of
+    the modelled model's KV (fitted)."""
+    model = options.profile.model
+
+    def build(model_dir: Path, mc: ModelConfig, config: EngineConfig, max_len: int) -> Compute:
+        block = config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif options.profile.kv_tokens is not None:
+            num_blocks = max(2, options.profile.kv_tokens // block)
+        else:
+            num_blocks = max(2, config.kv_cache_bytes // (model.kv_bytes_per_token * block))
+        tokenizer = Tokenizer.from_dir(model_dir)
+        runner = SimRunner(
+            options.profile.timing,
+            num_blocks=num_blocks,
+            block_size=block,
+            num_layers=model.num_layers,
+            vocab_size=min(mc.vocab_size, tokenizer.vocab_size),
+            avoid=tokenizer.eos_token_ids,
+            time_scale=options.time_scale,
+        )
+        layout = KVLayout(
+            model_fingerprint=sim_fingerprint(model_dir, options.profile),
+            dtype=SIM_KV_DTYPE,
+            num_layers=model.num_layers,
+            num_kv_heads=1,
+            head_dim=1,
+            block_size=block,
+        )
+        return Compute(runner, layout, num_blocks, torch.float32)
+
+    return build
+
+
+def sim_backend(
+    model_dir: str | Path,
+    options: SimOptions,
+    *,
+    batch_window_ms: float = 0.0,
+    **config: Any,
+) -> TorchBackend:
+    """A sim worker's backend on ``model_dir``'s vocabulary; ``config`` holds
+    ``EngineConfig`` fields. Call ``start()`` next."""
+    config.pop("num_threads", None)  # nothing computes: no thread pool to size
+    engine = Engine.from_pretrained(model_dir, compute=sim_compute(options), **config)
+    return TorchBackend(
+        AsyncEngine(engine, batch_window_ms=batch_window_ms),
+        name=SIM,
+        kv_bytes_per_token=options.profile.model.kv_bytes_per_token,
+        import_delay=lambda kv: options.transfer_s(kv.num_tokens),
+    )
+
+
+def stand_in_payload(layout: KVLayout, prompt_ids: list[int]) -> KVPayload:
+    """The payload a sim prefill of ``prompt_ids`` hands over (for tests and tools)."""
+    n = len(prompt_ids)
+    k = torch.tensor(prompt_ids, dtype=torch.float32).view(n, 1, 1)
+    v = torch.arange(n, dtype=torch.float32).view(n, 1, 1)
+    return KVPayload(layout, n, (k,) * layout.num_layers, (v,) * layout.num_layers)

@@ -1,0 +1,191 @@
+"""``SimRunner``: an engine step that takes the modelled time instead of computing.
+
+It stands where ``ModelRunner`` stands (``engine.step_runner.StepRunner``), so the engine
+above it is the real one: scheduler, paged block manager, prefix cache, KV events, hold and
+export for hand-offs, imports, preemption. Per step it
+
+1. asks the timing model for the step's seconds on the modelled accelerator (``step_of``:
+   prompt chunks with their context, decodes with theirs) and stretches them by the time scale;
+2. records which token sits in each KV slot it computed: the simulated KV of a position *is*
+   its token id (K) and its position (V), one value per layer, so a hand-off carries a small
+   real payload whose contents can be checked;
+3. sleeps until the step's time is spent (per layer when a prefill streams its KV layer by
+   layer, so a layer-wise transfer starts mid-step as it does on a device);
+4. samples deterministic tokens: a hash of the prompt, the output position and the request's
+   seed, never an EOS id, so every stream runs to ``max_tokens`` and equal requests give equal
+   streams on any worker, through hand-offs, migration and retries.
+
+A sequence's first decode checks that its KV slots hold its prompt's tokens: a block table
+or hand-off that lost or mixed up KV fails that request, as a wrong KV would make a real
+model emit garbage.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from array import array
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+from pdserve.engine.outputs import StepResult
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.sim.timing import TimingModel, step_of
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def prompt_digest(prompt_ids: Iterable[int]) -> int:
+    """A 32-bit digest of a prompt's token ids (the part of a stream's identity that every
+    worker serving it knows)."""
+    return zlib.crc32(array("q", prompt_ids).tobytes())
+
+
+def sim_token(digest: int, position: int, seed: int, choices: int) -> int:
+    """The index (below ``choices``) of output token ``position`` of a request whose prompt
+    has ``digest`` and whose sampling seed is ``seed`` (0 when greedy)."""
+    return _mix(digest ^ _mix((position << 32) ^ (seed & _MASK64))) % choices
+
+
+class SimRunner:
+    """A ``StepRunner`` that spends modelled time (see the module docstring)."""
+
+    device = torch.device("cpu")
+
+    def __init__(
+        self,
+        timing: TimingModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        vocab_size: int,
+        avoid: Iterable[int] = (),
+        time_scale: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``avoid``: token ids never emitted (EOS). ``time_scale``: every modelled second
+        lasts this many real ones. ``sleep``/``clock``: injectable for tests."""
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.timing = timing
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.time_scale = time_scale
+        banned = set(avoid)
+        self._tokens = np.array([t for t in range(vocab_size) if t not in banned])
+        if not len(self._tokens):
+            raise ValueError("no token id is left to emit")
+        self._sleep = sleep
+        self._clock = clock
+        # Slot -> the token id whose KV it holds; -1: never written.
+        self._kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.modelled_s = 0.0
+        """Modelled seconds of every step so far (before the time scale)."""
+
+    # -- step ----------------------------------------------------------------------------
+    def execute(
+        self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
+    ) -> StepResult:
+        start = self._clock()
+        modelled = self.timing.step_time(step_of(out))
+        self.modelled_s += modelled
+        seconds = modelled * self.time_scale
+        failed: dict[str, str] = {}
+        sampling: list[Sequence] = []
+        for chunk in out.decodes:
+            seq = chunk.seq
+            p = seq.num_computed_tokens
+            if p == seq.num_prompt_tokens:  # the first decode: all of the prompt is in place
+                why = self._check_prompt(seq)
+                if why is not None:
+                    failed[seq.request_id] = why
+            self._store(seq, p, 1)
+            if seq.request_id not in failed:
+                sampling.append(seq)
+        hooked: list[tuple[Sequence, int]] = []
+        for chunk in out.prefills:
+            seq = chunk.seq
+            self._store(seq, seq.num_computed_tokens, chunk.num_tokens)
+            if chunk.samples:
+                sampling.append(seq)
+                if seq.layer_hook is not None:
+                    hooked.append((seq, seq.num_computed_tokens + chunk.num_tokens))
+        if hooked:  # each layer's KV is out when its share of the step is spent
+            for layer in range(self.num_layers):
+                self._wait_until(start + seconds * (layer + 1) / self.num_layers)
+                for seq, ctx in hooked:
+                    assert seq.layer_hook is not None
+                    k, v = self.read_layer(layer, seq.block_table, ctx)
+                    seq.layer_hook(layer, k, v)
+        self._wait_until(start + seconds)
+        return StepResult({s.request_id: (self.token_for(s), 0.0) for s in sampling}, failed)
+
+    def token_for(self, seq: Sequence) -> int:
+        """The token ``seq`` draws next."""
+        position = len(seq) - seq.num_prompt_tokens
+        digest = prompt_digest(seq.token_ids[: seq.num_prompt_tokens])
+        seed = 0 if seq.params.greedy else seq.seed
+        return int(self._tokens[sim_token(digest, position, seed, len(self._tokens))])
+
+    def _wait_until(self, deadline: float) -> None:
+        left = deadline - self._clock()
+        if left > 0:
+            self._sleep(left)
+
+    # -- the simulated KV ----------------------------------------------------------------
+    def _slots(self, block_table: list[int], start: int, count: int) -> np.ndarray:
+        pos = np.arange(start, start + count)
+        table = np.asarray(block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _store(self, seq: Sequence, start: int, count: int) -> None:
+        slots = self._slots(seq.block_table, start, count)
+        self._kv[slots] = np.asarray(seq.token_ids[start : start + count], dtype=np.int64)
+
+    def _check_prompt(self, seq: Sequence) -> str | None:
+        n = seq.num_prompt_tokens
+        held = self._kv[self._slots(seq.block_table, 0, n)]
+        bad = np.flatnonzero(held != np.asarray(seq.token_ids[:n], dtype=np.int64))
+        if not len(bad):
+            return None
+        return (
+            f"the simulated KV of {seq.request_id!r} does not hold its prompt: "
+            f"{len(bad)} of {n} positions differ, the first at {int(bad[0])}"
+        )
+
+    def read_layer(
+        self, layer: int, block_table: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K: the token id of each position, V: the position; ``[num_tokens, 1, 1]`` float32
+        (exact below 2**24), the same in every layer."""
+        tokens = self._kv[self._slots(block_table, 0, num_tokens)]
+        k = torch.from_numpy(tokens.astype(np.float32)).view(num_tokens, 1, 1)
+        v = torch.arange(num_tokens, dtype=torch.float32).view(num_tokens, 1, 1)
+        return k, v
+
+    def write_layer(
+        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Import a layer: its V must count the positions (anything else is a payload that
+        was cut or reordered on the way); its K lands in the slots."""
+        n = keys.shape[0]
+        if tuple(keys.shape) != (n, 1, 1) or tuple(values.shape) != (n, 1, 1):
+            raise ValueError(f"simulated KV must be [n, 1, 1], got {tuple(keys.shape)}")
+        positions = values.reshape(-1).to(torch.float32)
+        if not torch.equal(positions, torch.arange(n, dtype=torch.float32)):
+            raise ValueError(f"layer {layer} of the simulated KV is out of order")
+        slots = self._slots(block_table, 0, n)
+        self._kv[slots] = keys.reshape(-1).to(torch.int64).numpy()

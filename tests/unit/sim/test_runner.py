@@ -1,0 +1,209 @@
+"""The sim engine: pdserve's real engine on a ``SimRunner``.
+
+Its steps take exactly the modelled time (a fake clock counts it), its tokens depend only on
+the prompt, the output position and the seed, its stand-in KV goes through the real paged
+blocks, prefix cache and imports, and a KV that does not hold the prompt fails the request.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import StepFailedError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.sim.backend import SimOptions, sim_compute, stand_in_payload
+from pdserve.sim.runner import SimRunner, prompt_digest, sim_token
+from pdserve.sim.timing import SimStep
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@dataclass
+class Ticks:
+    """A fake clock that only ``sleep`` advances, recording each sleep."""
+
+    now: float = 100.0
+    slept: list[float] = field(default_factory=list)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A timing model of 1 ms a step plus 10 us a prompt token and 100 us a decode."""
+
+    def step_time(self, step: SimStep) -> float:
+        if not step.num_tokens:
+            return 0.0
+        return 1e-3 + 1e-5 * step.prefill_tokens + 1e-4 * step.num_decodes
+
+    def describe(self) -> str:
+        return "linear"
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2048) for _ in range(n)] for n in lengths]
+
+
+def sim_engine(model_dir: Path, **config: object) -> Engine:
+    options = SimOptions.parse(f"roofline:h100:{model_dir / 'config.json'}")
+    return Engine.from_pretrained(
+        model_dir, compute=sim_compute(options), num_kv_blocks=64, **config
+    )
+
+
+def with_runner(engine: Engine, ticks: Ticks, scale: float = 1.0) -> SimRunner:
+    """Put a ``Linear`` runner on the fake clock in place of the engine's."""
+    old = engine.runner
+    assert isinstance(old, SimRunner)
+    runner = SimRunner(
+        Linear(),
+        num_blocks=engine.block_manager.num_blocks,
+        block_size=engine.config.block_size,
+        num_layers=engine.layout.num_layers,
+        vocab_size=engine.model_config.vocab_size,
+        avoid=engine.tokenizer.eos_token_ids,
+        time_scale=scale,
+        sleep=ticks.sleep,
+        clock=ticks.clock,
+    )
+    engine.runner = runner
+    return runner
+
+
+def test_each_step_sleeps_its_modelled_time_stretched_by_the_scale(tiny_llama_dir: Path) -> None:
+    engine = sim_engine(tiny_llama_dir)
+    ticks = Ticks()
+    with_runner(engine, ticks, scale=3.0)
+    engine.add_request("a", prompts(0, [40])[0], GREEDY)
+    engine.step()  # the whole 40-token prompt: 1 ms + 40 * 10 us
+    engine.add_request("b", prompts(1, [8])[0], GREEDY)
+    engine.step()  # a's first decode and b's prompt
+    assert ticks.slept == pytest.approx([3 * (1e-3 + 40e-5), 3 * (1e-3 + 8e-5 + 1e-4)])
+
+
+def test_tokens_are_a_function_of_prompt_position_and_seed(tiny_llama_dir: Path) -> None:
+    ps = prompts(2, [5, 30, 70])
+    first = sim_engine(tiny_llama_dir).generate(ps, GREEDY)
+    # Another engine, prompts in another order and batched differently: the same streams.
+    again = sim_engine(tiny_llama_dir, max_num_seqs=1).generate(ps[::-1], GREEDY)[::-1]
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    eos = set(sim_engine(tiny_llama_dir).tokenizer.eos_token_ids)
+    choices = [t for t in range(2048) if t not in eos]
+    for p, r in zip(ps, first, strict=True):
+        assert len(set(r.token_ids)) > GREEDY.max_tokens // 2  # varied, not one repeated id
+        digest = prompt_digest(p)
+        want = [choices[sim_token(digest, i, 0, len(choices))] for i in range(GREEDY.max_tokens)]
+        assert r.token_ids == want
+    assert first[0].token_ids != first[1].token_ids
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=12) for s in (1, 1, 2)]
+    a, b, c = sim_engine(tiny_llama_dir).generate([ps[0]] * 3, seeded)
+    assert a.token_ids == b.token_ids != c.token_ids
+    assert a.token_ids != first[0].token_ids
+
+
+def test_no_eos_is_ever_drawn(tiny_llama_dir: Path) -> None:
+    engine = sim_engine(tiny_llama_dir)
+    eos = set(engine.tokenizer.eos_token_ids)
+    assert eos
+    long = SamplingParams(temperature=0.0, max_tokens=200)  # EOS would stop it
+    results = engine.generate(prompts(3, [9, 17]), long)
+    for r in results:
+        assert len(r.token_ids) == 200 and not eos & set(r.token_ids)
+
+
+def test_the_prefix_cache_serves_the_stand_in_kv(tiny_llama_dir: Path) -> None:
+    p = prompts(4, [70])[0]
+    engine = sim_engine(tiny_llama_dir)
+    (cold,) = engine.generate([p], GREEDY)
+    (warm,) = engine.generate([p], GREEDY)
+    assert warm.num_cached_tokens == 64 and cold.num_cached_tokens == 0
+    assert warm.token_ids == cold.token_ids
+    engine.check_no_leaks()
+
+
+def test_a_handed_over_payload_decodes_like_the_whole_request(tiny_llama_dir: Path) -> None:
+    p = prompts(5, [37])[0]
+    prefill, decode = sim_engine(tiny_llama_dir), sim_engine(tiny_llama_dir)
+    (whole,) = prefill.generate([p], GREEDY)
+    prefill.add_request("h", p, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    out = []
+    while prefill.has_unfinished():
+        out += prefill.step()
+    payload = prefill.export_kv("h")
+    prefill.release_kv("h")
+    want = stand_in_payload(prefill.layout, p)
+    assert payload.layout == want.layout and payload.num_tokens == len(p)
+    for layer in range(payload.layout.num_layers):  # K: the tokens, V: the positions
+        assert torch.equal(payload.keys[layer], want.keys[layer])
+        assert torch.equal(payload.values[layer], want.values[layer])
+    first = (out[-1].new_token_ids[0], 0.0)
+    decode.add_request("h", p, GREEDY, kv=payload, first_token=first)
+    tokens = [first[0]]
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    assert tokens == whole.token_ids
+    prefill.check_no_leaks()
+    decode.check_no_leaks()
+
+
+def test_a_payload_of_another_prompt_fails_its_request(tiny_llama_dir: Path) -> None:
+    p, other = prompts(6, [33, 33])
+    engine = sim_engine(tiny_llama_dir)
+    engine.add_request(
+        "x", p, GREEDY, kv=stand_in_payload(engine.layout, other), first_token=(9, 0.0)
+    )
+    with pytest.raises(StepFailedError) as err:
+        while engine.has_unfinished():
+            engine.step()
+    assert "does not hold its prompt" in str(err.value.failures["x"])
+    engine.check_no_leaks()
+
+
+def test_a_reordered_payload_is_refused_at_import(tiny_llama_dir: Path) -> None:
+    p = prompts(7, [20])[0]
+    engine = sim_engine(tiny_llama_dir)
+    good = stand_in_payload(engine.layout, p)
+    flipped = type(good)(
+        good.layout, good.num_tokens, good.keys, tuple(v.flip(0) for v in good.values)
+    )
+    engine.add_request("y", p, GREEDY, kv=flipped, first_token=(9, 0.0))
+    with pytest.raises(StepFailedError) as err:
+        engine.step()
+    assert "cannot import the KV" in str(err.value.failures["y"])
+    engine.check_no_leaks()
+
+
+def test_layer_hooks_fire_per_layer_through_the_step(tiny_llama_dir: Path) -> None:
+    """A layer-wise hand-off sees each layer when its share of the step is spent."""
+    engine = sim_engine(tiny_llama_dir)
+    ticks = Ticks()
+    with_runner(engine, ticks)
+    seen: list[tuple[int, float, list[int]]] = []
+
+    def hook(layer: int, keys: object, values: object) -> None:
+        seen.append((layer, ticks.now, [int(t) for t in keys.reshape(-1)]))  # type: ignore[attr-defined]
+
+    p = prompts(8, [24])[0]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request("l", p, one, layer_hook=hook)
+    engine.step()
+    step_s = 1e-3 + 24e-5
+    assert [layer for layer, _, _ in seen] == [0, 1, 2, 3]
+    assert [t - 100.0 for _, t, _ in seen] == pytest.approx(
+        [step_s * (i + 1) / 4 for i in range(4)]
+    )
+    assert all(tokens == p for _, _, tokens in seen)
