@@ -26,6 +26,9 @@ SUBCOMMANDS: dict[str, Command] = {
     "serve": Command(
         "pdserve.bench.serve.cli", "main", "open-loop load: TTFT, ITL, goodput against rate"
     ),
+    "sim-footprint": Command(
+        "pdserve.bench.sim_footprint", "main", "memory and idle CPU of simulated workers"
+    ),
     "transfer": Command(
         "pdserve.bench.transfer", "main", "KV hand-off bandwidth and share of TTFT per transport"
     ),
