@@ -27,6 +27,7 @@ from pdserve.backends.base import SIM
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.step_runner import Compute, ComputeFactory
 from pdserve.engine_loop.async_engine import AsyncEngine
@@ -120,12 +121,16 @@ def sim_backend(
     options: SimOptions,
     *,
     batch_window_ms: float = 0.0,
+    gate: ComputeGate | None = None,
     **config: Any,
 ) -> TorchBackend:
     """A sim worker's backend on ``model_dir``'s vocabulary; ``config`` holds
-    ``EngineConfig`` fields. Call ``start()`` next."""
+    ``EngineConfig`` fields; ``gate``: a lease shared with other engines (their modelled
+    steps then take turns, as on one shared device). Call ``start()`` next."""
     config.pop("num_threads", None)  # nothing computes: no thread pool to size
     engine = Engine.from_pretrained(model_dir, compute=sim_compute(options), **config)
+    if gate is not None:
+        engine.gate = gate
     return TorchBackend(
         AsyncEngine(engine, batch_window_ms=batch_window_ms),
         name=SIM,

@@ -10,7 +10,8 @@ export for hand-offs, imports, preemption. Per step it
    its token id (K) and its position (V), one value per layer, so a hand-off carries a small
    real payload whose contents can be checked;
 3. sleeps until the step's time is spent (per layer when a prefill streams its KV layer by
-   layer, so a layer-wise transfer starts mid-step as it does on a device);
+   layer, so a layer-wise transfer starts mid-step as it does on a device, or when the
+   engine shares its device through a gate that lets other engines in between layers);
 4. samples deterministic tokens: a hash of the prompt, the output position and the request's
    seed, never an EOS id, so every stream runs to ``max_tokens`` and equal requests give equal
    streams on any worker, through hand-offs, migration and retries.
@@ -123,13 +124,22 @@ class SimRunner:
                 sampling.append(seq)
                 if seq.layer_hook is not None:
                     hooked.append((seq, seq.num_computed_tokens + chunk.num_tokens))
-        if hooked:  # each layer's KV is out when its share of the step is spent
+        if hooked or checkpoint is not None:
+            # Layer by layer: each layer's KV is out when its share of the step is spent, and
+            # between layers the gate may hand the device to another engine for a while,
+            # which does not count as this step's own time.
+            waited = 0.0
             for layer in range(self.num_layers):
-                self._wait_until(start + seconds * (layer + 1) / self.num_layers)
+                self._wait_until(start + waited + seconds * (layer + 1) / self.num_layers)
                 for seq, ctx in hooked:
                     assert seq.layer_hook is not None
                     k, v = self.read_layer(layer, seq.block_table, ctx)
                     seq.layer_hook(layer, k, v)
+                if checkpoint is not None and layer + 1 < self.num_layers:
+                    before = self._clock()
+                    checkpoint()
+                    waited += self._clock() - before
+            start += waited
         self._wait_until(start + seconds)
         return StepResult({s.request_id: (self.token_for(s), 0.0) for s in sampling}, failed)
 

@@ -410,11 +410,6 @@ def check_sim(args: argparse.Namespace) -> None:
             "--backend sim needs a timing model: roofline:ACCEL:MODEL or fitted:FILE",
         )
     SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
-    if args.host_lease is not None:
-        raise InvalidArgumentError(
-            "--host-lease",
-            "shares CPU cores between computing engines; a sim engine computes nothing",
-        )
 
 
 def options_from_args(

@@ -60,9 +60,10 @@ logger = logging.getLogger(__name__)
 
 def host_lease_dir(options: WorkerOptions) -> Path | None:
     """Where the worker's engine takes turns on the host's cores (``--host-lease``); None
-    without a lease, for TensorRT-LLM, which runs on a GPU of its own, and for a sim engine,
-    which models one."""
-    return None if options.backend in (TENSORRT_LLM, SIM) else options.host_lease
+    without a lease, and for TensorRT-LLM, which runs on a GPU of its own. Sim engines that
+    share a lease take turns with their modelled steps: one device shared, as the torch
+    engines of one host share its cores."""
+    return None if options.backend == TENSORRT_LLM else options.host_lease
 
 
 async def open_backend(options: WorkerOptions) -> EngineBackend:
@@ -76,24 +77,21 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
     elif options.backend == SIM:
         from pdserve.sim.backend import SimOptions, sim_backend
 
+        lease_dir = host_lease_dir(options)
         sim = sim_backend(
             options.model,
             SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link),
             batch_window_ms=options.max_wait_ms,
+            gate=None if lease_dir is None else host_lease(options, lease_dir),
             **options.engine_config(),
         )
         if options.scheduling.kv_events and options.redis_url:
             install_events(sim.engine)
         backend = sim
     else:
-        gate = None
         lease_dir = host_lease_dir(options)
-        if lease_dir is not None:  # take turns on the cores with the host's engines
-            gate = HostLease(
-                lease_dir,
-                interactive_period_s=options.interactive_period_ms / 1000.0,
-                bulk_tokens=options.bulk_tokens,
-            )
+        # Take turns on the cores with the host's engines.
+        gate = None if lease_dir is None else host_lease(options, lease_dir)
         torch_backend = TorchBackend.from_pretrained(
             options.model,
             batch_window_ms=options.max_wait_ms,
@@ -106,6 +104,15 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
         backend = torch_backend
     await backend.start()
     return backend
+
+
+def host_lease(options: WorkerOptions, lease_dir: Path) -> HostLease:
+    """The gate by which this worker's engine takes turns with the host's others."""
+    return HostLease(
+        lease_dir,
+        interactive_period_s=options.interactive_period_ms / 1000.0,
+        bulk_tokens=options.bulk_tokens,
+    )
 
 
 def trtllm_config(options: WorkerOptions) -> TensorRTLLMConfig:

@@ -84,10 +84,6 @@ def test_backend_flag_defaults_to_torch_and_reads_the_environment() -> None:
             "--sim-link",
         ),
         (
-            ("--backend", "sim", "--sim-profile", "roofline:h100:qwen2-7b", "--host-lease", "/l"),
-            "--host-lease",
-        ),
-        (
             (
                 "--backend",
                 "sim",

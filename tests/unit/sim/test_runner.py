@@ -7,6 +7,7 @@ blocks, prefix cache and imports, and a KV that does not hold the prompt fails t
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,11 +88,19 @@ def test_each_step_sleeps_its_modelled_time_stretched_by_the_scale(tiny_llama_di
     engine = sim_engine(tiny_llama_dir)
     ticks = Ticks()
     with_runner(engine, ticks, scale=3.0)
+    took = []
     engine.add_request("a", prompts(0, [40])[0], GREEDY)
+    took.append(ticks.now)
     engine.step()  # the whole 40-token prompt: 1 ms + 40 * 10 us
+    took.append(ticks.now)
     engine.add_request("b", prompts(1, [8])[0], GREEDY)
     engine.step()  # a's first decode and b's prompt
-    assert ticks.slept == pytest.approx([3 * (1e-3 + 40e-5), 3 * (1e-3 + 8e-5 + 1e-4)])
+    took.append(ticks.now)
+    engine.step()  # two decodes
+    took.append(ticks.now)
+    steps = [b - a for a, b in itertools.pairwise(took)]
+    assert steps == pytest.approx([3 * (1e-3 + 40e-5), 3 * (1e-3 + 8e-5 + 1e-4), 3 * (1e-3 + 2e-4)])
+    assert len(ticks.slept) == 4 + 4 + 1  # prefill steps by layer, a decode step at once
 
 
 def test_tokens_are_a_function_of_prompt_position_and_seed(tiny_llama_dir: Path) -> None:
@@ -207,3 +216,25 @@ def test_layer_hooks_fire_per_layer_through_the_step(tiny_llama_dir: Path) -> No
         [step_s * (i + 1) / 4 for i in range(4)]
     )
     assert all(tokens == p for _, _, tokens in seen)
+
+
+def test_time_given_away_at_a_checkpoint_is_not_the_step_s_own(tiny_llama_dir: Path) -> None:
+    """Under a shared device's gate, a prefill step lets other engines in between layers:
+    the step ends its own modelled time after the last of those waits."""
+    engine = sim_engine(tiny_llama_dir)
+    ticks = Ticks()
+    runner = with_runner(engine, ticks)
+    calls: list[float] = []
+
+    def checkpoint() -> None:
+        calls.append(ticks.now)
+        if len(calls) == 2:
+            ticks.now += 0.5  # another engine held the device for half a second
+
+    engine.add_request("c", prompts(9, [40])[0], SamplingParams(temperature=0.0, max_tokens=1))
+    step = engine.scheduler.schedule()
+    runner.execute(step, checkpoint)
+    step_s = 1e-3 + 40e-5
+    assert len(calls) == 3  # between the four layers
+    assert ticks.now - 100.0 == pytest.approx(step_s + 0.5)
+    assert calls[2] - 100.0 == pytest.approx(0.5 + step_s * 3 / 4)
