@@ -130,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
 
 def check_command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What can be refused before anything starts: no target, two alike labels, an output
-    file whose folder does not exist."""
+    file whose folder does not exist, a bad sim flag (``InvalidArgumentError``)."""
     if not args.targets:
         p.error("give a target: --router, --config or --openai-url")
     names = labels(args)
@@ -150,7 +150,8 @@ async def _run(targets: Sequence[Target], s: Settings, bar: ProgressBar, log: Lo
             opened.append(t)
         return await run_all(
             targets, s.load, rates=s.rates, search=s.search, slo=s.slo,
-            request_timeout_s=s.request_timeout_s, load_average=load_average,
+            request_timeout_s=s.request_timeout_s, time_scale=s.time_scale,
+            load_average=load_average,
             on_progress=bar.update, log=log,
         )  # fmt: skip
     finally:
@@ -171,8 +172,8 @@ def main(argv: Sequence[str]) -> int:
     # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
     # servers under test are using (the launcher sets the same for its children).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    check_command_line(p, args)
     try:
+        check_command_line(p, args)  # sim flags are checked here (the clusters' labels)
         s = settings(args)
     except (InvalidArgumentError, OSError) as e:
         p.error(str(e))

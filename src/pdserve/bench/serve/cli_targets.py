@@ -1,5 +1,10 @@
 """The targets of ``pdserve bench serve`` on its command line: routers, OpenAI-compatible
-servers and the clusters it starts (``--config``), each with the options given after it."""
+servers and the clusters it starts (``--config``), each with the options given after it.
+
+A cluster runs on the torch backend or on the sim backend (``--backend``, or
+``--target-backend`` after its ``--config``); sim clusters model accelerators
+(``--sim-profile``, ``--sim-link``) and may run slowed down (``--sim-time-scale``), the
+benchmark then working in modelled time (``timescale``)."""
 
 from __future__ import annotations
 
@@ -10,10 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.backends import SIM, TORCH
 from pdserve.bench.serve.openai import OpenAITarget
 from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
+from pdserve.bench.serve.timescale import FLAG as TIME_SCALE_FLAG
+from pdserve.bench.serve.timescale import TimeScale
+from pdserve.errors import InvalidArgumentError
 
 Log = Callable[[str], None]
+
+BACKENDS = (TORCH, SIM)
+"""The backends of the clusters the benchmark starts."""
+DEFAULT_SIM_PROFILE = "roofline:h100:llama-3-8b"
+"""As ``pdserve up``'s (``pdserve.up.DEFAULT_SIM_PROFILE``)."""
+DEFAULT_SIM_LINK = "rdma-400"
+"""As a sim worker's (``pdserve.sim.backend.DEFAULT_LINK``)."""
 
 
 @dataclass(slots=True)
@@ -32,6 +48,8 @@ class TargetArg:
     duties: list[str] = field(default_factory=list)
     lanes: list[str] = field(default_factory=list)
     planner_args: list[str] | None = None
+    backend: str | None = None
+    """``--target-backend`` of this cluster (else ``--backend``)."""
 
 
 class _AddTarget(argparse.Action):
@@ -73,6 +91,8 @@ class _ClusterOption(argparse.Action):
             if any(lane not in ("long", "short", "any") for lane in lanes):
                 parser.error(f"--lanes expects long, short or any per worker, got {values!r}")
             target.lanes = ["" if lane == "any" else lane for lane in lanes]
+        elif self.dest == "backend":
+            target.backend = str(values)
         elif self.dest == "planner_args":
             target.planner_args = [
                 *(target.planner_args or []),
@@ -111,7 +131,21 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="mixed workers when colocated (default: prefill + decode)",
     )
-    c.add_argument("--threads", type=int, help="torch threads per worker (--threads)")
+    c.add_argument("--threads", type=int, help="torch threads per worker of torch clusters")
+    c.add_argument("--backend", default=TORCH, choices=BACKENDS,
+                   help="the clusters' engine: torch, or sim (modelled accelerators, see "
+                   "docs/simulation.md; default: %(default)s)")  # fmt: skip
+    c.add_argument("--sim-profile", default=DEFAULT_SIM_PROFILE, metavar="SPEC",
+                   help="sim clusters' timing model, roofline:ACCEL:MODEL[:tpN] or "
+                   "fitted:FILE (default: %(default)s)")  # fmt: skip
+    c.add_argument(
+        "--sim-time-scale", type=float, default=1.0, metavar="K",
+        help="sim clusters' workers make every modelled second last K real ones; rates, SLOs, "
+        "--request-timeout and the report are then in modelled time (default: 1)",
+    )  # fmt: skip
+    c.add_argument("--sim-link", default=DEFAULT_SIM_LINK, metavar="NAME",
+                   help="sim clusters' modelled hand-off link (nvlink, rdma-400, rdma-200, "
+                   "tcp-25, same-host; default: %(default)s)")  # fmt: skip
     c.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
     c.add_argument(
         "--worker-arg",
@@ -135,6 +169,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help="extra router flag")  # fmt: skip
     o.add_argument("--target-worker-arg", dest="worker_args", action=_ClusterOption,
                    metavar="FLAG", help="extra flag for this cluster's workers only")  # fmt: skip
+    o.add_argument("--target-backend", dest="backend", action=_ClusterOption, choices=BACKENDS,
+                   help="this cluster's backend, instead of --backend")  # fmt: skip
     o.add_argument("--duties", action=_ClusterOption, metavar="D,D,...",
                    help="initial duty of each mixed worker: prefill, decode or any")  # fmt: skip
     o.add_argument("--lanes", action=_ClusterOption, metavar="L,L,...",
@@ -165,7 +201,7 @@ def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log
             log(f"starting {label} ...")
             cluster = Cluster(
                 spec.model, num_prefill=spec.prefill, num_decode=spec.decode, mode=spec.mode,
-                worker_args=spec.worker_args, startup_timeout_s=600.0,
+                worker_args=spec.worker_args, backend=spec.backend, startup_timeout_s=600.0,
                 scheduler_args=spec.scheduler_args, router_args=spec.router_args,
                 duties=spec.duties, lanes=spec.lanes, planner=spec.planner_args is not None,
                 planner_args=spec.planner_args or (),
@@ -200,7 +236,12 @@ def cluster_spec(
     from pdserve.launcher import default_model
 
     prefill, decode = target.workers if target and target.workers else (args.prefill, args.decode)
-    extra = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
+    backend = backend_of(args, target)
+    extra = ["--dtype", args.dtype]
+    if backend == SIM:
+        extra += sim_worker_args(args)  # nothing computes: no --threads
+    elif args.threads:
+        extra += ["--threads", str(args.threads)]
     model = args.model or default_model(args.preset)
     if mode == "colocated" and not (target and target.workers):
         decode = args.colocated_workers or prefill + decode
@@ -209,4 +250,51 @@ def cluster_spec(
         mode, model, prefill, decode, (*extra, *args.worker_arg, *own.worker_args),
         tuple(own.scheduler_args), tuple(own.router_args), tuple(own.duties),
         None if own.planner_args is None else tuple(own.planner_args), tuple(own.lanes),
+        backend,
     )  # fmt: skip
+
+
+def backend_of(args: argparse.Namespace, target: TargetArg | None) -> str:
+    """A cluster's backend: its ``--target-backend``, else ``--backend``."""
+    return target.backend if target is not None and target.backend else str(args.backend)
+
+
+def sim_worker_args(args: argparse.Namespace) -> list[str]:
+    """The sim flags of a sim cluster's workers, checked first (``InvalidArgumentError``
+    names the flag) so that a bad one stops the benchmark before anything starts."""
+    from pdserve.sim.backend import SimOptions  # loads torch: only for sim clusters
+
+    SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
+    return [
+        f"--sim-profile={args.sim_profile}",
+        f"--sim-time-scale={args.sim_time_scale}",
+        f"--sim-link={args.sim_link}",
+    ]
+
+
+def time_scale_of(args: argparse.Namespace) -> TimeScale:
+    """The run's time scale: ``--sim-time-scale`` when the clusters started are sim ones.
+
+    Refused: a scale other than 1 with no sim cluster to apply it to, or beside a target in
+    real time (a torch cluster, a router, an OpenAI-compatible server), whose rates and
+    latencies would be in other units than the sim clusters'."""
+    scale = TimeScale(float(args.sim_time_scale))  # > 0, or refused naming the flag
+    if scale.is_real:
+        return scale
+    sims = [t for t in args.targets if t.kind == "config" and backend_of(args, t) == SIM]
+    if not sims:
+        raise InvalidArgumentError(
+            TIME_SCALE_FLAG, "applies to sim clusters (--backend sim or --target-backend sim), "
+            "and this run starts none",
+        )  # fmt: skip
+    real = [
+        label for t, label in zip(args.targets, labels(args), strict=True)
+        if t.kind != "config" or backend_of(args, t) != SIM
+    ]  # fmt: skip
+    if real:
+        raise InvalidArgumentError(
+            TIME_SCALE_FLAG, f"{scale.factor:g} puts the sim clusters in modelled time, but "
+            f"{', '.join(real)} run in real time: the rates and latencies would not compare "
+            "(measure them in separate runs, or with --sim-time-scale 1)",
+        )  # fmt: skip
+    return scale

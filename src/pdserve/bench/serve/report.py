@@ -161,7 +161,9 @@ def _describe(t: Target) -> str:
             extra += " lanes " + ",".join(lane or "any" for lane in c["lanes"])
         if c.get("planner_args") is not None:
             extra += " + planner " + " ".join(c["planner_args"])
-        return f"pdserve {c['mode']} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
+        backend = c.get("backend", "torch")
+        kind = c["mode"] if backend == "torch" else f"{c['mode']} on {backend}"
+        return f"pdserve {kind} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
     if d.get("kind") == "openai":
         return f"OpenAI-compatible {d['url']} (model {d['model']})"
     return f"pdserve router {d.get('address')}"

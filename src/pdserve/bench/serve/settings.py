@@ -6,9 +6,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.bench.serve.cli_targets import time_scale_of
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.mixes import get_mix
 from pdserve.bench.serve.sweep import SearchSpec
+from pdserve.bench.serve.timescale import REAL_TIME, TimeScale
 from pdserve.bench.serve.workload import Load, load_trace
 from pdserve.errors import InvalidArgumentError
 
@@ -26,6 +28,8 @@ class Settings:
     search: SearchSpec | None
     slo: Slo
     request_timeout_s: float
+    time_scale: TimeScale = REAL_TIME
+    """Of the sim clusters under test: rates, SLOs and the timeout are in its modelled time."""
 
     def arrivals(self) -> str:
         burst = self.load.burst
@@ -46,9 +50,10 @@ class Settings:
             else f"arrivals over {load.duration_s:g} s" if load.duration_s is not None
             else "the whole trace"
         )  # fmt: skip
+        note = self.time_scale.note()
         return (
             f"pdserve bench serve: {what}; {self.arrivals()}; {size} per point "
-            f"(+{load.warmup} warm-up), seed {load.seed}"
+            f"(+{load.warmup} warm-up), seed {load.seed}" + (f"\n{note}" if note else "")
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -69,11 +74,15 @@ class Settings:
                                               "resolution": s.resolution, "goal": s.goal},
             "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
             "request_timeout_s": self.request_timeout_s,
+            # Rates, SLOs, records and summaries are in modelled seconds: real ones are this
+            # many times longer (1: real time).
+            "time_scale": self.time_scale.factor,
         }  # fmt: skip
 
 
 def settings(args: argparse.Namespace) -> Settings:
     """Validate the workload, rate and SLO options (InvalidArgumentError names the option)."""
+    scale = time_scale_of(args)
     trace = load_trace(args.trace) if args.trace is not None else None
     num = args.num_requests
     if num is None and args.duration is None and trace is None:
@@ -102,7 +111,8 @@ def settings(args: argparse.Namespace) -> Settings:
         search = SearchSpec(low, high, args.search_resolution, args.goodput_target)
     if not args.request_timeout > 0:
         raise InvalidArgumentError("--request-timeout", "must be > 0")
-    return Settings(load, rates, search, Slo(args.ttft_slo, args.itl_slo), args.request_timeout)
+    slo = Slo(args.ttft_slo, args.itl_slo)
+    return Settings(load, rates, search, slo, args.request_timeout, scale)
 
 
 def vocab_size(args: argparse.Namespace) -> int:

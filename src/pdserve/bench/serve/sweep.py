@@ -23,6 +23,7 @@ from pdserve.bench.serve.metrics import PointSummary, Slo, summarize
 from pdserve.bench.serve.records import RequestRecord
 from pdserve.bench.serve.runner import Counters, run_point
 from pdserve.bench.serve.targets import Target, TargetDownError
+from pdserve.bench.serve.timescale import REAL_TIME, TimeScale
 from pdserve.bench.serve.workload import Load
 from pdserve.errors import InvalidArgumentError
 
@@ -142,11 +143,14 @@ async def run_all(
     search: SearchSpec | None,
     slo: Slo,
     request_timeout_s: float,
+    time_scale: TimeScale = REAL_TIME,
     load_average: Callable[[], float | None] = lambda: None,
     on_progress: ProgressHook = lambda _t, _r, _c: None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> RunResult:
-    """Every fixed rate on every target, then the search rounds; see the module docstring."""
+    """Every fixed rate on every target, then the search rounds; see the module docstring.
+    Rates, SLOs and ``request_timeout_s`` are in ``time_scale``'s modelled time, and so are
+    the records and summaries."""
     result = RunResult()
     live = list(targets)
 
@@ -159,10 +163,12 @@ async def run_all(
             live.remove(target)
             return None
         started_load = load_average()
-        records = await run_point(
-            target, load.plan(rate), request_timeout_s=request_timeout_s,
+        sent = await run_point(
+            target, time_scale.real_plan(load.plan(rate)),
+            request_timeout_s=time_scale.real_s(request_timeout_s),
             on_change=lambda c: on_progress(target.label, rate, c),
         )  # fmt: skip
+        records = time_scale.modelled_records(sent)
         res = PointResult(target.label, rate, records, summarize(records, slo), started_load, phase)
         result.points.append(res)
         return res

@@ -112,18 +112,24 @@ class ClusterSpec:
     """Start the P:D planner with these flags; None: no planner."""
     lanes: tuple[str, ...] = ()
     """Lane of each prefill worker ("" for any)."""
+    backend: str = "torch"
+    """The workers' engine: ``torch`` or ``sim`` (its flags are in ``worker_args``)."""
 
     @property
     def default_label(self) -> str:
+        """``pdserve-conditional-1p2m``, say; ``-sim`` at the end for a sim cluster."""
         if self.mode == "colocated":
-            return f"pdserve-colocated-{self.decode}w"
-        if self.mode == "conditional":
-            return f"pdserve-conditional-{self.prefill}p{self.decode}m"
-        return f"pdserve-disaggregated-{self.prefill}p{self.decode}d"
+            label = f"pdserve-colocated-{self.decode}w"
+        elif self.mode == "conditional":
+            label = f"pdserve-conditional-{self.prefill}p{self.decode}m"
+        else:
+            label = f"pdserve-disaggregated-{self.prefill}p{self.decode}d"
+        return label if self.backend == "torch" else f"{label}-{self.backend}"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "backend": self.backend,
             "model": str(self.model),
             "prefill": self.prefill if self.mode != "colocated" else 0,
             "decode": self.decode,
