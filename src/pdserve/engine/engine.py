@@ -260,9 +260,9 @@ class Engine:
 
     def _read_payload(self, block_table: list[int], n: int) -> KVPayload:
         """A CPU copy of the first ``n`` tokens' KV in ``block_table``, every layer."""
-        layers = [
-            self.runner.read_layer(i, block_table, n) for i in range(self.model_config.num_layers)
-        ]
+        # The layout's layers: those of the KV the runner keeps (a sim runner's stand-in
+        # has the modelled model's, not the checkpoint's).
+        layers = [self.runner.read_layer(i, block_table, n) for i in range(self.layout.num_layers)]
         return KVPayload(
             self.layout,
             n,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
@@ -58,8 +59,10 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(4, 2048) for _ in range(n)] for n in lengths]
 
 
-def sim_engine(model_dir: Path, **config: object) -> Engine:
-    options = SimOptions.parse(f"roofline:h100:{model_dir / 'config.json'}")
+def sim_engine(model_dir: Path, profile: str = "", **config: object) -> Engine:
+    """A sim engine on the checkpoint's vocabulary, modelling its own shape unless
+    ``profile`` says otherwise."""
+    options = SimOptions.parse(profile or f"roofline:h100:{model_dir / 'config.json'}")
     return Engine.from_pretrained(
         model_dir, compute=sim_compute(options), num_kv_blocks=64, **config
     )
@@ -135,11 +138,19 @@ def test_no_eos_is_ever_drawn(tiny_llama_dir: Path) -> None:
 
 def test_the_prefix_cache_serves_the_stand_in_kv(tiny_llama_dir: Path) -> None:
     p = prompts(4, [70])[0]
-    engine = sim_engine(tiny_llama_dir)
+    # A modelled model of 32 layers on a checkpoint of 4: the KV has the modelled ones.
+    engine = sim_engine(tiny_llama_dir, "roofline:h100:llama-3-8b")
+    assert engine.layout.num_layers == 32
     (cold,) = engine.generate([p], GREEDY)
     (warm,) = engine.generate([p], GREEDY)
     assert warm.num_cached_tokens == 64 and cold.num_cached_tokens == 0
     assert warm.token_ids == cold.token_ids
+    # Decode-side prefix reuse reads the cached blocks out: every layer of the layout.
+    hashes = chain_block_hashes(p[:64], engine.config.block_size)
+    assert engine.cached_prefix_blocks(hashes) == 4
+    cached = engine.export_cached_prefix(hashes)
+    assert cached is not None and len(cached.keys) == engine.layout.num_layers
+    assert all([int(t) for t in k.reshape(-1)] == p[:64] for k in cached.keys)
     engine.check_no_leaks()
 
 
