@@ -37,6 +37,7 @@ COMMANDS: dict[str, Command] = {
         "pdserve.router.rollout_cli", "main_rollout", "traffic split between serving modes"
     ),
     "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),
+    "sim": Command("pdserve.sim.cli", "main_sim", "simulated accelerators (sim calibrate)"),
 }
 
 
