@@ -1,11 +1,11 @@
 """``python -m services.router``: the Router gRPC service, the cluster's public entry point.
 
 Wiring only: flags -> telemetry (tracing from ``OTEL_*``, ``/metrics``) -> tokenizer and model
-limits (no weights) -> the rollout split from Redis (``--redis-url``) -> RequestFlow (channels
-with the cluster's TLS and internal token) -> gRPC server (+ health; with ``--api-keys`` every
-call needs a client's key, which names its tenant) -> serve until SIGTERM/SIGINT. ``--port 0``
-binds a free port; ``--port-file`` receives the bound port once the server is serving
-(``--metrics-port-file`` the metrics port, before it).
+limits (no weights) -> the rollout split and traffic capture from Redis (``--redis-url``) ->
+RequestFlow (channels with the cluster's TLS and internal token) -> gRPC server (+ health; with
+``--api-keys`` every call needs a client's key, which names its tenant) -> serve until
+SIGTERM/SIGINT. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once
+the server is serving (``--metrics-port-file`` the metrics port, before it).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pdserve.router import (
     RequestLimits,
     RequestPreparer,
 )
+from pdserve.router.capture import Capture, capturing
 from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
 from pdserve.router.rollout import RolloutFollower, following
 from pdserve.router.telemetry import RouterTelemetry
@@ -65,8 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--redis-url",
         default=os.environ.get("PDSERVE_REDIS_URL"),
-        help="follow the rollout split (pdserve rollout) kept in this Redis (default: "
-        "$PDSERVE_REDIS_URL, which keeps a password off the command line); unset: --mode only",
+        help="follow the rollout split (pdserve rollout) and traffic capture (pdserve trace "
+        "capture) kept in this Redis (default: $PDSERVE_REDIS_URL, which keeps a password off "
+        "the command line); unset: --mode only, no capture",
     )
     p.add_argument("--namespace", default="pdserve", help="Redis key prefix of the cluster")
     p.add_argument("--max-channels", type=int, default=64, help="cached worker channels at most")
@@ -166,12 +168,15 @@ async def serve(args: argparse.Namespace) -> None:
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)  # last: flushes the spans of the final requests
-        arms = None
+        arms = capture = None
         if args.redis_url:
             redis = connect(args.redis_url)
             stack.push_async_callback(redis.aclose)
             arms = await stack.enter_async_context(
                 following(RolloutFollower(redis, KeySpace(args.namespace)))
+            )
+            capture = await stack.enter_async_context(
+                capturing(Capture(redis, KeySpace(args.namespace)))
             )
         flow = RequestFlow(
             scheduler_address=args.scheduler,
@@ -187,6 +192,7 @@ async def serve(args: argparse.Namespace) -> None:
                 migration_limit=args.migration_limit,
             ),
             arms=arms,
+            capture=capture,
         )
         stack.push_async_callback(flow.close)
         preparer = RequestPreparer(tokenizer, model_limits, limits, threads=args.tokenize_threads)

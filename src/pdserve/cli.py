@@ -36,7 +36,9 @@ COMMANDS: dict[str, Command] = {
     "rollout": Command(
         "pdserve.router.rollout_cli", "main_rollout", "traffic split between serving modes"
     ),
-    "trace": Command("pdserve.telemetry.cli", "main_trace", "trace tools (trace report)"),
+    "trace": Command(
+        "pdserve.telemetry.cli", "main_trace", "trace tools (trace report, trace capture)"
+    ),
     "sim": Command("pdserve.sim.cli", "main_sim", "simulated accelerators (sim calibrate)"),
 }
 

@@ -31,6 +31,9 @@ Tracing and timing (``observed``) are the request's ``RequestTrace`` (``trace``)
 and hands it, with the last stage's end, to every call (``handover``), so the stages tile the
 request; each worker's answer adds to its ``Timing``. A stream that sent its last chunk is read
 to its end, not cancelled.
+
+While traffic capture is on (``capture``), a request it admits as it enters leaves a record
+of its shape when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import grpc
 from grpc.aio import AioRpcError
 
 from pdserve.errors import PdServeError
+from pdserve.router.capture import Capture
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import (
     DeadlineExceededError,
@@ -123,9 +127,11 @@ class RequestFlow:
         channels: ChannelPool | None = None,
         config: FlowConfig | None = None,
         arms: Arms | None = None,
+        capture: Capture | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
         self.arms = arms
+        self.capture = capture
         self.tokenizer = tokenizer
         # Not ``channels or ...``: a pool with no channel yet is falsy (it has a length).
         self.channels = channels if channels is not None else ChannelPool()
@@ -158,6 +164,8 @@ class RequestFlow:
             self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
         )
         run = RequestState(request, clock, text, RequestTrace.of(clock, observed))
+        ticket = self.capture.admit(observed) if self.capture is not None else None
+        failed: type[BaseException] | None = None
         try:
             arm = self.arms.arm(request.request_id, request.tenant) if self.arms else None
             run.trace.arm = arm or ""
@@ -170,7 +178,12 @@ class RequestFlow:
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     yield chunk
+        except BaseException as err:
+            failed = type(err)
+            raise
         finally:
+            if ticket is not None:
+                ticket.finished(run, failed)
             task = self._track(self.housekeeper.clean_up(run, self._track))
             # Shielded: a second cancellation (server shutdown) must not cut the clean-up short;
             # the task stays tracked and close() waits for it.

@@ -46,6 +46,8 @@ class RequestState:
     failed_workers: list[str] = field(default_factory=list)
     """Workers that failed this request; a new placement excludes them."""
     cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    """Why the request finished, once its last chunk is made."""
     finished_stream: Any = None
     """The worker stream that sent its last chunk: the clean-up reads it to its end."""
     wound_up: bool = False
@@ -76,6 +78,7 @@ class RequestState:
         if chunk.token_ids:
             self.trace.token_sent()
         if finish is not None:
+            self.finish_reason = finish
             chunk.timing = self.trace.finished()
             chunk.usage = RouteUsage(
                 prompt_tokens=len(self.request.prompt_token_ids),

@@ -20,6 +20,9 @@ key                                type    content
 ``pdserve:planner:leader``         string  id of the planner replica that leads, PX TTL
 ``pdserve:rollout``                string  the routers' traffic split (``router.rollout``)
 ``pdserve:rollout:changed``        pubsub  a message whenever the split changes
+``pdserve:capture``                string  the routers' traffic capture while it is on
+                                           (``router.capture``, JSON), EX TTL
+``pdserve:capture:records``        stream  the captured requests' records (capped)
 =================================  ======  ====================================================
 
 A namespace lets several clusters (or tests) share one Redis.
@@ -88,6 +91,16 @@ class KeySpace:
     def rollout_channel(self) -> str:
         """Pub/sub channel announcing a change of ``rollout``."""
         return f"{self.namespace}:rollout:changed"
+
+    @property
+    def capture(self) -> str:
+        """The routers' traffic capture setting, present while a capture runs."""
+        return f"{self.namespace}:capture"
+
+    @property
+    def capture_stream(self) -> str:
+        """Stream of the records of captured requests (``router.capture``)."""
+        return f"{self.namespace}:capture:records"
 
 
 def text(value: str | bytes) -> str:

@@ -18,6 +18,11 @@ SUBCOMMANDS: dict[str, Command] = {
         "main_report",
         "per-stage latency breakdown (table, PNG, HTML) from Jaeger or a span file",
     ),
+    "capture": Command(
+        "pdserve.router.capture_cli",
+        "main_capture",
+        "record the routers' traffic (shape only, no text) as a trace to replay",
+    ),
 }
 
 
