@@ -54,7 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-    p.add_argument("--scheduler", required=True, help="host:port of the Scheduler service")
+    p.add_argument(
+        "--scheduler",
+        required=True,
+        help="host:port of the Scheduler service; several replicas comma-separated, asked in "
+        "turn (one that cannot be reached is skipped)",
+    )
     p.add_argument("--model", type=Path, required=True, help="checkpoint dir (tokenizer + config)")
     p.add_argument(
         "--mode",

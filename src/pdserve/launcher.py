@@ -100,6 +100,10 @@ class Cluster:
     """Extra flags for the scheduler (``["--policy", "round_robin"]``)."""
     router_args: Sequence[str] = ()
     """Extra flags for the router."""
+    num_schedulers: int = 1
+    """Scheduler replicas (sharing Redis); every router places through all of them in turn."""
+    num_routers: int = 1
+    """Routers, each an entry point of its own (``router_addresses``)."""
     planner: bool = False
     """Start the P:D planner (``services.planner``), which moves mixed workers between
     prefill and decode duty."""
@@ -162,6 +166,12 @@ class Cluster:
             raise InvalidArgumentError("backend", f"must be one of {BACKEND_NAMES}")
         if self.num_decode < 1:
             raise InvalidArgumentError("num_decode", "needs at least one decode (or mixed) worker")
+        for name, count in (
+            ("num_schedulers", self.num_schedulers),
+            ("num_routers", self.num_routers),
+        ):
+            if count < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {count}")
         if not 0 <= self.metrics_base_port <= 65535:
             raise InvalidArgumentError(
                 "metrics_base_port", f"must be in [0, 65535], got {self.metrics_base_port}"
@@ -188,6 +198,11 @@ class Cluster:
         return self._service("router").address
 
     @property
+    def router_addresses(self) -> list[str]:
+        """Every router's address (``router_address`` is the first)."""
+        return [self._service(replica_name("router", i)).address for i in range(self.num_routers)]
+
+    @property
     def http_url(self) -> str:
         """``http://127.0.0.1:PORT`` of the gateway (``https://`` in a secured cluster; the
         OpenAI base URL: add ``/v1``)."""
@@ -197,6 +212,13 @@ class Cluster:
     @property
     def scheduler_address(self) -> str:
         return self._service("scheduler").address
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """Every scheduler replica's address (``scheduler_address`` is the first)."""
+        return [
+            self._service(replica_name("scheduler", i)).address for i in range(self.num_schedulers)
+        ]
 
     @property
     def kvstore_address(self) -> str:
@@ -316,14 +338,25 @@ class Cluster:
         keys = ["--api-keys", str(self.api_keys)] if self.api_keys is not None else []
 
         kvstore = self._add("kvstore", "services.kvstore", internal)
-        scheduler = self._add(
-            "scheduler", "services.scheduler",
-            [*internal, "--namespace", self.namespace, "--default-mode", self.mode, *keys,
-             *self.scheduler_args],
-        )  # fmt: skip
-        for s in (kvstore, scheduler):
+        schedulers = [
+            self._add(
+                replica_name("scheduler", i),
+                "services.scheduler",
+                [
+                    *internal,
+                    "--namespace",
+                    self.namespace,
+                    "--default-mode",
+                    self.mode,
+                    *keys,
+                    *self.scheduler_args,
+                ],
+            )
+            for i in range(self.num_schedulers)
+        ]
+        for s in (kvstore, *schedulers):
             s.spawn(env)
-        self._wait("port files", [kvstore, scheduler], self._read_ports, deadline)
+        self._wait("port files", [kvstore, *schedulers], self._read_ports, deadline)
 
         worker_common = [
             *internal, "--model", str(self.model_dir),
@@ -362,17 +395,34 @@ class Cluster:
                 "planner", "services.planner",
                 [*common, "--namespace", self.namespace, *self.planner_args],
             ))  # fmt: skip
-        router = self._add(
-            "router", "services.router",
-            [*common, *self._security_args(router=True), "--scheduler", scheduler.address,
-             "--model", str(self.model_dir), "--mode", self.mode, "--namespace", self.namespace,
-             *keys, *self.router_args],
-        )  # fmt: skip
+        replicas = ",".join(s.address for s in schedulers)
+        routers = [
+            self._add(
+                replica_name("router", i),
+                "services.router",
+                [
+                    *common,
+                    *self._security_args(router=True),
+                    "--scheduler",
+                    replicas,
+                    "--model",
+                    str(self.model_dir),
+                    "--mode",
+                    self.mode,
+                    "--namespace",
+                    self.namespace,
+                    *keys,
+                    *self.router_args,
+                ],
+            )
+            for i in range(self.num_routers)
+        ]
+        router = routers[0]
         if self.router_port:
             router.args += ["--port", str(self.router_port)]  # the last --port wins
-        for s in [*late, router]:
+        for s in [*late, *routers]:
             s.spawn(env)
-        self._wait("port files", [*late, router], self._read_ports, deadline)
+        self._wait("port files", [*late, *routers], self._read_ports, deadline)
         if self.http_port is not None:
             gateway = self._add(
                 "gateway", "services.gateway",
@@ -460,9 +510,9 @@ class Cluster:
             self.supervisor.halt()  # no restart may race the shutdown
         tiers = [
             [s for s in self.services if s.name == "gateway"],
-            [s for s in self.services if s.name in ("router", "planner")],
+            [s for s in self.services if s.name == "planner" or is_replica(s.name, "router")],
             self.workers(),
-            [s for s in self.services if s.name in ("scheduler", "kvstore")],
+            [s for s in self.services if s.name == "kvstore" or is_replica(s.name, "scheduler")],
         ]
         for tier in tiers:
             terminate([s.proc for s in tier if s.proc is not None], self.stop_grace_s)
@@ -497,6 +547,18 @@ class Cluster:
 
 
 # -- the demo checkpoint (pdserve up, benchmarks) --------------------------------------------------
+
+
+def replica_name(service: str, i: int) -> str:
+    """The name of replica ``i`` of a service: the first keeps the plain name."""
+    return service if i == 0 else f"{service}-{i}"
+
+
+def is_replica(name: str, service: str) -> bool:
+    """Whether ``name`` is one of ``service``'s replicas (``replica_name``)."""
+    return name == service or (
+        name.startswith(f"{service}-") and name.removeprefix(f"{service}-").isdigit()
+    )
 
 
 def default_model(preset: str) -> Path:

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,6 +62,7 @@ from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
+from pdserve.router.schedulers import SchedulerReplicas
 from pdserve.router.state import RequestState
 from pdserve.router.telemetry import ObservedRequest
 from pdserve.router.text import ResponseText
@@ -81,7 +82,6 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
     scheduler_pb2,
-    scheduler_pb2_grpc,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,31 +122,28 @@ class RequestFlow:
     def __init__(
         self,
         *,
-        scheduler_address: str,
+        scheduler_address: str | Sequence[str],
         tokenizer: Tokenizer,
         channels: ChannelPool | None = None,
         config: FlowConfig | None = None,
         arms: Arms | None = None,
         capture: Capture | None = None,
     ) -> None:
-        self.scheduler_address = scheduler_address
         self.arms = arms
         self.capture = capture
         self.tokenizer = tokenizer
         # Not ``channels or ...``: a pool with no channel yet is falsy (it has a length).
         self.channels = channels if channels is not None else ChannelPool()
         self.config = config or FlowConfig()
+        self.schedulers = SchedulerReplicas(scheduler_address, self.channels)
+        """Every scheduler call goes to the next replica (``router.schedulers``)."""
         self.housekeeper = Housekeeper(
             self.channels,
-            scheduler_address,
+            self.schedulers,
             timeout_s=self.config.cleanup_timeout_s,
             renew_fraction=self.config.renew_fraction,
         )
         self._cleanups: set[asyncio.Task[None]] = set()
-
-    @property
-    def _scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return scheduler_pb2_grpc.SchedulerStub(self.channels.get(self.scheduler_address))
 
     async def generate(
         self,
@@ -276,34 +273,41 @@ class RequestFlow:
         # The call runs to completion even when the caller's deadline or a cancellation cuts the
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
-        with run.trace.handing_over(asked_ns):
-            call = self._scheduler.Assign(
-                scheduler_pb2.AssignRequest(
-                    request_id=req.request_id,
-                    prompt_tokens=len(req.prompt_token_ids),
-                    max_tokens=req.params.max_tokens,
-                    mode=mode,
-                    tenant=req.tenant,
-                    exclude=run.failed_workers,
-                    decode_only=decode_only,
-                    prompt_token_ids=req.prompt_token_ids,
-                ),
-                timeout=self.config.assign_timeout_s,
-            )
-        run.assign_task = asyncio.create_task(unary_call(step, call), name="assign")
-        try:
-            assignment: scheduler_pb2.Assignment = await asyncio.wait_for(
-                asyncio.shield(run.assign_task), remaining
-            )
-        except TimeoutError:
-            if decides:
-                run.trace.mode_decided(asked_ns, mode, req, None)
-            raise DeadlineExceededError(f"deadline exceeded during {step}") from None
-        except PdServeError:
-            if decides:
-                run.trace.mode_decided(asked_ns, mode, req, None)
-            run.assign_task = None  # Assign itself failed: nothing was reserved
-            raise
+        request = scheduler_pb2.AssignRequest(
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=req.params.max_tokens,
+            mode=mode,
+            tenant=req.tenant,
+            exclude=run.failed_workers,
+            decode_only=decode_only,
+            prompt_token_ids=req.prompt_token_ids,
+        )
+        # A replica that cannot be reached reserved nothing: the next one is asked.
+        for others in range(len(self.schedulers) - 1, -1, -1):
+            with run.trace.handing_over(asked_ns):
+                call = self.schedulers.stub().Assign(request, timeout=self.config.assign_timeout_s)
+            run.assign_task = asyncio.create_task(unary_call(step, call), name="assign")
+            try:
+                assignment: scheduler_pb2.Assignment = await asyncio.wait_for(
+                    asyncio.shield(run.assign_task), remaining
+                )
+            except TimeoutError:
+                if decides:
+                    run.trace.mode_decided(asked_ns, mode, req, None)
+                raise DeadlineExceededError(f"deadline exceeded during {step}") from None
+            except PdServeError as err:
+                run.assign_task = None  # Assign itself failed: nothing was reserved
+                unavailable = (
+                    isinstance(err, DownstreamError) and err.code is grpc.StatusCode.UNAVAILABLE
+                )
+                if others and unavailable:
+                    remaining = run.clock.remaining(step)
+                    continue
+                if decides:
+                    run.trace.mode_decided(asked_ns, mode, req, None)
+                raise
+            break
         if decides:
             run.trace.mode_decided(asked_ns, mode, req, assignment)
         run.reservation_id = assignment.reservation_id

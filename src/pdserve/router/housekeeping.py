@@ -21,6 +21,7 @@ from opentelemetry import trace
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import late_kv
+from pdserve.router.schedulers import SchedulerReplicas
 from pdserve.router.state import RequestState
 from pdserve.router.telemetry import detached
 from pdserve.telemetry.spans import ROUTER_RELEASE
@@ -50,20 +51,22 @@ class Housekeeper:
     def __init__(
         self,
         channels: ChannelPool,
-        scheduler_address: str,
+        schedulers: SchedulerReplicas,
         *,
         timeout_s: float = 5.0,
         renew_fraction: float = 0.5,
     ) -> None:
         self.channels = channels
-        self.scheduler_address = scheduler_address
+        self.schedulers = schedulers
+        """Release and Renew go to any replica: each call to the next (a retry after an
+        unreachable one, to another)."""
         self.timeout_s = timeout_s
         """Bound on each call; a stuck call must not pin the request."""
         self.renew_fraction = renew_fraction
         """Renew a reservation after this fraction of its TTL."""
 
     def _scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return scheduler_pb2_grpc.SchedulerStub(self.channels.get(self.scheduler_address))
+        return self.schedulers.stub()
 
     async def release_when_assigned(
         self, request_id: str, assign: asyncio.Task[scheduler_pb2.Assignment]

@@ -1,0 +1,60 @@
+"""Two scheduler replicas and two routers over one Redis, on simulated workers: both
+routers serve, the replicas share the placements, and when one replica dies requests go on
+through the other without an error."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.client import Client
+from pdserve.launcher import Cluster, default_model
+from tests.integration.failover_load import kill
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(
+        default_model("tiny"), backend="sim", num_prefill=1, num_decode=2,
+        num_schedulers=2, num_routers=2, log_level="WARNING",
+        worker_args=["--sim-profile", "roofline:h100:llama-3-8b"],
+    ) as c:  # fmt: skip
+        yield c
+
+
+def assigned(url: str) -> float:
+    """Assign calls a scheduler has answered, from its metrics."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pdserve_scheduler_decisions_total"
+    )
+
+
+def test_both_routers_serve_through_both_replicas(cluster: Cluster) -> None:
+    urls = [cluster.metrics_urls()[name] for name in ("scheduler", "scheduler-1")]
+    before = [assigned(u) for u in urls]
+    for address in cluster.router_addresses:
+        with Client(address, timeout=60) as client:
+            for i in range(6):
+                done = client.generate([5, 6, 7, 8 + i], max_tokens=4, ignore_eos=True)
+                assert done.usage.completion_tokens == 4
+    after = [assigned(u) for u in urls]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [6, 6]
+
+
+def test_requests_go_on_when_a_replica_dies(cluster: Cluster) -> None:
+    victim = next(s for s in cluster.services if s.name == "scheduler-1")
+    kill(victim)
+    with Client(cluster.router_address, timeout=60) as client:
+        for i in range(8):  # every other call would have gone to the dead replica
+            done = client.generate([9, 10, 11 + i], max_tokens=3, ignore_eos=True)
+            assert done.usage.completion_tokens == 3
