@@ -39,7 +39,9 @@ COMMANDS: dict[str, Command] = {
     "trace": Command(
         "pdserve.telemetry.cli", "main_trace", "trace tools (trace report, trace capture)"
     ),
-    "sim": Command("pdserve.sim.cli", "main_sim", "simulated accelerators (sim calibrate)"),
+    "sim": Command(
+        "pdserve.sim.cli", "main_sim", "simulated accelerators (sim calibrate, sim plan)"
+    ),
 }
 
 

@@ -3,13 +3,20 @@
 ``pdserve sim calibrate --model DIR --out FILE`` measures the torch engine's step times on
 this machine (``pdserve.sim.calibrate``) and writes a fitted profile that
 ``--backend sim --sim-profile fitted:FILE`` replays.
+
+``pdserve sim plan --trace FILE --ttft-slo S --itl-slo S`` replays a captured trace against
+sim clusters of growing size and every P:D split, and names the smallest that would have
+held the SLO (``pdserve.sim.plan``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +25,7 @@ from pdserve.sim.timing import Fitted
 
 
 def sim_parser() -> argparse.ArgumentParser:
-    """The parser of ``pdserve sim ...``: one subparser per tool (``calibrate`` so far)."""
+    """The parser of ``pdserve sim ...``: one subparser per tool (``calibrate``, ``plan``)."""
     parser = argparse.ArgumentParser(
         prog="pdserve sim", description="tools for simulated accelerators (--backend sim)"
     )
@@ -41,7 +48,107 @@ def sim_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     cal.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     cal.add_argument("--repeats", type=int, default=None, help="steps measured per shape")
+    _add_plan_parser(sub)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A time like ``2``, ``2s`` or ``150ms``, in seconds."""
+    unit = 1e-3 if text.endswith("ms") else 1.0
+    number = text.removesuffix("ms") if unit != 1.0 else text.removesuffix("s")
+    try:
+        value = float(number) * unit
+    except ValueError:
+        msg = f"expected a time like 2, 2s or 150ms, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive time, got {text!r}")
+    return value
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from pdserve.sim.plan import DEFAULT_LINK, DEFAULT_PROFILE, MODES
+
+    plan = sub.add_parser(
+        "plan",
+        help="the smallest sim cluster and P:D split that holds an SLO for a trace",
+        description="Replay a trace (pdserve trace capture, or any bench serve --trace file) "
+        "at its own arrival times against sim clusters, smallest first: for each total of "
+        "workers, every prefill:decode split (and all-mixed colocated), stopping at the first "
+        "total where a configuration's goodput reaches the target. Prints every "
+        "configuration tried and the one chosen; exit status 1 when none up to "
+        "--max-workers did. Each configuration is one 'pdserve bench serve' run.",
+    )
+    plan.add_argument("--trace", type=Path, required=True, help="JSONL trace to replay")
+    plan.add_argument(
+        "--ttft-slo",
+        type=_seconds,
+        required=True,
+        metavar="S",
+        help="time to first token bound (seconds, or 150ms)",
+    )
+    plan.add_argument(
+        "--itl-slo",
+        type=_seconds,
+        required=True,
+        metavar="S",
+        help="bound on a request's p99 inter-token gap (seconds, or 50ms)",
+    )
+    plan.add_argument(
+        "--goodput",
+        type=float,
+        default=0.9,
+        help="share of requests within both SLOs to reach (default 0.9)",
+    )
+    plan.add_argument("--max-workers", type=int, default=8, help="largest total (default 8)")
+    plan.add_argument("--min-workers", type=int, default=2, help="smallest total (default 2)")
+    plan.add_argument(
+        "--mode",
+        action="extend",
+        nargs="+",
+        choices=MODES,
+        help="cluster kinds to try, in this order (default: all three)",
+    )
+    plan.add_argument(
+        "--profile",
+        "--sim-profile",
+        dest="profile",
+        default=DEFAULT_PROFILE,
+        metavar="SPEC",
+        help="timing model (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="real seconds per modelled second; SLOs stay modelled (default 1)",
+    )
+    plan.add_argument(
+        "--sim-link",
+        default=DEFAULT_LINK,
+        metavar="NAME",
+        help="modelled hand-off link (default: %(default)s)",
+    )
+    plan.add_argument("--model", type=Path, help="checkpoint dir for the served vocabulary")
+    plan.add_argument(
+        "--preset",
+        default="small",
+        choices=["tiny", "small", "base"],
+        help="demo model when no --model (default: %(default)s)",
+    )
+    plan.add_argument("--vocab-size", type=int, help="token ids from [16, this)")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--request-timeout", type=_seconds, default=300.0, metavar="S")
+    plan.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra worker flag, repeatable: --worker-arg=--max-num-seqs=64",
+    )
+    plan.add_argument("--log-dir", type=Path, help="keep each run's output and logs here")
+    plan.add_argument("--json", type=Path, help="write the plan (every configuration) here")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -124,9 +231,60 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """Carry out a parsed ``sim plan``: 0 when a configuration met the target, 1 when none
+    did. Everything that can be refused is refused before the first cluster starts."""
+    from pdserve.bench.serve.workload import load_trace, trace_rate
+    from pdserve.sim.backend import SimOptions
+    from pdserve.sim.plan import MODES, BenchRun, check_search, format_plan, outcome_line, plan
+
+    modes = tuple(dict.fromkeys(args.mode or MODES))
+    check_search(goal=args.goodput, max_workers=args.max_workers,
+                 min_workers=args.min_workers, modes=modes)  # fmt: skip
+    trace = load_trace(args.trace)
+    SimOptions.parse(args.profile, args.sim_time_scale, args.sim_link)  # names the bad flag
+    for flag, path in (("--json", args.json), ("--log-dir", args.log_dir)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise InvalidArgumentError(flag, f"{path}: its folder does not exist")
+    if args.vocab_size is not None and args.vocab_size <= 16:
+        raise InvalidArgumentError("--vocab-size", f"must exceed 16, got {args.vocab_size}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise InvalidArgumentError("--model", f"{args.model} has no config.json")
+    run = BenchRun(
+        args.trace.resolve(), args.ttft_slo, args.itl_slo, args.goodput, args.profile,
+        args.sim_time_scale, args.sim_link, args.model, args.preset, args.vocab_size,
+        args.seed, args.request_timeout, tuple(args.worker_arg),
+        None if args.log_dir is None else args.log_dir.resolve(),
+    )  # fmt: skip
+    rate = trace_rate(trace)
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    print(
+        f"pdserve sim plan: trace of {len(trace)} requests over {span:.3g} s"
+        + (f" ({rate:.3g} req/s)" if rate is not None else "")
+        + f"; SLO TTFT <= {args.ttft_slo:g} s, p99 ITL <= {args.itl_slo:g} s, "
+        f"goodput >= {args.goodput:g}; {args.profile}, time scale {args.sim_time_scale:g}",
+        flush=True,
+    )
+    result = plan(
+        run.measure, goal=args.goodput, max_workers=args.max_workers,
+        min_workers=args.min_workers, modes=modes,
+        on_outcome=lambda o: print(f"  {outcome_line(o)}", file=sys.stderr, flush=True),
+    )  # fmt: skip
+    print(format_plan(result), end="")
+    if args.json is not None:
+        doc = {"trace": str(args.trace), "requests": len(trace),
+               "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo},
+               "profile": args.profile, "time_scale": args.sim_time_scale,
+               "link": args.sim_link, **result.to_json()}  # fmt: skip
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0 if result.chosen is not None else 1
+
+
 def main_sim(argv: Sequence[str]) -> int:
     """Entry of ``pdserve sim``: ``argv`` is what follows ``sim`` on the command line."""
     args = sim_parser().parse_args(list(argv))
     if args.sim_command == "calibrate":
         return run_calibrate(args)
+    if args.sim_command == "plan":
+        return run_plan(args)
     raise AssertionError(f"unhandled sim command {args.sim_command!r}")  # argparse forbids it

@@ -11,6 +11,12 @@ rate. Three seeded random streams keep the points comparable and reproducible:
   two points share a prompt (a prefix cache cannot carry one point into the next) while every
   target measured at a point gets the same token ids.
 
+A trace line may say what its prompt shares with others (``block_hashes``, ``block_size``,
+as ``pdserve trace capture`` writes them): its leading blocks are then the token blocks of
+those hashes, made from the same seed and rate (``prefixes``), so the replayed prompts share
+exactly the leading blocks the captured ones did, and only the rest is the request's own.
+A line's ``tenant`` is read and kept, not sent: a ``Target`` streams a prompt without one.
+
 Arrival processes: Poisson (the default), bursts of ``N`` requests every ``N / rate`` seconds
 (``burst=N``), everything at ``t = 0`` (``burst=0``), or a trace's own arrival times, scaled
 to a mean rate when one is given.
@@ -28,6 +34,7 @@ from pathlib import Path
 
 from pdserve.bench.measure import make_prompts
 from pdserve.bench.serve.mixes import Mix
+from pdserve.bench.serve.prefixes import NO_PREFIX, BlockTokens, PromptPrefix, read_prefix
 from pdserve.errors import InvalidArgumentError
 
 
@@ -73,11 +80,16 @@ class TraceEntry:
     prompt_tokens: int
     output_tokens: int
     arrival_s: float
+    prefix: PromptPrefix = NO_PREFIX
+    """The captured prompt's leading blocks, by hash, and its tenant (empty: none given)."""
 
 
 def load_trace(path: Path) -> tuple[TraceEntry, ...]:
-    """Read a JSONL trace (``{"prompt_tokens": int, "output_tokens": int, "arrival_s":
-    float}`` per line; blank lines skipped), sorted by arrival time."""
+    """Read a JSONL trace, sorted by arrival time (blank lines skipped). A line is
+    ``{"prompt_tokens": int, "output_tokens": int, "arrival_s": float}``, optionally with
+    ``"block_size": int, "block_hashes": [hex, ...]`` (at most ``(prompt_tokens - 1) //
+    block_size`` of them) and ``"tenant": str``; other keys are ignored. A malformed line is
+    refused with its place and the field named (``InvalidArgumentError``)."""
     entries = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -101,7 +113,9 @@ def load_trace(path: Path) -> tuple[TraceEntry, ...]:
             or arrival < 0
         ):
             raise InvalidArgumentError("trace", f"{where}: arrival_s must be a number >= 0")
-        entries.append(TraceEntry(obj["prompt_tokens"], obj["output_tokens"], float(arrival)))
+        prompt_tokens = obj["prompt_tokens"]
+        prefix = read_prefix(obj, prompt_tokens, where)
+        entries.append(TraceEntry(prompt_tokens, obj["output_tokens"], float(arrival), prefix))
     if not entries:
         raise InvalidArgumentError("trace", f"{path}: no requests")
     return tuple(sorted(entries, key=lambda e: e.arrival_s))
@@ -120,6 +134,8 @@ class _Shape:
     kind: str
     session: int | None = None
     turn: int = 0
+    prefix: PromptPrefix | None = None
+    """A trace line's captured leading blocks (None: the whole prompt is the request's own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +182,13 @@ class Load:
             raise InvalidArgumentError("rate", "Poisson arrivals and bursts of N need a rate")
         key = "none" if rate is None else f"{float(rate):.9g}"
         token_rng = random.Random(f"{self.seed}:tokens:{key}")
+        blocks = BlockTokens(self.vocab_size, f"{self.seed}:blocks:{key}")
         out: list[PlannedRequest] = []
         for i, (at, shape) in enumerate(self._timed_shapes(rate)):
-            prompt = make_prompts(token_rng, 1, shape.prompt_tokens, self.vocab_size)[0]
+            if shape.prefix is not None and shape.prefix.block_hashes:
+                prompt = blocks.prompt(shape.prefix, shape.prompt_tokens, token_rng)
+            else:
+                prompt = make_prompts(token_rng, 1, shape.prompt_tokens, self.vocab_size)[0]
             out.append(
                 PlannedRequest(
                     i, at, tuple(prompt), shape.output_tokens, shape.kind,
@@ -213,7 +233,10 @@ class Load:
     def _shapes(self) -> Iterator[_Shape]:
         rng = random.Random(f"{self.seed}:shapes")
         if self.trace is not None:
-            yield from (_Shape(e.prompt_tokens, e.output_tokens, "trace") for e in self.trace)
+            yield from (
+                _Shape(e.prompt_tokens, e.output_tokens, "trace", prefix=e.prefix)
+                for e in self.trace
+            )
             return
         assert self.mix is not None
         conv = self.mix.conversation
