@@ -17,6 +17,9 @@ SUBCOMMANDS: dict[str, Command] = {
     "attention": Command(
         "pdserve.bench.attention_bench", "main", "native CPU attention kernels against torch SDPA"
     ),
+    "control-plane": Command(
+        "pdserve.bench.control_plane", "main", "request rate the router and schedulers carry"
+    ),
     "engine": Command(
         "pdserve.bench.engine_bench", "main", "engine throughput beside HF transformers and vLLM"
     ),
