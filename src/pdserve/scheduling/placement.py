@@ -278,14 +278,28 @@ class Placer:
             return Phase.DECODE.value
         pairs: list[Plan] = []
         weighed = 0
+        # The prefill side's ranking depends on the decode worker only through its model and
+        # by leaving it out: rank once per model and drop the decode worker from that list
+        # (a sorted list stays sorted), instead of ranking every candidate per decode worker.
+        by_model: dict[str, list[WorkerView]] = {}
         for decode in decodes:
-            others = [v for v in views if v.id != decode.id]
             fingerprint = decode.info.model_fingerprint
-            prefills = self.ranked(others, demands[Phase.PREFILL], fingerprint, long)
+            if not isinstance(self.policy, KvAware):
+                others = [v for v in views if v.id != decode.id]
+                prefills = self.ranked(others, demands[Phase.PREFILL], fingerprint, long)
+                if not prefills:
+                    continue
+                return self._pair(self._affine(prefills, decode, demands), decode, demands)
+            if fingerprint not in by_model:
+                by_model[fingerprint] = self.ranked(
+                    views, demands[Phase.PREFILL], fingerprint, long
+                )
+            prefills = [p for p in by_model[fingerprint] if p.id != decode.id]
+            if not prefills:  # a lane's fallback may differ without this worker: rank anew
+                others = [v for v in views if v.id != decode.id]
+                prefills = self.ranked(others, demands[Phase.PREFILL], fingerprint, long)
             if not prefills:
                 continue
-            if not isinstance(self.policy, KvAware):
-                return self._pair(self._affine(prefills, decode, demands), decode, demands)
             pairs.extend(self._pair(p, decode, demands) for p in prefills)
             weighed += 1
             if weighed == _PAIR_DECODES:
