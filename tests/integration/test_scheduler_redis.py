@@ -243,6 +243,27 @@ def test_list_workers_drops_expired_and_unreadable_heartbeats(run: Any, keys: Ke
     run(scenario)
 
 
+def test_an_unchanged_heartbeat_is_not_parsed_again(run: Any, keys: KeySpace) -> None:
+    """A scheduler lists the workers several times per heartbeat: the same heartbeat gives
+    the same parsed object, a new one is read anew, and a worker gone is forgotten."""
+
+    async def scenario(redis: Redis) -> None:
+        registry = RedisWorkerRegistry(redis, keys=keys)
+        await registry.heartbeat(make_worker("a", WorkerRole.DECODE, 8), ttl_s=30)
+        await registry.heartbeat(make_worker("b", WorkerRole.PREFILL, 8), ttl_s=30)
+        first = {w.id: w for w in await registry.list_workers()}
+        again = {w.id: w for w in await registry.list_workers()}
+        assert all(again[i] is first[i] for i in ("a", "b"))
+        await registry.heartbeat(make_worker("a", WorkerRole.DECODE, 7), ttl_s=30)
+        third = {w.id: w for w in await registry.list_workers()}
+        assert third["b"] is first["b"] and third["a"] is not first["a"]
+        assert third["a"] == WorkerInfo.from_json(await redis.get(keys.worker("a")))
+        assert await registry.remove("b")
+        assert [w.id for w in await registry.list_workers()] == ["a"]
+
+    run(scenario)
+
+
 # -- the optimistic re-check under contention ----------------------------------------------------
 
 

@@ -69,6 +69,11 @@ class RedisWorkerRegistry:
     def __init__(self, redis: Redis, *, keys: KeySpace | None = None) -> None:
         self.redis = redis
         self.keys = keys or KeySpace()
+        # worker id -> (its heartbeat's bytes, parsed) as of the last listing. A scheduler
+        # lists several times per heartbeat interval, so most heartbeats have not changed;
+        # parsing dozens of them on the event loop is what delayed the decisions waiting
+        # behind a refresh. Holds only the workers of the last listing.
+        self._parsed: dict[str, tuple[bytes | str, WorkerInfo]] = {}
 
     async def heartbeat(
         self, info: WorkerInfo, ttl_s: float, *, read_key: str | None = None
@@ -113,13 +118,22 @@ class RedisWorkerRegistry:
             return []
         raws = await self.redis.mget([self.keys.worker(i) for i in ids])
         workers: list[WorkerInfo] = []
+        parsed: dict[str, tuple[bytes | str, WorkerInfo]] = {}
         for worker_id, raw in zip(ids, raws, strict=True):
             if raw is None:
                 continue  # expired: the worker is gone
-            try:
-                workers.append(WorkerInfo.from_json(raw))
-            except InvalidArgumentError as err:
-                logger.error("ignoring unreadable heartbeat of worker %s: %s", worker_id, err)
+            known = self._parsed.get(worker_id)
+            if known is not None and known[0] == raw:
+                info = known[1]  # the same heartbeat as last time (WorkerInfo is frozen)
+            else:
+                try:
+                    info = WorkerInfo.from_json(raw)
+                except InvalidArgumentError as err:
+                    logger.error("ignoring unreadable heartbeat of worker %s: %s", worker_id, err)
+                    continue
+            parsed[worker_id] = (raw, info)
+            workers.append(info)
+        self._parsed = parsed
         return workers
 
     async def remove(self, worker_id: str) -> bool:

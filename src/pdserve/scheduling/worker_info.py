@@ -10,6 +10,7 @@ prefill and decode duty (``duty``, ``switching``).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 from enum import StrEnum
@@ -220,9 +221,9 @@ class WorkerInfo:
             raise InvalidArgumentError(
                 "heartbeat", f"must be a JSON object, got {type(raw).__name__}"
             )
-        known = {f.name for f in fields(cls)}
+        known, required = _field_names()
         kwargs = {k: v for k, v in raw.items() if k in known}
-        missing = [name for name in _required_fields() if name not in kwargs]
+        missing = [name for name in required if name not in kwargs]
         if missing:
             raise InvalidArgumentError("heartbeat", f"missing fields: {', '.join(missing)}")
         if not isinstance(kwargs.get("reservations", []), list):
@@ -235,5 +236,9 @@ class WorkerInfo:
         return cls(**kwargs)
 
 
-def _required_fields() -> list[str]:
-    return [f.name for f in fields(WorkerInfo) if f.default is MISSING]
+@functools.cache
+def _field_names() -> tuple[frozenset[str], tuple[str, ...]]:
+    """WorkerInfo's field names, and those without a default (computed once)."""
+    fs = fields(WorkerInfo)
+    required = tuple(f.name for f in fs if f.default is MISSING and f.default_factory is MISSING)
+    return frozenset(f.name for f in fs), required
