@@ -4,15 +4,14 @@ through the other without an error."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import Client
 from pdserve.launcher import Cluster, default_model
 from tests.integration.failover_load import kill
+from tests.integration.metrics_probe import metric
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +28,7 @@ def cluster() -> Iterator[Cluster]:
 
 def assigned(url: str) -> float:
     """Assign calls a scheduler has answered, from its metrics."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "pdserve_scheduler_decisions_total"
-    )
+    return metric(url, "pdserve_scheduler_decisions_total")
 
 
 def test_both_routers_serve_through_both_replicas(cluster: Cluster) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import grpc
 import pytest
 import redis as sync_redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import AsyncClient, Client
 from pdserve.engine.engine import Engine
@@ -30,6 +28,7 @@ from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, Worker
 from pdserve.scheduling.planner import LeaderLease, PlannerConfig
 from pdserve.scheduling.planner_loop import PlannerLoop
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.metrics_probe import metric
 
 pytestmark = pytest.mark.integration
 
@@ -47,18 +46,6 @@ def poll(check: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> 
             return got
         time.sleep(0.05)  # a poll interval against the deadline, not synchronisation
     pytest.fail(f"timed out waiting for {what}")
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of samples ``name`` whose labels include ``labels``."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 @pytest.fixture(scope="module")

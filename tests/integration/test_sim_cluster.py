@@ -12,13 +12,11 @@ left behind: blocks, hand-offs, reservations.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis as sync_redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import AsyncClient
 from pdserve.engine.engine import Engine
@@ -31,7 +29,9 @@ from pdserve.sim.backend import SimOptions, sim_compute
 from pdserve.sim.shapes import MODELS
 from tests.integration.failover_load import (
     RESTARTS,
+    Job,
     Load,
+    Outcome,
     check,
     jobs,
     kill,
@@ -40,6 +40,7 @@ from tests.integration.failover_load import (
     restarted,
     until,
 )
+from tests.integration.metrics_probe import metric
 
 pytestmark = pytest.mark.integration
 
@@ -92,15 +93,7 @@ async def set_split(cluster: Cluster, rollout: Rollout | None) -> None:
 
 def arm_requests(cluster: Cluster, arm: str) -> float:
     """Requests the router has served on ``arm`` of a rollout split."""
-    url = cluster.metrics_urls()["router"]
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "pdserve_arm_requests_total" and s.labels.get("arm") == arm
-    )
+    return metric(cluster.metrics_urls()["router"], "pdserve_arm_requests_total", arm=arm)
 
 
 async def follow_split(cluster: Cluster, mode: str) -> None:
@@ -127,6 +120,19 @@ def running_on(c: Cluster, worker: ServiceProcess) -> int:
         for w in read_heartbeats(c.redis_url or "", c.namespace)
         if w.address.endswith(port)
     )
+
+
+async def streaming(cluster: Cluster, batch: list[Job]) -> tuple[Load, list[asyncio.Task[Outcome]]]:
+    """Start streaming ``batch``; return once every stream has tokens and a mixed worker
+    reports running some."""
+    load = Load(cluster.router_address)
+    tasks = load.start(batch)
+    mixed = cluster.workers("mixed")
+    await until(
+        lambda: load.all_past(batch, 2) and any(running_on(cluster, m) for m in mixed),
+        "streams on a mixed worker",
+    )
+    return load, tasks
 
 
 def test_sixteen_sim_workers_heartbeat_what_they_model(cluster: Cluster) -> None:
@@ -171,12 +177,7 @@ def test_a_killed_decoding_worker_s_streams_migrate_exactly(
     mixed = cluster.workers("mixed")
 
     async def body() -> None:
-        load = Load(cluster.router_address)
-        tasks = load.start(batch)
-        await until(
-            lambda: load.all_past(batch, 2) and any(running_on(cluster, m) for m in mixed),
-            "streams on a mixed worker",
-        )
+        load, tasks = await streaming(cluster, batch)
         victim = max(mixed, key=lambda m: running_on(cluster, m))
         pid, _ = kill(victim)
         outcomes = list(await asyncio.gather(*tasks))
@@ -196,12 +197,7 @@ def test_a_duty_switch_under_load_loses_no_request(cluster: Cluster, engine: Eng
     mixed = cluster.workers("mixed")
 
     async def body() -> None:
-        load = Load(cluster.router_address)
-        tasks = load.start(batch)
-        await until(
-            lambda: load.all_past(batch, 2) and any(running_on(cluster, m) for m in mixed),
-            "streams on a mixed worker",
-        )
+        load, tasks = await streaming(cluster, batch)
         ports = {f":{m.port}" for m in mixed if running_on(cluster, m)}
         busy = [
             w

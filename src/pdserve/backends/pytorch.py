@@ -173,32 +173,24 @@ class TorchBackend:
             return self._recompute_then_decode(
                 request_id, prompt_ids, params, first_token, cache_salt, tag, timing, coalesce
             )
-        if self._import_delay is not None:
-            return self._after(
-                self._import_delay(kv),
-                lambda: self.engine.generate(
-                    request_id,
-                    prompt_ids,
-                    params,
-                    cache_salt=cache_salt,
-                    kv=kv,
-                    first_token=first_token,
-                    tag=tag,
-                    timing=timing,
-                    coalesce=coalesce,
-                ),
+        payload = kv
+
+        def stream() -> AsyncGenerator[RequestOutput, None]:
+            return self.engine.generate(
+                request_id,
+                prompt_ids,
+                params,
+                cache_salt=cache_salt,
+                kv=payload,
+                first_token=first_token,
+                tag=tag,
+                timing=timing,
+                coalesce=coalesce,
             )
-        return self.engine.generate(
-            request_id,
-            prompt_ids,
-            params,
-            cache_salt=cache_salt,
-            kv=kv,
-            first_token=first_token,
-            tag=tag,
-            timing=timing,
-            coalesce=coalesce,
-        )
+
+        if self._import_delay is not None:
+            return self._after(self._import_delay(payload), stream)
+        return stream()
 
     @staticmethod
     async def _after(
