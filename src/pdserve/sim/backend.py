@@ -37,6 +37,7 @@ from pdserve.sim.links import LinkModel, parse_link
 from pdserve.sim.runner import SimRunner
 from pdserve.sim.timing import SimProfile, parse_profile
 from pdserve.tokenizer import Tokenizer
+from pdserve.transfer.handle import TransportKind
 
 SIM_KV_DTYPE = "float32"
 """The stand-in KV's dtype: token ids and positions are exact in it below 2**24."""
@@ -60,6 +61,15 @@ class SimOptions:
         if not time_scale > 0:
             raise InvalidArgumentError("--sim-time-scale", f"must be > 0, got {time_scale}")
         return cls(parse_profile(profile), time_scale, parse_link(link))
+
+    def published_links(self, host: str) -> tuple[tuple[str, str, float], ...]:
+        """The links a sim worker's heartbeat publishes, ``(peer, transport, bytes/s)``: the
+        modelled link for the hand-offs between this host's workers, in real bytes/s (the
+        link's rate over the time scale). What the transports measure moving the stand-in
+        payload says nothing of the modelled KV, so the scheduler prices hand-offs by these."""
+        link = self.link or parse_link(DEFAULT_LINK)
+        rate = link.bandwidth / self.time_scale
+        return tuple((host, kind.value, rate) for kind in (TransportKind.SHM, TransportKind.DIRECT))
 
     def transfer_s(self, num_tokens: int) -> float:
         """Real seconds the modelled link takes for the modelled KV of ``num_tokens``."""

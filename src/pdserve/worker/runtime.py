@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -240,6 +241,11 @@ async def run_worker(
         kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
     )
+    if options.backend == SIM:  # the modelled link, not the stand-in payload's
+        from pdserve.sim.backend import SimOptions
+
+        sim = SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link)
+        links = functools.partial(sim.published_links, options.host_name)
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
     can = capabilities(options.role, can_prefill=options.kvstore is not None)
