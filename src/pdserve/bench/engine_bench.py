@@ -23,6 +23,7 @@ import torch
 from pdserve.bench.measure import Peer, PeerError, Workload, run_cases
 from pdserve.bench.membw import DEFAULT_BYTES, decode_roofline, measure_bandwidth
 from pdserve.bench.report import BenchReport
+from pdserve.cpuinfo import cpu_model, isa_flags
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
 
@@ -57,17 +58,9 @@ def wait_for_quiet(max_load: float, wait_s: float, log: Log, poll_s: float = 60.
 
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on."""
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
+        "isa": list(isa_flags()),
         "logical_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

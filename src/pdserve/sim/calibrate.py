@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import platform
 import random
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cpuinfo import cpu_flags
+from pdserve.cpuinfo import cpu_model, isa_flags
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.sim.shapes import ModelShape
@@ -41,11 +40,6 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 Sample = tuple[SimStep, float]
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx_ne_convert")
-"""The CPU flags that decide which matmul and attention kernels the engine gets: AVX2 is the
-baseline of the native kernels, AVX-512 widens them, and AVX512-BF16, AMX or AVX-NE-CONVERT
-give oneDNN native bf16 matmuls (without them ``dtype=auto`` runs float32)."""
 
 
 class RecordingRunner:
@@ -337,24 +331,6 @@ def _median_ms(samples: list[Sample]) -> str:
         return "none recorded"
     seconds = sorted(s for _, s in samples)
     return f"median {seconds[len(seconds) // 2] * 1e3:.2f} ms"
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def isa_flags() -> tuple[str, ...]:
-    """Which of ``ISA_FLAGS`` this CPU has, in that order."""
-    flags = cpu_flags()
-    return tuple(f for f in ISA_FLAGS if f in flags)
 
 
 def describe_device(threads: int, dtype: str) -> str:

@@ -198,9 +198,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Carry out a parsed ``sim calibrate``; returns the exit status."""
     import torch
 
+    from pdserve.cpuinfo import cpu_model, isa_flags
     from pdserve.engine.dtype import resolve_dtype
     from pdserve.models.linear import cpu_has_bf16_kernels
-    from pdserve.sim.calibrate import CalibrationPlan, calibrate, cpu_model, isa_flags
+    from pdserve.sim.calibrate import CalibrationPlan, calibrate
 
     _check_args(args)
     plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
