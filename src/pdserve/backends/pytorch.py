@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
@@ -173,24 +174,39 @@ class TorchBackend:
             return self._recompute_then_decode(
                 request_id, prompt_ids, params, first_token, cache_salt, tag, timing, coalesce
             )
-        payload = kv
-
-        def stream() -> AsyncGenerator[RequestOutput, None]:
-            return self.engine.generate(
-                request_id,
-                prompt_ids,
-                params,
-                cache_salt=cache_salt,
-                kv=payload,
-                first_token=first_token,
-                tag=tag,
-                timing=timing,
-                coalesce=coalesce,
-            )
-
+        stream = functools.partial(
+            self._from_payload,
+            request_id, prompt_ids, params, first_token, kv, cache_salt, tag, timing, coalesce,
+        )  # fmt: skip
         if self._import_delay is not None:
-            return self._after(self._import_delay(payload), stream)
+            return self._after(self._import_delay(kv), stream)
         return stream()
+
+    def _from_payload(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        first_token: tuple[int, float],
+        payload: KVPayload,
+        cache_salt: str,
+        tag: str,
+        timing: RequestTiming | None,
+        coalesce: bool,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The decode after ``first_token`` from the prompt's KV in ``payload`` (handed over,
+        or computed here)."""
+        return self.engine.generate(
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            kv=payload,
+            first_token=first_token,
+            tag=tag,
+            timing=timing,
+            coalesce=coalesce,
+        )
 
     @staticmethod
     async def _after(
@@ -232,17 +248,10 @@ class TorchBackend:
         finally:
             if held:
                 self.engine.abort(request_id)  # releases the held blocks
-        stream = self.engine.generate(
-            request_id,
-            prompt_ids,
-            params,
-            cache_salt=cache_salt,
-            kv=payload,
-            first_token=first_token,
-            tag=tag,
-            timing=timing,
-            coalesce=coalesce,
-        )
+        stream = self._from_payload(
+            request_id, prompt_ids, params, first_token, payload, cache_salt, tag, timing,
+            coalesce,
+        )  # fmt: skip
         async with aclosing(stream):
             async for output in stream:
                 yield output
