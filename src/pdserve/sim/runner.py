@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import zlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -37,6 +38,8 @@ from pdserve.engine.sequence import Sequence
 from pdserve.sim.timing import TimingModel, step_of
 
 _MASK64 = (1 << 64) - 1
+DIGESTS_KEPT = 1024
+"""Prompt digests kept (the least recently drawn go first): more than a batch holds."""
 
 
 def _mix(x: int) -> int:
@@ -95,6 +98,7 @@ class SimRunner:
         self._kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.modelled_s = 0.0
         """Modelled seconds of every step so far (before the time scale)."""
+        self._digests: OrderedDict[int, tuple[Sequence, int]] = OrderedDict()
 
     # -- step ----------------------------------------------------------------------------
     def execute(
@@ -146,9 +150,21 @@ class SimRunner:
     def token_for(self, seq: Sequence) -> int:
         """The token ``seq`` draws next."""
         position = len(seq) - seq.num_prompt_tokens
-        digest = prompt_digest(seq.token_ids[: seq.num_prompt_tokens])
         seed = 0 if seq.params.greedy else seq.seed
-        return int(self._tokens[sim_token(digest, position, seed, len(self._tokens))])
+        return int(self._tokens[sim_token(self._digest(seq), position, seed, len(self._tokens))])
+
+    def _digest(self, seq: Sequence) -> int:
+        """The prompt's digest, hashed once per sequence rather than once per token: a decode
+        step draws for every running sequence, and prompts run to thousands of tokens."""
+        known = self._digests.get(id(seq))
+        if known is not None and known[0] is seq:  # the same object, not a reused id
+            self._digests.move_to_end(id(seq))
+            return known[1]
+        digest = prompt_digest(seq.token_ids[: seq.num_prompt_tokens])
+        self._digests[id(seq)] = (seq, digest)
+        if len(self._digests) > DIGESTS_KEPT:
+            self._digests.popitem(last=False)  # the least recently drawn
+        return digest
 
     def _wait_until(self, deadline: float) -> None:
         left = deadline - self._clock()
