@@ -16,11 +16,12 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.launcher import MODES, Cluster, default_model
 from pdserve.scheduling import redacted
 from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
+from pdserve.sim.flags import DEFAULT_LINK, sim_flags
+from pdserve.sim.flags import DEFAULT_PROFILE as DEFAULT_SIM_PROFILE
 from pdserve.supervisor import RestartPolicy
 from pdserve.telemetry.service import describe_telemetry
 
 DEFAULT_HTTP_PORT = 8000
-DEFAULT_SIM_PROFILE = "roofline:h100:llama-3-8b"
 
 
 def up_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def up_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="with --backend sim: every modelled second lasts this many real ones",
     )
-    p.add_argument("--sim-link", default="rdma-400",
+    p.add_argument("--sim-link", default=DEFAULT_LINK,
                    help="with --backend sim: the modelled link of hand-offs (nvlink, rdma-400, "
                    "rdma-200, tcp-25, same-host)")  # fmt: skip
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
@@ -162,11 +163,7 @@ def sim_worker_args(args: argparse.Namespace) -> list[str]:
     from pdserve.sim.backend import SimOptions
 
     SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
-    return [
-        f"--sim-profile={args.sim_profile}",
-        f"--sim-time-scale={args.sim_time_scale}",
-        f"--sim-link={args.sim_link}",
-    ]
+    return sim_flags(args.sim_profile, args.sim_time_scale, args.sim_link)
 
 
 def _http_lines(url: str, model: str, ca: Path | None = None, *, api_key: bool = False) -> str:

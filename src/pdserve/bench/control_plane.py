@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.engine_bench import load_average, machine_info
+from pdserve.sim.flags import DEFAULT_PROFILE
 from pdserve.telemetry.breakdown import percentile
 from pdserve.telemetry.spans import ATTR_REQUEST_ID, ROUTER_MODE_DECISION, SCHEDULER_ASSIGN
 
@@ -251,7 +252,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--budget-ms", type=float, default=10.0, help="p99 scheduling budget")
     p.add_argument("--stream-tokens", type=int, default=512, help="tokens per stream")
     p.add_argument("--no-gateway", dest="gateway", action="store_false")
-    p.add_argument("--profile", default="roofline:h100:llama-3-8b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--model", type=Path, help="checkpoint dir (default: the tiny demo model)")
     p.add_argument("--out", type=Path, default=Path("control-plane"), help="spans and JSON")
     args = p.parse_args(list(argv))

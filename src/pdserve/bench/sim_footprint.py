@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.engine_bench import load_average, machine_info
+from pdserve.sim.flags import DEFAULT_PROFILE
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -115,7 +116,7 @@ def measure(
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench sim-footprint", description=__doc__)
     p.add_argument("--sizes", default="16,32,64", help="cluster sizes (workers), comma-separated")
-    p.add_argument("--profile", default="roofline:h100:llama-3-8b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--idle-s", type=float, default=20.0, help="idle window measured")
     p.add_argument("--burst", type=int, default=64, help="requests served before idling")
     p.add_argument("--model", type=Path, help="checkpoint dir (default: the tiny demo model)")

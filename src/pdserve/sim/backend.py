@@ -33,6 +33,7 @@ from pdserve.engine.step_runner import Compute, ComputeFactory
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
+from pdserve.sim.flags import DEFAULT_LINK
 from pdserve.sim.links import LinkModel, parse_link
 from pdserve.sim.runner import SimRunner
 from pdserve.sim.timing import SimProfile, parse_profile
@@ -41,8 +42,6 @@ from pdserve.transfer.handle import TransportKind
 
 SIM_KV_DTYPE = "float32"
 """The stand-in KV's dtype: token ids and positions are exact in it below 2**24."""
-
-DEFAULT_LINK = "rdma-400"
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,13 +35,10 @@ from typing import Any
 
 from pdserve import deathsig
 from pdserve.errors import InvalidArgumentError, PdServeError
+from pdserve.sim.flags import DEFAULT_LINK, DEFAULT_PROFILE, sim_flags
 
 MODES = ("conditional", "disaggregated", "colocated")
 """Cluster kinds a plan may try, in the default order."""
-DEFAULT_PROFILE = "roofline:h100:llama-3-8b"
-"""As ``pdserve up``'s and ``bench serve``'s (this package imports neither)."""
-DEFAULT_LINK = "rdma-400"
-"""As a sim worker's (``pdserve.sim.backend.DEFAULT_LINK``)."""
 BENCH_JSON_VERSION = 1
 """The version of ``bench serve --json`` documents this module reads."""
 
@@ -286,8 +283,7 @@ class BenchRun:
         """The ``pdserve`` command line measuring ``c`` into ``json_out``."""
         out = [
             "bench", "serve", "--config", c.mode, "--workers", f"{c.prefill}:{c.decode}",
-            "--backend", "sim", f"--sim-profile={self.profile}",
-            f"--sim-time-scale={self.time_scale!r}", f"--sim-link={self.link}",
+            "--backend", "sim", *sim_flags(self.profile, self.time_scale, self.link),
             "--trace", str(self.trace), "--warmup", "0", "--seed", str(self.seed),
             "--ttft-slo", f"{self.ttft_slo_s!r}s", "--itl-slo", f"{self.itl_slo_s!r}s",
             "--goodput-target", repr(self.goal),

@@ -25,6 +25,7 @@ from pdserve.security.options import (
     add_security_args,
     security_from_args,
 )
+from pdserve.sim.flags import DEFAULT_LINK
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.fault_specs import parse_faults
@@ -128,7 +129,7 @@ class WorkerOptions:
     """sim: the timing model (``roofline:ACCEL:MODEL[:tpN]`` or ``fitted:FILE``)."""
     sim_time_scale: float = 1.0
     """sim: every modelled second lasts this many real ones."""
-    sim_link: str = "rdma-400"
+    sim_link: str = DEFAULT_LINK
     """sim: the modelled link a hand-off's KV crosses to reach this worker."""
 
     def transfer_options(self) -> TransferOptions:
@@ -350,7 +351,7 @@ def worker_parser(
         help="every modelled second lasts this many real ones (> 0)",
     )  # fmt: skip
     m.add_argument(
-        "--sim-link", default=d("sim_link", "rdma-400"),
+        "--sim-link", default=d("sim_link", DEFAULT_LINK),
         help="modelled link of hand-offs into this worker: nvlink, rdma-400, rdma-200, "
         "tcp-25, same-host",
     )  # fmt: skip

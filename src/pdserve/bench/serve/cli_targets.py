@@ -21,15 +21,14 @@ from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
 from pdserve.bench.serve.timescale import FLAG as TIME_SCALE_FLAG
 from pdserve.bench.serve.timescale import TimeScale
 from pdserve.errors import InvalidArgumentError
+from pdserve.sim.flags import DEFAULT_LINK as DEFAULT_SIM_LINK
+from pdserve.sim.flags import DEFAULT_PROFILE as DEFAULT_SIM_PROFILE
+from pdserve.sim.flags import sim_flags
 
 Log = Callable[[str], None]
 
 BACKENDS = (TORCH, SIM)
 """The backends of the clusters the benchmark starts."""
-DEFAULT_SIM_PROFILE = "roofline:h100:llama-3-8b"
-"""As ``pdserve up``'s (``pdserve.up.DEFAULT_SIM_PROFILE``)."""
-DEFAULT_SIM_LINK = "rdma-400"
-"""As a sim worker's (``pdserve.sim.backend.DEFAULT_LINK``)."""
 
 
 @dataclass(slots=True)
@@ -265,11 +264,7 @@ def sim_worker_args(args: argparse.Namespace) -> list[str]:
     from pdserve.sim.backend import SimOptions  # loads torch: only for sim clusters
 
     SimOptions.parse(args.sim_profile, args.sim_time_scale, args.sim_link)
-    return [
-        f"--sim-profile={args.sim_profile}",
-        f"--sim-time-scale={args.sim_time_scale}",
-        f"--sim-link={args.sim_link}",
-    ]
+    return sim_flags(args.sim_profile, args.sim_time_scale, args.sim_link)
 
 
 def time_scale_of(args: argparse.Namespace) -> TimeScale:
