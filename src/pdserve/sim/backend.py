@@ -17,7 +17,7 @@ The served vocabulary, tokenizer and length limits are the checkpoint directory'
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +51,8 @@ class SimOptions:
     profile: SimProfile
     time_scale: float = 1.0
     """Every modelled second lasts this many real ones (> 0)."""
-    link: LinkModel | None = None
-    """The link a hand-off's KV crosses to reach this worker (None: ``DEFAULT_LINK``)."""
+    link: LinkModel = field(default_factory=lambda: parse_link(DEFAULT_LINK))
+    """The link a hand-off's KV crosses to reach this worker."""
 
     @classmethod
     def parse(cls, profile: str, time_scale: float = 1.0, link: str = DEFAULT_LINK) -> SimOptions:
@@ -66,15 +66,13 @@ class SimOptions:
         modelled link for the hand-offs between this host's workers, in real bytes/s (the
         link's rate over the time scale). What the transports measure moving the stand-in
         payload says nothing of the modelled KV, so the scheduler prices hand-offs by these."""
-        link = self.link or parse_link(DEFAULT_LINK)
-        rate = link.bandwidth / self.time_scale
+        rate = self.link.bandwidth / self.time_scale
         return tuple((host, kind.value, rate) for kind in (TransportKind.SHM, TransportKind.DIRECT))
 
     def transfer_s(self, num_tokens: int) -> float:
         """Real seconds the modelled link takes for the modelled KV of ``num_tokens``."""
         nbytes = num_tokens * self.profile.model.kv_bytes_per_token
-        link = self.link or parse_link(DEFAULT_LINK)
-        return link.transfer_time(nbytes) * self.time_scale
+        return self.link.transfer_time(nbytes) * self.time_scale
 
 
 def sim_fingerprint(model_dir: Path, profile: SimProfile) -> str:
