@@ -70,6 +70,13 @@ def listed(cluster: Cluster) -> dict[str, scheduler_pb2.WorkerStatus]:
     return {w.id: w for w in reply.workers}
 
 
+def idle(cluster: Cluster) -> bool:
+    """No worker decodes, queues or holds a reservation in the scheduler's view."""
+    return not any(
+        w.running_seqs or w.queued_tokens or w.reserved_tokens for w in listed(cluster).values()
+    )
+
+
 def test_kv_events_reach_the_index_and_a_follow_up_finds_its_prefix(cluster: Cluster) -> None:
     # Long enough that the cached history outweighs any difference in the two workers' load
     # (the placement weighs predicted time to the first token, cache hits included).
@@ -85,6 +92,9 @@ def test_kv_events_reach_the_index_and_a_follow_up_finds_its_prefix(cluster: Clu
              "the scheduler's index to hold the first prompt's blocks")  # fmt: skip
         follow_up = [*history, *first.token_ids, *range(50, 70)]
         for _ in range(3):
+            # The scheduler's view shows the finished stream gone: a worker it still sees
+            # decoding is rightly spared a prefill that would stall that stream.
+            poll(lambda: idle(cluster), "the scheduler to see every worker idle")
             again = client.generate(follow_up, max_tokens=4, temperature=0, ignore_eos=True)
             # KV-aware placement sent it to the worker holding the history: every block hit.
             assert again.usage.cached_tokens >= blocks * 16
