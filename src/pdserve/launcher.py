@@ -49,6 +49,7 @@ from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
+from pdserve.scheduling.redis_url import sync_client
 from pdserve.security.certs import ClusterCerts, make_certs
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.security.tls import TlsConfig
@@ -66,10 +67,8 @@ to block on."""
 
 def read_heartbeats(redis_url: str, namespace: str = "pdserve") -> list[WorkerInfo]:
     """Live worker heartbeats, read with a plain synchronous Redis client."""
-    import redis  # the sync client; the scheduling package uses redis.asyncio
-
     keys = KeySpace(namespace)
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = sync_client(redis_url)
     try:
         ids = [text(i) for i in cast(list[bytes], client.zrange(keys.worker_index, 0, -1))]
         raws = client.mget([keys.worker(i) for i in ids]) if ids else []

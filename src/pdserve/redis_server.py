@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.parse
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -91,12 +92,23 @@ class EmbeddedRedis:
     """
 
     def __init__(
-        self, *, port: int | None = None, host: str = "127.0.0.1", password: str | None = None
+        self,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        config: Sequence[str] = (),
+        sentinel: bool = False,
     ) -> None:
+        """``config``: more lines of its config file (``replicaof HOST PORT``, ``sentinel
+        monitor ...``); ``sentinel``: run as a Redis Sentinel (then ``config`` says what it
+        watches)."""
         if password is not None and (not password or any(c.isspace() for c in password)):
             raise WorkerUnavailableError("an embedded Redis password must be non-empty, no spaces")
         self.host = host
         self.password = password
+        self.config = tuple(config)
+        self.sentinel = sentinel
         self._port = port
         self._binary = find_redis_server()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -151,12 +163,15 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(log_path),
         ]  # fmt: skip
-        if self.password:
-            # In a config file, not on the command line, where any local user could read it.
-            conf = workdir / "auth.conf"
-            conf.write_text(f"requirepass {self.password}\n")
+        lines = [f"requirepass {self.password}"] if self.password else []
+        lines += self.config
+        if lines or self.sentinel:
+            # In a config file, not on the command line, where any local user could read a
+            # password. A sentinel rewrites its file as it learns the topology.
+            conf = workdir / "redis.conf"
+            conf.write_text("".join(f"{line}\n" for line in lines))
             conf.chmod(0o600)
-            args.insert(1, str(conf))
+            args[1:1] = [str(conf), *(["--sentinel"] if self.sentinel else [])]
         proc = subprocess.Popen(
             deathsig.wrap(args),
             stdin=subprocess.DEVNULL,

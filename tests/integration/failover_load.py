@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import cast
 
 import grpc
-from redis.asyncio import Redis
 
 from pdserve.client import AsyncClient, PdServeClientError, RetryPolicy
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.launcher import Cluster, read_heartbeats
-from pdserve.scheduling import KeySpace
+from pdserve.scheduling import KeySpace, connect
 from pdserve.service_process import ServiceProcess
 from pdserve.supervisor import RestartPolicy
 from pdserve.transfer.janitor import SHM_DIR, holds_hand_off, parse_owner_pid
@@ -227,7 +226,7 @@ async def detected(c: Cluster, victim: ServiceProcess, killed_at: float) -> None
 
 async def live_reservations(redis_url: str, keys: KeySpace) -> int:
     """Reservation records and live members of any worker's reservation set."""
-    redis = Redis.from_url(redis_url)
+    redis = connect(redis_url)
     try:
         records = await redis.keys(keys.reservation("*"))
         seconds, micros = await redis.time()

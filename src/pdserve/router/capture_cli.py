@@ -28,7 +28,6 @@ import math
 import os
 import sys
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from pdserve.router.capture import (
     POLL_S,
     CaptureSetting,
 )
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling import KeySpace, connect, redacted
 from pdserve.scheduling.keys import text
 
 logger = logging.getLogger(__name__)
@@ -245,13 +244,6 @@ async def collect(opts: CaptureOptions, announce: Announce = _stderr) -> Capture
         await redis.aclose()
 
 
-def _redacted(url: str) -> str:
-    """The URL without its password (for messages)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve trace capture",
@@ -289,7 +281,7 @@ def main_capture(argv: Sequence[str]) -> int:
     try:
         captured = asyncio.run(collect(opts))
     except (OSError, RedisError) as e:
-        raise WorkerUnavailableError(f"cannot reach {_redacted(opts.redis_url)}: {e}") from e
+        raise WorkerUnavailableError(f"cannot reach {redacted(opts.redis_url)}: {e}") from e
     lines = trace_lines(captured.records)
     try:
         opts.out.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")

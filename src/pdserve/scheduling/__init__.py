@@ -18,8 +18,9 @@ from pdserve.scheduling.policies import (
     make_policy,
 )
 from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks
+from pdserve.scheduling.redis_url import redacted
 from pdserve.scheduling.refresher import kept_fresh
-from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect, redacted
+from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect
 from pdserve.scheduling.scheduler import Assignment, ClusterScheduler, Mode, SloRefusalError
 from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 

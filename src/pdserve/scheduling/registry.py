@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry  # the async client wants the async Retry
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel  # the async client wants the async Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -23,22 +23,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.keys import KeySpace, text
+from pdserve.scheduling.redis_url import client_for
 from pdserve.scheduling.worker_info import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 INDEX_RETENTION_S = 600.0
 """Index entries of workers silent this long are pruned; heartbeat TTLs must be shorter."""
-
-
-def redacted(url: str) -> str:
-    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``, for logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def connect(url: str, *, timeout_s: float = 2.0, retries: int = 2) -> Redis:
@@ -52,15 +43,19 @@ def connect(url: str, *, timeout_s: float = 2.0, retries: int = 2) -> Redis:
     heartbeats and scheduling decisions indefinitely. A command that meets a dropped connection
     (Redis restarted, idle connection closed) is retried ``retries`` times on a new connection;
     a transaction whose WATCH was lost that way fails with WatchError instead.
+
+    ``redis+sentinel://`` URLs (``redis_url``) reach the master that Sentinel names, and
+    find the new one after a failover.
     """
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), retries),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+    options = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.01), retries),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    client: Redis = client_for(url, options, redis_class=Redis, sentinel_class=Sentinel)
+    return client
 
 
 class RedisWorkerRegistry:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.scheduling.registry import redacted
+from pdserve.scheduling.redis_url import redacted
 from pdserve.security.certs import ClusterCerts
 
 INSECURE_WARNING = (
