@@ -40,11 +40,25 @@ def _series(points: Rated, get: Getter) -> tuple[list[float], list[float]]:
 
 
 def render_png(result: RunResult, labels: Sequence[str], *, slo: Slo, goal: float) -> bytes:
-    """The four panels (TTFT p50/p99, ITL p99, goodput, throughput vs rate) as PNG bytes."""
+    """The four panels (TTFT p50/p99, ITL p99, goodput, throughput) as PNG bytes (``draw``)."""
     fig = Figure(figsize=(12.0, 8.0), dpi=100)
     FigureCanvasAgg(fig)
+    draw(fig, result, labels, slo=slo, goal=goal)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def draw(fig: Figure, result: RunResult, labels: Sequence[str], *, slo: Slo, goal: float) -> None:
+    """The four panels on ``fig``: lines against rate, or labelled bars per target when the
+    run measured a single rate (a line of one point shows nothing)."""
     ax_ttft, ax_itl, ax_good, ax_tput = fig.subplots(2, 2).flat
     points = by_target(result)
+    rates = {p.rate for rated in points.values() for p in rated if p.rate is not None}
+    if len(rates) <= 1:
+        _bars(fig, result, labels, slo=slo, goal=goal)
+        return
 
     def line(ax: Axes, rated: Rated, get: Getter, style: str, colour: str, name: str) -> None:
         xs, ys = _series(rated, get)
@@ -75,10 +89,44 @@ def render_png(result: RunResult, labels: Sequence[str], *, slo: Slo, goal: floa
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     ax_good.set_ylim(-0.02, 1.02)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+
+
+def _bars(fig: Figure, result: RunResult, labels: Sequence[str], *, slo: Slo, goal: float) -> None:
+    """One rate: per panel a bar per target (p50 and p99 side by side for TTFT), each bar
+    labelled with its value, the SLO or target as a dotted line."""
+    points = by_target(result)
+    only = {label: points[label][0] for label in labels if points.get(label)}
+    rate = next((p.rate for p in only.values() if p.rate is not None), None)
+    panels: tuple[tuple[str, list[tuple[str, Getter]], float], ...] = (
+        ("TTFT (s)", [("p50", lambda s: s.ttft.p50 if s.ttft else None),
+                      ("p99", lambda s: s.ttft.p99 if s.ttft else None)], slo.ttft_s),
+        ("inter-token latency p99 (ms)",
+         [("p99", lambda s: s.itl.p99 * 1e3 if s.itl else None)], slo.itl_s * 1e3),
+        ("goodput (share within both SLOs)", [("", lambda s: s.goodput)], goal),
+        ("output tokens/s", [("", lambda s: s.throughput_tok_s)], 0.0),
+    )  # fmt: skip
+    names = list(only)
+    for ax, (title, series, line) in zip(fig.axes, panels, strict=True):
+        width = 0.8 / len(series)
+        for j, (tag, get) in enumerate(series):
+            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
+            ys = [get(only[n].summary) for n in names]
+            bars = ax.bar(
+                [x for x, y in zip(xs, ys, strict=True) if y is not None],
+                [y for y in ys if y is not None],
+                width=width * 0.9,
+                color=f"C{j}",
+                label=tag or None,
+            )
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        if line > 0:
+            ax.axhline(line, color="grey", linewidth=0.8, linestyle=":", label="SLO/target")
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=15)
+        at = f" at {rate:g} requests/s" if rate is not None else ""
+        ax.set_title(f"{title}{at}", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
 
 
 _CSS = """
