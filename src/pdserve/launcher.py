@@ -319,6 +319,15 @@ class Cluster:
             self.supervisor.start()
         return self
 
+    @property
+    def num_services(self) -> int:
+        """Services ``start`` runs (the embedded Redis aside): what a fixed
+        ``metrics_base_port`` needs consecutive free ports for. ``_start`` checks it."""
+        prefills = 0 if self.mode == "colocated" else self.num_prefill
+        workers = prefills + self.num_decode
+        gateway = self.http_port is not None
+        return 1 + self.num_schedulers + workers + int(self.planner) + self.num_routers + gateway
+
     def _start(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         if self.log_dir is None:
@@ -432,6 +441,7 @@ class Cluster:
             )  # fmt: skip
             gateway.spawn(env)
             self._wait("port files", [gateway], self._read_ports, deadline)
+        assert len(self.services) == self.num_services, "num_services disagrees with _start"
         security = self.security
         self._wait("health checks", self.services, lambda s: s.is_healthy(security), deadline)
         self._wait_heartbeats(deadline)

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 
 from pdserve.errors import WorkerUnavailableError
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect, redacted
+from pdserve.up_state import running, runtime_dir
 
 _ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}  {}"
 
@@ -42,17 +43,40 @@ def format_workers(workers: Sequence[WorkerInfo], now: float) -> list[str]:
 
 
 def main_status(argv: Sequence[str]) -> int:
-    """Entry of ``pdserve status``; exit status 1 when no worker is alive."""
+    """Entry of ``pdserve status``; exit status 1 when no worker is alive.
+
+    Without ``--redis-url`` (or ``$REDIS_URL``) it reads every ``pdserve up`` running for this
+    user (``up_state``), each under a heading."""
     p = argparse.ArgumentParser(prog="pdserve status", description="list live workers")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="the cluster's Redis (default: $REDIS_URL, else every running "
+                   "'pdserve up' of this user)")  # fmt: skip
+    p.add_argument("--namespace", default=None, help="key namespace (default: pdserve)")
     args = p.parse_args(list(argv))
+    if args.redis_url is not None:
+        return _show(args.redis_url, args.namespace or "pdserve")
+    directory = runtime_dir()
+    ups = running(directory)
+    if not ups:
+        print(
+            f"no running 'pdserve up' found (looked in {directory}); point at a cluster with "
+            "--redis-url URL or $REDIS_URL"
+        )
+        return 1
+    worst = 0
+    for i, up in enumerate(ups):
+        print(f"{'' if i == 0 else chr(10)}pdserve up (pid {up.pid}): router at {up.router}")
+        worst = max(worst, _show(up.redis_url, args.namespace or up.namespace))
+    return worst
+
+
+def _show(redis_url: str, namespace: str) -> int:
     try:
-        workers = asyncio.run(fetch_workers(args.redis_url, args.namespace))
+        workers = asyncio.run(fetch_workers(redis_url, namespace))
     except (OSError, RedisError) as e:
-        raise WorkerUnavailableError(f"cannot read {redacted(args.redis_url)}: {e}") from e
+        raise WorkerUnavailableError(f"cannot read {redacted(redis_url)}: {e}") from e
     if not workers:
-        print(f"no live workers in {redacted(args.redis_url)} (namespace {args.namespace})")
+        print(f"no live workers in {redacted(redis_url)} (namespace {namespace})")
         return 1
     print("\n".join(format_workers(workers, time.time())))
     return 0

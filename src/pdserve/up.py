@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from pdserve.sim.flags import DEFAULT_LINK, sim_flags
 from pdserve.sim.flags import DEFAULT_PROFILE as DEFAULT_SIM_PROFILE
 from pdserve.supervisor import RestartPolicy
 from pdserve.telemetry.service import describe_telemetry
+from pdserve.up_state import UpState, publish, runtime_dir
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -121,38 +123,86 @@ def main_up(argv: Sequence[str]) -> int:
         # TensorRT-LLM compiles and loads each worker's engine at start: minutes, not seconds.
         startup_timeout_s=900.0 if args.backend == TENSORRT_LLM else 180.0,
     )  # fmt: skip
+    check_ports(cluster, args)
     print(f"starting pdserve ({args.mode}, {args.backend}, model {model}) ...", flush=True)
     with cluster:
         address = cluster.router_address
-        telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
-        http = ""
-        if not args.no_http:
-            ca = cluster.certs.ca if cluster.certs is not None else None
-            http = _http_lines(cluster.http_url, model.name, ca, api_key=args.api_keys is not None)
-        print(
-            f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
-            f"logs in {cluster.log_dir})\n{http}\ntry it:\n{how_to_call(cluster, address)}\n\n"
-            f"{telemetry}\n\n"
-            "Ctrl-C stops everything.",
-            flush=True,
-        )
-        while not stop.wait(0.5):  # also a check of the children twice a second
-            if cluster.supervisor is not None:
-                if cluster.supervisor.fatal.is_set():
-                    gone = ", ".join(cluster.supervisor.given_up())
-                    print(f"pdserve up: {gone} keeps dying; stopping", file=sys.stderr)
-                    return 1
-                continue
-            dead = cluster.failed()
-            if dead:
-                for s in dead:
-                    print(
-                        f"pdserve up: {s.name} exited unexpectedly:\n{s.log_tail()}",
-                        file=sys.stderr,
-                    )
+        state = publish(
+            UpState(
+                pid=os.getpid(), router=address, redis_url=cluster.redis_url or "",
+                namespace=cluster.namespace, http_url=None if args.no_http else cluster.http_url,
+                log_dir=str(cluster.log_dir),
+            ),
+            runtime_dir(),
+        )  # fmt: skip
+        try:
+            return _serve(cluster, args, model, address, stop)
+        finally:
+            state.unlink(missing_ok=True)
+
+
+def _serve(
+    cluster: Cluster, args: argparse.Namespace, model: Path, address: str, stop: threading.Event
+) -> int:
+    """Greet, then watch the children until Ctrl-C/SIGTERM (``stop``) or a fatal exit."""
+    telemetry = describe_telemetry(cluster.metrics_urls(), cluster.child_env(), cluster.log_dir)
+    http = ""
+    if not args.no_http:
+        ca = cluster.certs.ca if cluster.certs is not None else None
+        http = _http_lines(cluster.http_url, model.name, ca, api_key=args.api_keys is not None)
+    print(
+        f"\npdserve is up: router at {address} (redis {redacted(cluster.redis_url or '')}, "
+        f"logs in {cluster.log_dir})\n{http}\ntry it:\n{how_to_call(cluster, address)}\n\n"
+        f"{telemetry}\n\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+    while not stop.wait(0.5):  # also a check of the children twice a second
+        if cluster.supervisor is not None:
+            if cluster.supervisor.fatal.is_set():
+                gone = ", ".join(cluster.supervisor.given_up())
+                print(f"pdserve up: {gone} keeps dying; stopping", file=sys.stderr)
                 return 1
-        print("stopping ...", flush=True)
+            continue
+        dead = cluster.failed()
+        if dead:
+            for s in dead:
+                print(
+                    f"pdserve up: {s.name} exited unexpectedly:\n{s.log_tail()}",
+                    file=sys.stderr,
+                )
+            return 1
+    print("stopping ...", flush=True)
     return 0
+
+
+def check_ports(cluster: Cluster, args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, a fixed port that another process holds, naming the
+    flag that chose it (every service binds 127.0.0.1 here)."""
+    wanted = [("--port", args.port)]
+    if cluster.http_port:
+        wanted.append(("--http-port", cluster.http_port))
+    base = cluster.metrics_base_port
+    if base:
+        wanted += [("--metrics-base-port", base + i) for i in range(cluster.num_services)]
+    for flag, port in wanted:
+        if port and not _port_free(port):
+            zero = "free ports" if flag == "--metrics-base-port" else "any free port"
+            raise InvalidArgumentError(
+                flag, f"port {port} is already in use; choose another with {flag} (0: {zero})"
+            )
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on ``host:port`` (a port in TIME_WAIT counts as free, as it does for
+    the services, which bind with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def sim_worker_args(args: argparse.Namespace) -> list[str]:

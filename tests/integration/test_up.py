@@ -3,6 +3,9 @@ URL and every service's ``/metrics``, and each of them answers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +23,30 @@ UP_ARGS = ("--port", "0", "--http-port", "0", "--worker-arg=--dtype=float32",
 
 
 @pytest.fixture(scope="module")
-def up(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    with pdserve_up(tiny_llama_dir, UP_ARGS, tmp_path_factory.mktemp("up-logs")) as running:
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This module's own runtime dir, where ``pdserve up`` publishes how to reach it."""
+    return tmp_path_factory.mktemp("runtime")
+
+
+@pytest.fixture(scope="module")
+def up(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, runtime: Path
+) -> Iterator[UpProcess]:
+    logs = tmp_path_factory.mktemp("up-logs")
+    env = {"PDSERVE_RUNTIME_DIR": str(runtime)}
+    with pdserve_up(tiny_llama_dir, UP_ARGS, logs, env) as running:
         yield running
+
+
+def test_a_bare_status_finds_the_running_cluster(up: UpProcess, runtime: Path) -> None:
+    env = {**os.environ, "PDSERVE_RUNTIME_DIR": str(runtime)}
+    env.pop("REDIS_URL", None)
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "status"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"pdserve up (pid {up.proc.pid}): router at {up.router}" in done.stdout
+    roles = sorted(line.split()[1] for line in done.stdout.splitlines()[2:])
+    assert roles == ["mixed", "prefill"]  # the default conditional cluster's two workers
 
 
 def test_banner_names_every_endpoint(up: UpProcess) -> None:

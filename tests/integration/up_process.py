@@ -6,11 +6,12 @@ banner that stops naming them fails the tests.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +53,11 @@ def _read_banner(up: UpProcess) -> None:
 
 
 @contextmanager
-def pdserve_up(model_dir: Path, args: Sequence[str], log_dir: Path) -> Iterator[UpProcess]:
-    """Start ``pdserve up --model DIR ARGS`` and yield once it printed its banner; Ctrl-C
-    (SIGINT) at the end, as a person stops it."""
+def pdserve_up(
+    model_dir: Path, args: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+) -> Iterator[UpProcess]:
+    """Start ``pdserve up --model DIR ARGS`` (``env`` added to this process's environment) and
+    yield once it printed its banner; Ctrl-C (SIGINT) at the end, as a person stops it."""
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir),
             "--log-dir", str(log_dir), *args]  # fmt: skip
     proc = subprocess.Popen(
@@ -63,6 +66,7 @@ def pdserve_up(model_dir: Path, args: Sequence[str], log_dir: Path) -> Iterator[
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     up = UpProcess(proc)
     try:

@@ -4,11 +4,9 @@ a user to reach a secured cluster (``pdserve.launcher`` runs the cluster)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.scheduling.redis_url import redacted
 from pdserve.security.certs import ClusterCerts
 
 INSECURE_WARNING = (
@@ -27,8 +25,6 @@ class SecuredCluster(Protocol):
 
     router_client_auth: bool
     api_keys: Path | None
-    redis_url: str | None
-    log_dir: Path | None
 
 
 def add_up_security_args(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +41,9 @@ def add_up_security_args(parser: argparse.ArgumentParser) -> None:
 
 
 def how_to_call(cluster: SecuredCluster, address: str) -> str:
-    """The lines of ``pdserve up``'s greeting that show how to reach the cluster. A Redis
-    password is written to ``LOG_DIR/redis-url`` (mode 0600), never to the terminal."""
+    """The lines of ``pdserve up``'s greeting that show how to reach the cluster. ``pdserve
+    status`` needs no flag: it finds the running ``pdserve up`` (``up_state``), so a Redis
+    password never reaches the terminal."""
     flags = ""
     certs = cluster.certs
     if certs is not None:
@@ -55,16 +52,7 @@ def how_to_call(cluster: SecuredCluster, address: str) -> str:
             flags += f" --tls-cert {certs.client_cert} --tls-key {certs.client_key}"
     if cluster.api_keys is not None:
         flags += " --api-key $PDSERVE_API_KEY"
-    redis_url = cluster.redis_url or ""
-    status = f"pdserve status --redis-url {redis_url}"
-    if redacted(redis_url) != redis_url and cluster.log_dir is not None:
-        secret = cluster.log_dir / "redis-url"
-        if not secret.exists():
-            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(redis_url + "\n")
-        status = f'pdserve status --redis-url "$(cat {secret})"'
     return (
         f'  pdserve generate "Once upon a time" --router {address} --max-tokens 32{flags}\n'
-        f"  {status}"
+        "  pdserve status"
     )
