@@ -11,17 +11,20 @@ Prints per-stage p50/p90/p99, mean and share of end to end, and writes ``breakdo
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.telemetry.breakdown import Breakdown, compute_breakdown
+from pdserve.telemetry.completeness import Gap, describe, gaps
 from pdserve.telemetry.record import SpanRecord
 from pdserve.telemetry.spans import E2E_SPAN, SERVICE_ROUTER
 
 PNG_NAME = "breakdown.png"
 HTML_NAME = "breakdown.html"
 
+_POLL_S = 0.5
 TABLE_COLUMNS = ("stage", "n", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "share")
 
 
@@ -67,7 +70,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("trace-report"), help="output directory")
     p.add_argument("--png-rows", type=int, default=60, help="requests drawn in the PNG")
     p.add_argument("--html-rows", type=int, default=1000, help="requests listed in the HTML")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=10.0,
+        help="wait up to this long for traces still arriving to be whole; those that are "
+        "not by then are named and left out (default: %(default)s)",
+    )
     return p
+
+
+def load_whole(ns: argparse.Namespace) -> tuple[list[SpanRecord], str, list[Gap]]:
+    """``load_spans`` again until every trace is whole (``completeness``) or ``--wait-s``
+    passes: the spans without the requests still incomplete, the source, and those."""
+    deadline = time.monotonic() + ns.wait_s
+    while True:
+        spans, source = load_spans(ns)
+        found = gaps(spans)
+        if not found or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)  # other processes' exporters: nothing here to wait on
+    # A trace without its router.request stays in: compute_breakdown counts it as skipped
+    # (a router that does not trace looks the same once the wait is over).
+    partial = [g for g in found if E2E_SPAN not in g.missing]
+    left_out = {g.trace_id for g in partial}
+    return [s for s in spans if s.trace_id not in left_out], source, partial
 
 
 def load_spans(ns: argparse.Namespace) -> tuple[list[SpanRecord], str]:
@@ -92,7 +119,9 @@ def main_report(argv: Sequence[str]) -> int:
     for flag, value in (("--png-rows", ns.png_rows), ("--html-rows", ns.html_rows)):
         if value < 1:
             raise InvalidArgumentError(flag, f"must be >= 1, got {value}")
-    spans, source = load_spans(ns)
+    if not ns.wait_s >= 0:
+        raise InvalidArgumentError("--wait-s", f"must be >= 0, got {ns.wait_s}")
+    spans, source, partial = load_whole(ns)
     breakdown = compute_breakdown(spans)
     if not breakdown.requests:
         raise InvalidArgumentError(
@@ -104,6 +133,8 @@ def main_report(argv: Sequence[str]) -> int:
     from pdserve.telemetry.html_report import write_breakdown_html
 
     print(f"latency breakdown from {source}")
+    if partial:
+        print(describe(partial, ns.wait_s))
     for line in summary_lines(breakdown):
         print(line)
     print(format_table(breakdown))

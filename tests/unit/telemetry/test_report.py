@@ -17,6 +17,8 @@ import pytest
 from PIL import Image
 
 from pdserve.cli import main
+from pdserve.telemetry import report
+from pdserve.telemetry.record import SpanRecord
 from pdserve.telemetry.breakdown import compute_breakdown
 from pdserve.telemetry.jaeger import parse_jaeger_traces
 from pdserve.telemetry.span_file import read_span_file
@@ -50,6 +52,10 @@ def _table(stdout: str) -> dict[str, list[float]]:
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """The report over ``argv``; a finished file needs no wait for late spans (the synthetic
+    traces include one without its router.request, which a wait would wait out)."""
+    if "--wait-s" not in argv:
+        argv = [*argv, "--wait-s", "0"]
     rc = main(["trace", "report", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
@@ -181,3 +187,47 @@ def test_failures_are_reported_as_errors(
     server.server_close()
     rc, _, err = _run(["--jaeger", f"http://127.0.0.1:{port}"], capsys)
     assert rc == 2 and "cannot reach Jaeger" in err
+
+
+def _without_decode_generate(synth: SyntheticTraces) -> tuple[list[dict[str, Any]], str]:
+    """The synthetic lines minus one request's ``decode.generate``, and that trace's id."""
+    line = next(ln for ln in synth.lines if ln["name"] == "decode.generate")
+    return [ln for ln in synth.lines if ln is not line], str(line["trace_id"])
+
+
+def test_a_request_still_arriving_is_waited_for(
+    tmp_path: Path, synth: SyntheticTraces, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Without the synthetic trace that has no router.request: it would be waited out too.
+    rooted = {ln["trace_id"] for ln in synth.lines if ln["name"] == ROOT}
+    whole = [ln for ln in synth.lines if ln["trace_id"] in rooted]
+    partial, _ = _without_decode_generate(synth)
+    reads = [[ln for ln in partial if ln["trace_id"] in rooted], whole]  # the second is whole
+
+    def load(ns: object) -> tuple[list[SpanRecord], str]:
+        lines = reads.pop(0) if len(reads) > 1 else reads[0]
+        path = tmp_path / "now.jsonl"
+        path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+        return read_span_file(path), "test"
+
+    monkeypatch.setattr(report, "load_spans", load)
+    monkeypatch.setattr(report, "_POLL_S", 0.0)
+    rc, stdout, _ = _run(["--span-file", "unused", "--out", str(tmp_path / "o"), "--wait-s", "60"],
+                         capsys)  # fmt: skip
+    assert rc == 0 and not reads[1:]  # read twice: once partial, once whole
+    assert "incomplete" not in stdout
+    assert _table(stdout)[ROOT][0] == N_REQUESTS
+
+
+def test_a_request_incomplete_after_the_wait_is_named_and_left_out(
+    tmp_path: Path, synth: SyntheticTraces, capsys: pytest.CaptureFixture[str]
+) -> None:
+    partial, trace_id = _without_decode_generate(synth)
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(ln) + "\n" for ln in partial))
+    rc, stdout, _ = _run(["--span-file", str(path), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 0
+    assert f"1 trace(s) still incomplete after waiting 0 s, left out of the breakdown: " \
+        f"{trace_id} lacks decode.generate" in stdout
+    assert _table(stdout)[ROOT][0] == N_REQUESTS - 1
