@@ -18,9 +18,9 @@ from PIL import Image
 
 from pdserve.cli import main
 from pdserve.telemetry import report
-from pdserve.telemetry.record import SpanRecord
 from pdserve.telemetry.breakdown import compute_breakdown
 from pdserve.telemetry.jaeger import parse_jaeger_traces
+from pdserve.telemetry.record import SpanRecord
 from pdserve.telemetry.span_file import read_span_file
 
 from .synthetic import ROOT, STAGE_NAMES, SyntheticTraces, make_traces, to_jaeger
@@ -228,6 +228,8 @@ def test_a_request_incomplete_after_the_wait_is_named_and_left_out(
     path.write_text("".join(json.dumps(ln) + "\n" for ln in partial))
     rc, stdout, _ = _run(["--span-file", str(path), "--out", str(tmp_path / "o")], capsys)
     assert rc == 0
-    assert f"1 trace(s) still incomplete after waiting 0 s, left out of the breakdown: " \
+    assert (
+        f"1 trace(s) still incomplete after waiting 0 s, left out of the breakdown: "
         f"{trace_id} lacks decode.generate" in stdout
+    )
     assert _table(stdout)[ROOT][0] == N_REQUESTS - 1
