@@ -35,8 +35,9 @@ from services.decode.servicer import DecodeServicer, MixedServicer, add_decode_s
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:
     engine = await open_backend(options)
     telemetry = WorkerTelemetry.start(
-        SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint
-    )
+        SERVICE_DECODE, options.role.value, engine, host=options.host, endpoint=endpoint,
+        model_name=options.model.name,
+    )  # fmt: skip
     stages = StageRecorder(telemetry)  # the calls' spans and transfer metrics
     inbox = Inbox(
         options.inbox_bytes, expected_layout=engine.layout, default_lease_s=options.kv_lease_s

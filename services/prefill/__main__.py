@@ -32,8 +32,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         raise SystemExit("--kvstore is required")
     engine = await open_backend(options)
     telemetry = WorkerTelemetry.start(
-        SERVICE_PREFILL, options.role.value, engine, host=options.host, endpoint=endpoint
-    )
+        SERVICE_PREFILL, options.role.value, engine, host=options.host, endpoint=endpoint,
+        model_name=options.model.name,
+    )  # fmt: skip
     try:
         async with KVStoreClient(
             options.kvstore, timeout_s=options.kv_timeout_s, security=options.security

@@ -167,7 +167,7 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_dir(args.model)
     model_limits = ModelLimits.from_dir(args.model)
     limits = request_limits(args, model_limits)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(model_name=args.model.name)
     telemetry = ServiceTelemetry.start(
         SERVICE_ROUTER, metrics.registry, host=args.host, endpoint=MetricsEndpoint.from_args(args)
     )

@@ -40,6 +40,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from pdserve.engine.outputs import FinishReason
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
 from pdserve.rpc.convert import MODE_NAMES
@@ -153,16 +154,21 @@ class ObservedRequest:
     finished_after_s: float | None = None
     arm: str = ""
     """The request's rollout arm, once the flow chose it ("" when no split is set)."""
+    prompt_tokens: int = 0
+    finish_reason: FinishReason | None = None
 
     def prepared(self, route: RouteRequest) -> None:
         """The request is validated and tokenized: name it on the span."""
+        self.prompt_tokens = len(route.prompt_token_ids)
         self.span.set_attributes(
-            {ATTR_REQUEST_ID: route.request_id, ATTR_PROMPT_TOKENS: len(route.prompt_token_ids)}
+            {ATTR_REQUEST_ID: route.request_id, ATTR_PROMPT_TOKENS: self.prompt_tokens}
         )
 
     def chunk(self, chunk: RouteChunk) -> None:
         """A chunk from the flow: the first token's arrival is the TTFT; each later token
         adds one inter-token gap (a chunk of k tokens spreads its gap evenly over them)."""
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
         n = len(chunk.token_ids)
         if n == 0:
             return
@@ -224,8 +230,16 @@ class RouterTelemetry:
         finally:
             observed.finish()
             if self.metrics is not None:
-                if outcome == OUTCOME_OK and observed.finished_after_s is not None:
-                    self.metrics.observe_e2e(observed.finished_after_s)
+                reason = FinishReason.ABORT if outcome == OUTCOME_CANCELLED else None
+                if outcome == OUTCOME_OK:
+                    reason = observed.finish_reason
+                if reason is not None and observed.finished_after_s is not None:
+                    self.metrics.observe_finished(
+                        observed.finished_after_s,
+                        prompt_tokens=observed.prompt_tokens,
+                        generated=observed.tokens,
+                        reason=reason.value,
+                    )
                 self.metrics.count_request(outcome)
                 if observed.arm:
                     self.metrics.count_arm(observed.arm, outcome)

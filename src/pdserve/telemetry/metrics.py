@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.process_collector import ProcessCollector
 
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.telemetry.vllm_metrics import VllmEngineMetrics, VllmRequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,17 @@ def _registry(registry: CollectorRegistry | None, process: bool) -> CollectorReg
 class RouterMetrics:
     """Client-visible latency, measured by the router: TTFT, inter-token, end to end."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        process: bool = True,
+        model_name: str = "pdserve",
+    ) -> None:
+        """``model_name``: the label of the vLLM-named families (``vllm_metrics``)."""
         self.registry = _registry(registry, process)
         r = self.registry
+        self.vllm = VllmRequestMetrics(r, _label("model_name", model_name))
         self._ttft = Histogram(
             TTFT_SECONDS,
             "Time to first token seen by the router.",
@@ -132,11 +141,13 @@ class RouterMetrics:
 
     def observe_ttft(self, seconds: float, *, arm: str = "") -> None:
         self._ttft.observe(_non_negative("seconds", seconds))
+        self.vllm.ttft(seconds)
         if arm:
             self._arm_ttft.labels(arm=arm).observe(seconds)
 
     def observe_itl(self, seconds: float, *, arm: str = "") -> None:
         self._itl.observe(_non_negative("seconds", seconds))
+        self.vllm.itl(seconds)
         if arm:
             self._arm_itl.labels(arm=arm).observe(seconds)
 
@@ -144,8 +155,12 @@ class RouterMetrics:
         """One finished request of rollout arm ``arm``."""
         self._arm_requests.labels(arm=_label("arm", arm), outcome=_label("outcome", outcome)).inc()
 
-    def observe_e2e(self, seconds: float) -> None:
+    def observe_finished(
+        self, seconds: float, *, prompt_tokens: int, generated: int, reason: str
+    ) -> None:
+        """A request served to its end: end to end, its tokens, why it finished."""
         self._e2e.observe(_non_negative("seconds", seconds))
+        self.vllm.finished(seconds, prompt_tokens, generated, _label("reason", reason))
 
     def count_request(self, outcome: str) -> None:
         """One finished request; ``outcome`` is a short fixed word (ok, error, cancelled...)."""
@@ -156,11 +171,19 @@ class WorkerMetrics:
     """A prefill, decode or colocated worker: queue depth, free KV blocks, KV transfers."""
 
     def __init__(
-        self, role: str, registry: CollectorRegistry | None = None, *, process: bool = True
+        self,
+        role: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        process: bool = True,
+        model_name: str | None = None,
     ) -> None:
+        """``model_name``: the served model, for the vLLM-named families of an engine's
+        worker (``vllm_metrics``); None (a KV store): none."""
         self.role = _label("role", role)
         self.registry = _registry(registry, process)
         r = self.registry
+        self.vllm = None if model_name is None else VllmEngineMetrics(r, model_name)
         self._queue = Gauge(
             QUEUE_DEPTH, "Requests waiting in the engine queue.", ["role"], registry=r
         )
@@ -235,6 +258,13 @@ class WorkerMetrics:
         """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""
         role = self.role if role is None else _label("role", role)
         self._queue.labels(role=role).set(_non_negative("depth", depth))
+
+    def set_engine_load(self, *, running: int, waiting: int, free: int, total: int) -> None:
+        """The engine's load now: the queue and KV gauges, and vLLM's."""
+        self.set_queue_depth(waiting)
+        self.set_kv_blocks(free, total)
+        if self.vllm is not None:
+            self.vllm.load(running=running, waiting=waiting, blocks_free=free, blocks_total=total)
 
     def set_kv_blocks(self, free: int, total: int | None = None) -> None:
         self._free.labels(role=self.role).set(_non_negative("free", free))

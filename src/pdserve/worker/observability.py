@@ -304,8 +304,15 @@ class WorkerTelemetry:
     """
 
     def __init__(
-        self, role: str, engine: EngineBackend | None = None, *, process: bool = True
+        self,
+        role: str,
+        engine: EngineBackend | None = None,
+        *,
+        process: bool = True,
+        model_name: str | None = None,
     ) -> None:
+        """``model_name``: the served model's name, for the vLLM-named metrics of an
+        engine's worker (``telemetry.vllm_metrics``)."""
         self.engine = engine
         self.service: ServiceTelemetry | None = None
         self._heartbeat: WorkerHeartbeat | None = None
@@ -315,7 +322,7 @@ class WorkerTelemetry:
         if process:
             ProcessCollector(registry=registry)
         registry.register(_RefreshOnScrape(self))
-        self.metrics = WorkerMetrics(role, registry)
+        self.metrics = WorkerMetrics(role, registry, model_name=model_name)
         self.registry = registry
 
     @classmethod
@@ -327,9 +334,10 @@ class WorkerTelemetry:
         *,
         host: str = "127.0.0.1",
         endpoint: MetricsEndpoint | None = None,
+        model_name: str | None = None,
     ) -> WorkerTelemetry:
         """Metrics for ``role`` served at ``endpoint``; tracing as ``service_name``."""
-        telemetry = cls(role, engine)
+        telemetry = cls(role, engine, model_name=model_name)
         telemetry.service = ServiceTelemetry.start(
             service_name, telemetry.registry, host=host, endpoint=endpoint
         )
@@ -359,8 +367,12 @@ class WorkerTelemetry:
         on the metrics server's thread: it reads only snapshots the engine publishes."""
         if self.engine is not None:
             load = self.engine.capacity()
-            self.metrics.set_queue_depth(load.waiting)
-            self.metrics.set_kv_blocks(load.blocks_free, load.blocks_total)
+            self.metrics.set_engine_load(
+                running=load.running,
+                waiting=load.waiting,
+                free=load.blocks_free,
+                total=load.blocks_total,
+            )
             gate = self.engine.gate
             if isinstance(gate, HostLease):
                 lease = gate.stats

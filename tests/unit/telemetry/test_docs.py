@@ -29,7 +29,7 @@ def test_every_metric_is_documented_with_its_type() -> None:
         RouterMetrics,
         SchedulerMetrics,
         PlannerMetrics,
-        lambda process: WorkerMetrics("decode", process=process),
+        lambda process: WorkerMetrics("decode", process=process, model_name="m"),
     )
     for make in helpers:
         for family in make(process=False).registry.collect():

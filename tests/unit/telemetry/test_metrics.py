@@ -33,7 +33,8 @@ def test_router_metrics_over_http() -> None:
         m.observe_ttft(v)
     for v in (0.003, 0.012):
         m.observe_itl(v)
-    m.observe_e2e(1.5)
+    m.observe_finished(1.5, prompt_tokens=7, generated=5, reason="length")
+    m.observe_finished(0.25, prompt_tokens=3, generated=1, reason="stop")
     m.count_request("ok")
     m.count_request("ok")
     m.count_request("error")
@@ -48,17 +49,26 @@ def test_router_metrics_over_http() -> None:
         assert got[("pdserve_ttft_seconds_bucket", (("le", le),))] == expected
     assert got[("pdserve_inter_token_latency_seconds_count", ())] == 2
     assert got[("pdserve_inter_token_latency_seconds_sum", ())] == pytest.approx(0.015)
-    assert got[("pdserve_e2e_latency_seconds_count", ())] == 1
+    assert got[("pdserve_e2e_latency_seconds_count", ())] == 2
+    # The same under vLLM's names, labelled with the model.
+    model = (("model_name", "pdserve"),)
+    assert got[("vllm:time_to_first_token_seconds_count", model)] == len(ttft)
+    assert got[("vllm:time_to_first_token_seconds_sum", model)] == pytest.approx(sum(ttft))
+    assert got[("vllm:inter_token_latency_seconds_count", model)] == 2
+    assert got[("vllm:e2e_request_latency_seconds_sum", model)] == pytest.approx(1.75)
+    assert got[("vllm:prompt_tokens_total", model)] == 10
+    assert got[("vllm:generation_tokens_total", model)] == 6
+    for reason in ("length", "stop"):
+        assert got[("vllm:request_success_total", (("finished_reason", reason), *model))] == 1
     assert got[("pdserve_requests_total", (("outcome", "ok"),))] == 2
     assert got[("pdserve_requests_total", (("outcome", "error"),))] == 1
     assert ("process_cpu_seconds_total", ()) in got  # the per-service process collector
 
 
 def test_worker_and_scheduler_metrics_over_http() -> None:
-    w = WorkerMetrics("decode")
-    w.set_queue_depth(3)
+    w = WorkerMetrics("decode", model_name="demo")
+    w.set_engine_load(running=5, waiting=3, free=40, total=128)
     w.set_queue_depth(1, role="prefill")
-    w.set_kv_blocks(free=40, total=128)
     w.observe_transfer("grpc", "recv", 1_000_000, 0.01)
     w.observe_transfer("grpc", "recv", 3_000_000, 0.03)
     w.observe_transfer("shm", "send", 500, 0.0001)
@@ -76,6 +86,10 @@ def test_worker_and_scheduler_metrics_over_http() -> None:
     assert worker[("pdserve_queue_depth", (("role", "prefill"),))] == 1
     assert worker[("pdserve_kv_blocks_free", (("role", "decode"),))] == 40
     assert worker[("pdserve_kv_blocks_total", (("role", "decode"),))] == 128
+    model = (("model_name", "demo"),)
+    assert worker[("vllm:num_requests_running", model)] == 5
+    assert worker[("vllm:num_requests_waiting", model)] == 3
+    assert worker[("vllm:kv_cache_usage_perc", model)] == pytest.approx(88 / 128)
     grpc_recv = (("direction", "recv"), ("transport", "grpc"))
     assert worker[("pdserve_kv_transfer_bytes_total", grpc_recv)] == 4_000_000
     assert worker[("pdserve_kv_transfer_seconds_count", grpc_recv)] == 2
