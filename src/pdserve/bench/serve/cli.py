@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.serve.calibrate import ScaledSlo, measure, other_scales, scaled
 from pdserve.bench.serve.cli_targets import (
     add_target_args,
     labels,
@@ -112,6 +114,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--goodput-target", type=float, default=0.9)
     r.add_argument("--ttft-slo", type=_duration("s"), default=3.0, help="default 3s")
     r.add_argument("--itl-slo", type=_duration("ms"), default=0.150, help="default 150ms")
+    r.add_argument(
+        "--slo-scale",
+        type=_floats,
+        metavar="K[,K2,...]",
+        help="SLOs scaled to the machine instead of --ttft-slo/--itl-slo: K x the slowest "
+        "target's isolated TTFT (the mix's longest prompts) and ITL p50, measured first; "
+        "K2... add goodput under those scales",
+    )
     r.add_argument("--request-timeout", type=_duration("s"), default=300.0, help="default 300s")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, help="every request record, summaries, config, machine")
@@ -142,18 +152,35 @@ def check_command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 async def _run(targets: Sequence[Target], s: Settings, bar: ProgressBar, log: Log,
-               load_average: Callable[[], float | None]) -> RunResult:  # fmt: skip
+               load_average: Callable[[], float | None]
+               ) -> tuple[RunResult, Settings, list[ScaledSlo]]:  # fmt: skip
+    """The sweep, with the settings it ran under (the SLO scaled to the machine when asked)
+    and the scaled SLOs."""
     opened: list[Target] = []
     try:
         for t in targets:
             await t.open()
             opened.append(t)
-        return await run_all(
+        found: list[ScaledSlo] = []
+        if s.slo_scales:
+            assert s.load.mix is not None  # settings() refuses --slo-scale without a mix
+            log("measuring each target alone for the scaled SLOs ...")
+            isolated = [
+                await measure(t, s.load.mix, s.load.vocab_size, seed=s.load.seed,
+                              scale=s.time_scale)
+                for t in targets
+            ]  # fmt: skip
+            found = [scaled(k, isolated) for k in s.slo_scales]
+            s = dataclasses.replace(s, slo=found[0].slo)
+            for f in found:
+                log(f.describe())
+        result = await run_all(
             targets, s.load, rates=s.rates, search=s.search, slo=s.slo,
             request_timeout_s=s.request_timeout_s, time_scale=s.time_scale,
             load_average=load_average,
             on_progress=bar.update, log=log,
         )  # fmt: skip
+        return result, s, found
     finally:
         bar.done()
         for t in opened:
@@ -187,23 +214,30 @@ def main(argv: Sequence[str]) -> int:
         with contextlib.ExitStack() as stack:
             targets = make_targets(args, stack, log)
             bar = ProgressBar(enabled=not args.quiet)
-            result = asyncio.run(_run(targets, s, bar, log, load_average))
+            result, s, found = asyncio.run(_run(targets, s, bar, log, load_average))
     except PdServeError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 1
     machine["load_1min_end"] = load_average()
-    print(format_report(result, targets, slo=s.slo, headline=s.headline()), end="")
-    write_outputs(args, result, targets, s, machine, log, argv=["bench", "serve", *argv])
+    headline = "\n".join([s.headline(), *(f.describe() for f in found[:1])])
+    print(format_report(result, targets, slo=s.slo, headline=headline), end="")
+    if found[1:]:
+        print(
+            "\n".join(["", "goodput under the other SLO scales:", *other_scales(result, found[1:])])
+        )
+    write_outputs(args, result, targets, s, machine, log, argv=["bench", "serve", *argv],
+                  scaled_slos=found)  # fmt: skip
     return 0
 
 
 def write_outputs(args: argparse.Namespace, result: RunResult, targets: Sequence[Target],
                   s: Settings, machine: dict[str, Any], log: Log, *,
-                  argv: Sequence[str]) -> None:  # fmt: skip
+                  argv: Sequence[str], scaled_slos: Sequence[ScaledSlo] = ()) -> None:  # fmt: skip
     """The files asked for: ``--json``, ``--plot``, ``--html``."""
     labels = [t.label for t in targets]
     if args.json is not None:
-        config = {"argv": list(argv), **s.to_json()}
+        config = {"argv": list(argv), **s.to_json(),
+                  "slo_scales": [f.to_json() for f in scaled_slos]}  # fmt: skip
         doc = to_json(result, targets, config=config, machine=machine)
         args.json.write_text(json.dumps(doc) + "\n")
         log(f"wrote {args.json}")

@@ -30,6 +30,9 @@ class Settings:
     request_timeout_s: float
     time_scale: TimeScale = REAL_TIME
     """Of the sim clusters under test: rates, SLOs and the timeout are in its modelled time."""
+    slo_scales: tuple[float, ...] = ()
+    """``--slo-scale``: the SLO is derived from the targets' isolated figures (``calibrate``)
+    with the first; the others add goodput columns. Empty: ``slo`` as given."""
 
     def arrivals(self) -> str:
         burst = self.load.burst
@@ -112,7 +115,10 @@ def settings(args: argparse.Namespace) -> Settings:
     if not args.request_timeout > 0:
         raise InvalidArgumentError("--request-timeout", "must be > 0")
     slo = Slo(args.ttft_slo, args.itl_slo)
-    return Settings(load, rates, search, slo, args.request_timeout, scale)
+    scales = tuple(args.slo_scale or ())
+    if scales and load.mix is None:
+        raise InvalidArgumentError("--slo-scale", "needs a mix (--mix) to calibrate with")
+    return Settings(load, rates, search, slo, args.request_timeout, scale, scales)
 
 
 def vocab_size(args: argparse.Namespace) -> int:
