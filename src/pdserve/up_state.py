@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.transfer.janitor import owner_alive
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +64,8 @@ def running(directory: Path) -> list[UpState]:
             state = UpState(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # not ours, or being replaced: skipped, never fatal
-        if _alive(state.pid):
+        if owner_alive(state.pid, since=path.stat().st_mtime):
             found.append(state)
         else:
             path.unlink(missing_ok=True)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
