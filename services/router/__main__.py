@@ -154,9 +154,9 @@ def request_limits(args: argparse.Namespace, model: ModelLimits) -> RequestLimit
 
 
 def server_options(limits: RequestLimits) -> list[tuple[str, int]]:
-    """gRPC options: a request larger than any within ``limits`` is refused unparsed."""
+    """gRPC options: a message larger than ``limits.receive_bytes()`` is refused unparsed."""
     options = dict(DEFAULT_OPTIONS)
-    options["grpc.max_receive_message_length"] = limits.max_message_bytes()
+    options["grpc.max_receive_message_length"] = limits.receive_bytes()
     return list(options.items())
 
 

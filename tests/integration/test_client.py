@@ -28,10 +28,12 @@ from pdserve.client import (
     NotFound,
     Overloaded,
     PdServeClientError,
+    RequestTooLarge,
     RetryPolicy,
     ServerError,
     Unavailable,
 )
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -130,6 +132,79 @@ def fake() -> Iterator[tuple[FakeRouter, str]]:
     finally:
         servicer.cancelled.set()  # release a handler still waiting
         server.stop(None)
+
+
+class CallCounter(grpc.ServerInterceptor):
+    """Counts the calls that reach the server, those whose message it refuses included."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        self.methods.append(details.method)
+        return continuation(details)
+
+
+SMALL_RECEIVE_BYTES = 1024
+
+
+@pytest.fixture
+def small() -> Iterator[tuple[CallCounter, str]]:
+    """A router whose gRPC receive limit is SMALL_RECEIVE_BYTES, counting the calls."""
+    counter = CallCounter()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=[counter],
+        options=[("grpc.max_receive_message_length", SMALL_RECEIVE_BYTES)],
+    )
+    router_pb2_grpc.add_RouterServicer_to_server(FakeRouter(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield counter, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("how", ["generate", "stream", "async generate", "async stream"])
+def test_a_message_over_the_routers_receive_limit_is_not_overload_and_not_retried(
+    small: tuple[CallCounter, str], how: str
+) -> None:
+    counter, address = small
+    prompt = "word " * SMALL_RECEIVE_BYTES
+    retry = RetryPolicy(max_attempts=5, initial_backoff_s=0.001, max_backoff_s=0.002)
+
+    async def run_async() -> None:
+        async with AsyncClient(address, retry=retry) as client:
+            if how == "async generate":
+                await client.generate(prompt)
+            else:
+                async for _ in client.stream(prompt):
+                    pass
+
+    with pytest.raises(RequestTooLarge) as info:
+        if how.startswith("async"):
+            asyncio.run(run_async())
+        else:
+            with Client(address, retry=retry) as client:
+                if how == "generate":
+                    client.generate(prompt)
+                else:
+                    list(client.stream(prompt))
+    assert isinstance(info.value, InvalidRequest) and not isinstance(info.value, Overloaded)
+    assert info.value.field == "prompt"
+    assert f"the router takes {SMALL_RECEIVE_BYTES} at most" in info.value.message
+    assert len(counter.methods) == 1  # one call, no retry
+
+
+def test_a_message_over_the_clients_send_limit_is_refused_before_it_is_sent(
+    small: tuple[CallCounter, str],
+) -> None:
+    _, address = small
+    with Client(address) as client, pytest.raises(RequestTooLarge) as info:
+        client.generate("x" * MAX_MESSAGE_BYTES)
+    assert info.value.field == "prompt"
+    assert f"this client sends {MAX_MESSAGE_BYTES} at most" in info.value.message
 
 
 def test_generate_builds_the_request_and_reads_the_response(fake: tuple[FakeRouter, str]) -> None:
