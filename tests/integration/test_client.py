@@ -41,6 +41,9 @@ pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002)
 TOKENS = [11, 12, 13]
 TEXTS = ["a", "bc", "d"]
+HANG_S = 60.0
+"""How long a hanging call waits for the client to end it: longer than any test waits for
+``FakeRouter.cancelled`` (10 s), so that only the client's cancel (or deadline) sets it."""
 
 
 @dataclass
@@ -51,7 +54,7 @@ class Step:
     message: str = "scripted failure"
     chunks_before_fail: int = 0
     hang: bool = False
-    """Send one chunk, then wait until the client cancels (or 10 s pass)."""
+    """Send one chunk, then wait until the client cancels (or HANG_S pass)."""
 
 
 @dataclass
@@ -91,7 +94,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         if step.hang:
             context.add_callback(self.cancelled.set)
             yield chunks[0]
-            self.cancelled.wait(10)
+            self.cancelled.wait(HANG_S)
             return
         if step.fail is not None:
             yield from chunks[: step.chunks_before_fail]
@@ -104,7 +107,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         step = self._record(request, context)
         if step.hang:
             context.add_callback(self.cancelled.set)
-            self.cancelled.wait(10)
+            self.cancelled.wait(HANG_S)
             return router_pb2.GenerateResponse()
         if step.fail is not None:
             context.abort(step.fail, step.message)
@@ -364,7 +367,7 @@ def test_deadline_applies_to_the_whole_call(fake: tuple[FakeRouter, str]) -> Non
     servicer, address = fake
     servicer.script.append(Step(hang=True))
     with Client(address) as client, pytest.raises(DeadlineExceeded):
-        client.generate("hi", timeout=0.2)
+        client.generate("hi", timeout=1.0)  # long enough to reach the server under load
     assert servicer.cancelled.wait(10)
 
 
@@ -449,3 +452,34 @@ def test_sync_stream_cancel_reaches_the_server(fake: tuple[FakeRouter, str]) -> 
         with pytest.raises(Cancelled):
             next(stream)
     assert servicer.cancelled.wait(10)
+
+
+def test_sync_break_out_of_a_for_loop_cancels_the_call(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client:
+        stream = client.stream("hi")  # still referenced after the loop
+        for delta in stream:
+            assert delta.token_ids == TOKENS[:1]
+            break
+        assert servicer.cancelled.wait(10), "the server never saw the cancellation"
+        with pytest.raises(Cancelled):  # reading on after the break: the call is over
+            next(stream)
+        assert stream.completion().token_ids == TOKENS[:1]
+
+
+def test_async_break_out_of_an_async_for_loop_cancels_the_call(
+    fake: tuple[FakeRouter, str],
+) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+
+    async def run() -> bool:
+        async with AsyncClient(address) as client:
+            stream = client.stream("hi")  # still referenced after the loop, never closed
+            async for _ in stream:
+                break
+            # The event loop closes the dropped iterator, which cancels the call.
+            return await asyncio.to_thread(servicer.cancelled.wait, 10)
+
+    assert asyncio.run(run()), "the server never saw the cancellation"
