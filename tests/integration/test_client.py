@@ -483,3 +483,13 @@ def test_async_break_out_of_an_async_for_loop_cancels_the_call(
             return await asyncio.to_thread(servicer.cancelled.wait, 10)
 
     assert asyncio.run(run()), "the server never saw the cancellation"
+
+
+def test_a_dropped_stream_cancels_its_call(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client:
+        stream = client.stream("hi")
+        assert next(stream).token_ids == TOKENS[:1]
+        del stream  # no reference cycle: collected at once, without the garbage collector
+        assert servicer.cancelled.wait(10), "the server never saw the cancellation"

@@ -2,12 +2,20 @@
 
 ::
 
-    from pdserve.client import Client
+    from pdserve.client import AsyncClient, Client
 
     with Client("127.0.0.1:50051") as client:
         print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
         for delta in client.stream("Once upon a time", max_tokens=32):
             print(delta.text, end="", flush=True)
+            if delta.text.endswith("."):
+                break  # cancels the request at once: the worker stops generating
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async with client.stream("Once upon a time", max_tokens=32) as stream:
+            async for delta in stream:
+                if delta.text.endswith("."):
+                    break  # leaving the block cancels the request at once
 
 Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
 ``Unauthenticated``, all ``PdServeClientError``), each with the gRPC ``code`` and ``message``.
