@@ -10,14 +10,13 @@ SIGTERM. ``--port 0`` binds a free port; ``--port-file`` receives the bound port
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc import allocator
-from pdserve.rpc.server import AddServicerFn
+from pdserve.rpc.server import AddServicerFn, run_service
 from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
@@ -105,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
-    asyncio.run(serve(options_from_args(args, os.environ), MetricsEndpoint.from_args(args)))
+    options = options_from_args(args, os.environ)
+    run_service(f"{options.role.value} worker", serve(options, MetricsEndpoint.from_args(args)))
 
 
 if __name__ == "__main__":

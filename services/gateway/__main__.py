@@ -12,7 +12,6 @@ port, before it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
@@ -20,10 +19,10 @@ from pathlib import Path
 
 import uvicorn
 
-from pdserve.errors import InvalidArgumentError
+from pdserve.errors import BindError, InvalidArgumentError
 from pdserve.gateway import Gateway, GatewayConfig, create_app
 from pdserve.gateway.security import GatewayTls, add_gateway_tls_args, gateway_tls_from_args
-from pdserve.rpc.server import freeze_startup_heap, write_port_file
+from pdserve.rpc.server import freeze_startup_heap, run_service, write_port_file
 from pdserve.telemetry.metrics import GatewayMetrics, MetricsServer, start_metrics_server
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 
@@ -87,7 +86,10 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     metrics_server = _metrics(args, metrics)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.create_server((args.host, args.port), family=family)
+    try:  # exclusive: SO_REUSEADDR, never SO_REUSEPORT
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:
+        raise BindError.from_os_error(f"{args.host}:{args.port}", err) from err
     port = int(sock.getsockname()[1])
 
     def ready() -> None:
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(args))
+    run_service("gateway", serve(args))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pdserve.kvstore.metrics import StoreCollector
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc import allocator
-from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
 from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_KVSTORE
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     allocator.tune_for_streams()  # MiB-sized KV messages: see pdserve.rpc.allocator
-    asyncio.run(serve(args))
+    run_service("kvstore", serve(args))
 
 
 if __name__ == "__main__":

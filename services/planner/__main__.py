@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
 from pdserve.scheduling import KeySpace, connect
 from pdserve.scheduling.planner import Bounds, PlannerConfig, Profile
 from pdserve.scheduling.planner_loop import Pass, PlannerLoop
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(args))
+    run_service("planner", serve(args))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ the server is serving (``--metrics-port-file`` the metrics port, before it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -31,7 +30,13 @@ from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
 from pdserve.router.rollout import RolloutFollower, following
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
-from pdserve.rpc.server import DEFAULT_OPTIONS, build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import (
+    DEFAULT_OPTIONS,
+    build_server,
+    run_service,
+    serve_until_signal,
+    write_port_file,
+)
 from pdserve.scheduling import KeySpace, connect
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
@@ -149,9 +154,9 @@ def request_limits(args: argparse.Namespace, model: ModelLimits) -> RequestLimit
 
 
 def server_options(limits: RequestLimits) -> list[tuple[str, int]]:
-    """gRPC options: a request larger than any within ``limits`` is refused unparsed."""
+    """gRPC options: a message larger than ``limits.receive_bytes()`` is refused unparsed."""
     options = dict(DEFAULT_OPTIONS)
-    options["grpc.max_receive_message_length"] = limits.max_message_bytes()
+    options["grpc.max_receive_message_length"] = limits.receive_bytes()
     return list(options.items())
 
 
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(args))
+    run_service("router", serve(args))
 
 
 if __name__ == "__main__":

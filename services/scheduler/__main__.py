@@ -12,13 +12,12 @@ serving, so a launcher can wait for that file (``--metrics-port-file`` is writte
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
 from pathlib import Path
 
-from pdserve.rpc.server import build_server, serve_until_signal, write_port_file
+from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
 from pdserve.scheduling import (
     POLICIES,
     CapacityLimits,
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(args))
+    run_service("scheduler", serve(args))
 
 
 if __name__ == "__main__":

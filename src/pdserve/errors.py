@@ -7,6 +7,8 @@ the engine can raise them without importing grpc.
 
 from __future__ import annotations
 
+import errno
+
 
 class PdServeError(Exception):
     """Base of every error pdserve raises on purpose."""
@@ -61,6 +63,24 @@ class WorkerUnavailableError(PdServeError):
     """A worker or dependency is gone or not reachable."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class BindError(PdServeError):
+    """A server cannot listen on its address: another process holds the port, or the address
+    is not one of this host's. A service meeting it exits (``pdserve.rpc.server.run_service``)."""
+
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
+        self.address = address
+
+    @classmethod
+    def from_os_error(cls, address: str, err: OSError) -> BindError:
+        """The error of a failed ``bind()``, saying in words what its errno means."""
+        if err.errno == errno.EADDRINUSE:
+            return cls(address, "another process holds this port")
+        return cls(address, err.strerror or str(err))
 
 
 class KVTransferError(PdServeError):

@@ -28,10 +28,12 @@ from pdserve.client import (
     NotFound,
     Overloaded,
     PdServeClientError,
+    RequestTooLarge,
     RetryPolicy,
     ServerError,
     Unavailable,
 )
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -39,6 +41,9 @@ pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002)
 TOKENS = [11, 12, 13]
 TEXTS = ["a", "bc", "d"]
+HANG_S = 60.0
+"""How long a hanging call waits for the client to end it: longer than any test waits for
+``FakeRouter.cancelled`` (10 s), so that only the client's cancel (or deadline) sets it."""
 
 
 @dataclass
@@ -49,7 +54,7 @@ class Step:
     message: str = "scripted failure"
     chunks_before_fail: int = 0
     hang: bool = False
-    """Send one chunk, then wait until the client cancels (or 10 s pass)."""
+    """Send one chunk, then wait until the client cancels (or HANG_S pass)."""
 
 
 @dataclass
@@ -89,7 +94,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         if step.hang:
             context.add_callback(self.cancelled.set)
             yield chunks[0]
-            self.cancelled.wait(10)
+            self.cancelled.wait(HANG_S)
             return
         if step.fail is not None:
             yield from chunks[: step.chunks_before_fail]
@@ -102,7 +107,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         step = self._record(request, context)
         if step.hang:
             context.add_callback(self.cancelled.set)
-            self.cancelled.wait(10)
+            self.cancelled.wait(HANG_S)
             return router_pb2.GenerateResponse()
         if step.fail is not None:
             context.abort(step.fail, step.message)
@@ -130,6 +135,79 @@ def fake() -> Iterator[tuple[FakeRouter, str]]:
     finally:
         servicer.cancelled.set()  # release a handler still waiting
         server.stop(None)
+
+
+class CallCounter(grpc.ServerInterceptor):
+    """Counts the calls that reach the server, those whose message it refuses included."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        self.methods.append(details.method)
+        return continuation(details)
+
+
+SMALL_RECEIVE_BYTES = 1024
+
+
+@pytest.fixture
+def small() -> Iterator[tuple[CallCounter, str]]:
+    """A router whose gRPC receive limit is SMALL_RECEIVE_BYTES, counting the calls."""
+    counter = CallCounter()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=[counter],
+        options=[("grpc.max_receive_message_length", SMALL_RECEIVE_BYTES)],
+    )
+    router_pb2_grpc.add_RouterServicer_to_server(FakeRouter(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield counter, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("how", ["generate", "stream", "async generate", "async stream"])
+def test_a_message_over_the_routers_receive_limit_is_not_overload_and_not_retried(
+    small: tuple[CallCounter, str], how: str
+) -> None:
+    counter, address = small
+    prompt = "word " * SMALL_RECEIVE_BYTES
+    retry = RetryPolicy(max_attempts=5, initial_backoff_s=0.001, max_backoff_s=0.002)
+
+    async def run_async() -> None:
+        async with AsyncClient(address, retry=retry) as client:
+            if how == "async generate":
+                await client.generate(prompt)
+            else:
+                async for _ in client.stream(prompt):
+                    pass
+
+    with pytest.raises(RequestTooLarge) as info:
+        if how.startswith("async"):
+            asyncio.run(run_async())
+        else:
+            with Client(address, retry=retry) as client:
+                if how == "generate":
+                    client.generate(prompt)
+                else:
+                    list(client.stream(prompt))
+    assert isinstance(info.value, InvalidRequest) and not isinstance(info.value, Overloaded)
+    assert info.value.field == "prompt"
+    assert f"the router takes {SMALL_RECEIVE_BYTES} at most" in info.value.message
+    assert len(counter.methods) == 1  # one call, no retry
+
+
+def test_a_message_over_the_clients_send_limit_is_refused_before_it_is_sent(
+    small: tuple[CallCounter, str],
+) -> None:
+    _, address = small
+    with Client(address) as client, pytest.raises(RequestTooLarge) as info:
+        client.generate("x" * MAX_MESSAGE_BYTES)
+    assert info.value.field == "prompt"
+    assert f"this client sends {MAX_MESSAGE_BYTES} at most" in info.value.message
 
 
 def test_generate_builds_the_request_and_reads_the_response(fake: tuple[FakeRouter, str]) -> None:
@@ -289,7 +367,7 @@ def test_deadline_applies_to_the_whole_call(fake: tuple[FakeRouter, str]) -> Non
     servicer, address = fake
     servicer.script.append(Step(hang=True))
     with Client(address) as client, pytest.raises(DeadlineExceeded):
-        client.generate("hi", timeout=0.2)
+        client.generate("hi", timeout=1.0)  # long enough to reach the server under load
     assert servicer.cancelled.wait(10)
 
 
@@ -374,3 +452,44 @@ def test_sync_stream_cancel_reaches_the_server(fake: tuple[FakeRouter, str]) -> 
         with pytest.raises(Cancelled):
             next(stream)
     assert servicer.cancelled.wait(10)
+
+
+def test_sync_break_out_of_a_for_loop_cancels_the_call(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client:
+        stream = client.stream("hi")  # still referenced after the loop
+        for delta in stream:
+            assert delta.token_ids == TOKENS[:1]
+            break
+        assert servicer.cancelled.wait(10), "the server never saw the cancellation"
+        with pytest.raises(Cancelled):  # reading on after the break: the call is over
+            next(stream)
+        assert stream.completion().token_ids == TOKENS[:1]
+
+
+def test_async_break_out_of_an_async_for_loop_cancels_the_call(
+    fake: tuple[FakeRouter, str],
+) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+
+    async def run() -> bool:
+        async with AsyncClient(address) as client:
+            stream = client.stream("hi")  # still referenced after the loop, never closed
+            async for _ in stream:
+                break
+            # The event loop closes the dropped iterator, which cancels the call.
+            return await asyncio.to_thread(servicer.cancelled.wait, 10)
+
+    assert asyncio.run(run()), "the server never saw the cancellation"
+
+
+def test_a_dropped_stream_cancels_its_call(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    servicer.script.append(Step(hang=True))
+    with Client(address) as client:
+        stream = client.stream("hi")
+        assert next(stream).token_ids == TOKENS[:1]
+        del stream  # no reference cycle: collected at once, without the garbage collector
+        assert servicer.cancelled.wait(10), "the server never saw the cancellation"

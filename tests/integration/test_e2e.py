@@ -335,10 +335,11 @@ def test_sampling_values_at_their_edges_are_served(cluster: Cluster) -> None:
 
 
 def test_oversized_messages_are_refused_before_they_are_parsed(cluster: Cluster) -> None:
+    # Over the router's receive bound (4 MiB for this model; RequestLimits.receive_bytes).
     huge = [
-        router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[7] * 1_000_000)),
+        router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[2**31] * 1_000_000)),
         router_pb2.GenerateRequest(
-            text="hi", sampling=common_pb2.SamplingParams(stop=["stop"] * 100_000)
+            text="hi", sampling=common_pb2.SamplingParams(stop=["stop"] * 1_000_000)
         ),
     ]
     with grpc.insecure_channel(cluster.router_address) as channel:

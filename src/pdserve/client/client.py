@@ -2,16 +2,27 @@
 
 ::
 
-    from pdserve.client import Client
+    from pdserve.client import AsyncClient, Client
 
     with Client("127.0.0.1:50051") as client:
         print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
         for delta in client.stream("Once upon a time", max_tokens=32):
             print(delta.text, end="", flush=True)
+            if delta.text.endswith("."):
+                break  # cancels the request at once: the worker stops generating
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async with client.stream("Once upon a time", max_tokens=32) as stream:
+            async for delta in stream:
+                if delta.text.endswith("."):
+                    break  # leaving the block cancels the request at once
 
 Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
 ``Unauthenticated``, all ``PdServeClientError``), each with the gRPC ``code`` and ``message``.
-UNAVAILABLE is retried (bounded, with backoff) as long as no token has arrived.
+UNAVAILABLE is retried (bounded, with backoff) as long as no token has arrived. A prompt over
+the router's limits is ``InvalidRequest`` naming the field (``text``, ``token_ids``) and the
+limit; one so large that gRPC refuses the message unparsed is ``RequestTooLarge``, an
+``InvalidRequest`` too (never ``Overloaded``: no retry can succeed).
 
 Every call has a deadline: ``DEFAULT_TIMEOUT_S`` (60 s) unless the client or the call says
 otherwise. It bounds the whole call, retries and every streamed token included, so a stalled
@@ -46,11 +57,15 @@ from pdserve.client.request import (
 from pdserve.client.results import Completion, ModelInfo
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
 from pdserve.rpc.convert.client import completion_from_proto, model_info_from_proto
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.security.tls import TlsConfig
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # gRPC sends any size by default; a request over what the router could ever receive is
+    # refused here, before it is sent (``RequestTooLarge``).
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # A router restarted on its address is reached again within a second (gRPC's default
     # reconnect backoff grows to two minutes), in time for the retries of UNAVAILABLE.
     ("grpc.initial_reconnect_backoff_ms", 100),

@@ -10,6 +10,13 @@ import re
 import grpc
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+# gRPC's words for a request message over a size limit: the server's receive limit (older
+# versions say it without the "SERVER: " prefix), or this client's own send limit. A response
+# over the client's receive limit ("CLIENT: Received ...") is not the request's fault.
+_TOO_LARGE = re.compile(
+    r"^(?P<who>SERVER: |CLIENT: )?(?P<how>Received|Sent) message larger than max "
+    r"\((?P<size>\d+) vs\. (?P<limit>\d+)\)"
+)
 
 
 class PdServeClientError(Exception):
@@ -29,6 +36,15 @@ class InvalidRequest(PdServeClientError):  # noqa: N818 - the SDK's public names
         """The field named at the start of the message (``sampling.max_tokens``), if any."""
         match = _FIELD.match(self.message)
         return match.group(1) if match else None
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request message is larger than the router receives at all (or than this client
+    sends), so gRPC refused it unparsed, and always will: shorten the prompt. gRPC's status is
+    RESOURCE_EXHAUSTED (its words end the message), but the request is what is wrong, so
+    ``code`` is INVALID_ARGUMENT and ``field`` is ``prompt``; never ``Overloaded``, which a
+    caller would retry. A prompt over the router's limits by less is refused by the router's
+    check, as ``InvalidRequest`` naming ``text`` or ``token_ids`` and the limit."""
 
 
 class Overloaded(PdServeClientError):  # noqa: N818 - the SDK's public names
@@ -76,8 +92,28 @@ _BY_CODE: dict[grpc.StatusCode, type[PdServeClientError]] = {
 }
 
 
+def _request_too_large(message: str) -> RequestTooLarge | None:
+    """The error for gRPC's refusal of a request message over a size limit, if it is one."""
+    match = _TOO_LARGE.match(message)
+    if match is None:
+        return None
+    if match["how"] == "Sent":
+        who = "this client sends"
+    elif match["who"] != "CLIENT: ":
+        who = "the router takes"
+    else:
+        return None
+    size, limit = match["size"], match["limit"]
+    return RequestTooLarge(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"prompt: the request is {size} bytes; {who} {limit} at most ({message})",
+    )
+
+
 def error_from_code(code: grpc.StatusCode, message: str) -> PdServeClientError:
-    """The typed error for a status code."""
+    """The typed error for a status code (and, for RESOURCE_EXHAUSTED, its message)."""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and (too_large := _request_too_large(message)):
+        return too_large
     return _BY_CODE.get(code, ServerError)(code, message)
 
 

@@ -4,9 +4,14 @@ Every field whose size a client chooses has a limit (``RequestLimits``, set by t
 flags): the prompt (token ids, or text in UTF-8 bytes), the stop strings (how many, and their
 characters together), the stop token ids, the request id and the tenant. A request over one is
 INVALID_ARGUMENT naming the field. ``check_message`` checks a ``GenerateRequest`` by counts
-alone, before any repeated field is copied into Python objects, and ``max_message_bytes``
-bounds the whole message, so that gRPC refuses a huge one (RESOURCE_EXHAUSTED) before it is
-even parsed.
+alone, before any repeated field is copied into Python objects.
+
+``max_message_bytes`` bounds the message of a request within every limit; the router's gRPC
+receive limit (``receive_bytes``) is a generous multiple of it: a request over a limit by any
+realistic factor (a 60,000-word prompt to a 4K-token model) is still parsed, and refused by
+the check that names its field and the limit, while gRPC refuses a message beyond it
+(RESOURCE_EXHAUSTED, which the SDK raises as ``RequestTooLarge``) before it is parsed, so
+that one call's memory stays bounded.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.v1 import router_pb2
 
 PROMPT_BYTES_PER_TOKEN = 16
@@ -28,6 +34,11 @@ _UINT32_BYTES = 5  # a uint32 as a varint, at most
 _UTF8_CHAR_BYTES = 4
 _SCALARS_BYTES = 128  # sampling's numbers and flags, with their tags
 _SLACK_BYTES = 4096
+RECEIVE_FACTOR = 4
+"""``receive_bytes``: how many times the largest request within the limits the router
+receives, so that an oversize one is refused naming its field rather than unparsed."""
+RECEIVE_FLOOR_BYTES = 4 * 1024 * 1024
+"""``receive_bytes`` at least (gRPC's own default), whatever the model's length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,14 @@ class RequestLimits:
         names = _UTF8_CHAR_BYTES * (self.max_request_id_chars + self.max_tenant_chars)
         total = prompt + stops + stop_ids + names + 3 * _FRAMING + _SCALARS_BYTES + _SLACK_BYTES
         return -(-total // 1024) * 1024
+
+    def receive_bytes(self) -> int:
+        """The router's gRPC receive limit (see the module docstring): ``RECEIVE_FACTOR``
+        times ``max_message_bytes``, at least ``RECEIVE_FLOOR_BYTES``, at most
+        ``MAX_MESSAGE_BYTES`` unless the limits themselves need more."""
+        tight = self.max_message_bytes()
+        generous = max(RECEIVE_FACTOR * tight, RECEIVE_FLOOR_BYTES)
+        return max(tight, min(generous, MAX_MESSAGE_BYTES))
 
     # -- checks by size; each names the GenerateRequest field -----------------------------------
 

@@ -11,6 +11,11 @@ so a service's ``__main__`` only lists its servicers::
     await server.start()
     await health.set_serving()
     await serve_until_signal(server, health, grace_s=5.0)
+
+Every port is exclusive: gRPC would set ``SO_REUSEPORT`` on Linux, letting a second process
+bind the port of a serving one and take half its connections; ``build_server`` turns it off,
+so a port another process holds is a ``BindError``, which ``run_service`` (each service's
+``main``) turns into exit status 1 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+import socket
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +36,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.errors import WorkerUnavailableError
+from pdserve.errors import BindError
 from pdserve.rpc.errors import ErrorInterceptor
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.security.auth import Authenticator, AuthInterceptor
 from pdserve.security.options import INSECURE, SecurityOptions
 
@@ -42,9 +49,13 @@ AddServicerFn = Callable[[Any, grpc.aio.Server], None]
 
 DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     # KV payloads travel as streams of chunks, but a chunk may still be several MiB.
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+
+EXCLUSIVE_PORT: tuple[str, int] = ("grpc.so_reuseport", 0)
+"""The server option ``build_server`` always sets: gRPC's default on Linux is SO_REUSEPORT,
+with which a second server binds a port already served and takes half the connections."""
 
 RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
     # A channel whose peer went away fails calls at once and reconnects with backoff, by
@@ -130,7 +141,8 @@ def build_server(
         names.extend(recorder.names)
     first = [AuthInterceptor(auth)] if auth is not None else []
     server = grpc.aio.server(
-        interceptors=[*first, *interceptors, ErrorInterceptor()], options=list(options)
+        interceptors=[*first, *interceptors, ErrorInterceptor()],
+        options=[*(o for o in options if o[0] != EXCLUSIVE_PORT[0]), EXCLUSIVE_PORT],
     )
     for add, servicer in servicers:
         add(servicer, server)
@@ -146,10 +158,35 @@ def build_server(
             server,
         )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = security.bind(server, address)
+    try:
+        bound = security.bind(server, address)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise WorkerUnavailableError(f"cannot bind gRPC server to {address}")
+        raise bind_failure(host, port, address)
     return server, bound, health
+
+
+def bind_failure(host: str, port: int, address: str) -> BindError:
+    """Why gRPC could not bind ``address``: gRPC says only that it failed (and logs the cause
+    to stderr), so the cause is asked of the kernel again with a plain socket bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as err:
+        return BindError.from_os_error(address, err)
+    return BindError(address, "gRPC could not bind it")
+
+
+def run_service(name: str, main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(main)`` for a service's ``main()``: when a server cannot listen
+    (``BindError``: another process holds its port) the process exits with status 1 and one
+    line on stderr naming the address, not a traceback."""
+    try:
+        asyncio.run(main)
+    except BindError as err:
+        raise SystemExit(f"{name}: {err}") from None
 
 
 async def serve_until_signal(

@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.process_collector import ProcessCollector
 
-from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.errors import BindError, InvalidArgumentError
 from pdserve.telemetry.vllm_metrics import VllmEngineMetrics, VllmRequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -430,13 +430,14 @@ def start_metrics_server(
     """Serve ``registry`` at ``http://host:port/metrics`` from a background thread.
 
     ``port=0`` binds a free port; ``MetricsServer.port`` is the bound one. Close it on shutdown.
+    A port another process holds is a ``BindError``.
     """
     if not 0 <= port <= 65535:
         raise InvalidArgumentError("port", f"must be in [0, 65535], got {port}")
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as err:
-        raise WorkerUnavailableError(f"cannot serve metrics on {host}:{port}: {err}") from err
+    except OSError as err:  # its socket is exclusive: SO_REUSEADDR, never SO_REUSEPORT
+        raise BindError.from_os_error(f"http://{host}:{port}/metrics", err) from err
     bound = int(server.server_address[1])
     logger.info("metrics on http://%s:%d/metrics", host, bound)
     return MetricsServer(host, bound, server, thread)

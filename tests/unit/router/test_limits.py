@@ -12,7 +12,8 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.router import ModelLimits, RequestLimits, RequestPreparer, prepare_request
-from pdserve.router.limits import check_message
+from pdserve.router.limits import RECEIVE_FACTOR, RECEIVE_FLOOR_BYTES, check_message
+from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, router_pb2
 from services.router.__main__ import parse_args, request_limits, server_options
@@ -131,6 +132,23 @@ def test_a_request_within_every_limit_fits_the_message_bound() -> None:
             assert bound < 2 * max(by_ids.ByteSize(), by_text.ByteSize())
 
 
+def test_the_router_receives_far_more_than_fits_so_that_oversize_is_named() -> None:
+    """A prompt over its limit by any realistic factor reaches the check that names the field
+    (a 60,000-word prompt to a 2K-token model was refused unparsed, as if for load)."""
+    small = RequestLimits.for_model(2048)
+    sixty_thousand_words = router_pb2.GenerateRequest(text="lorem " * 60_000)
+    assert sixty_thousand_words.ByteSize() > small.max_message_bytes()
+    assert sixty_thousand_words.ByteSize() < small.receive_bytes() == RECEIVE_FLOOR_BYTES
+    with pytest.raises(InvalidArgumentError, match=r"^text: .* takes 32768 at most$"):
+        check_message(sixty_thousand_words, small, tenant="t")
+    large = RequestLimits.for_model(131072)  # RECEIVE_FACTOR times its largest message
+    assert large.receive_bytes() == RECEIVE_FACTOR * large.max_message_bytes() < MAX_MESSAGE_BYTES
+    # Capped at what any pdserve process receives, unless a request within the limits needs more.
+    assert RequestLimits.for_model(1 << 20).receive_bytes() == MAX_MESSAGE_BYTES
+    huge = RequestLimits.for_model(4096, max_prompt_bytes=2 * MAX_MESSAGE_BYTES)
+    assert huge.receive_bytes() == huge.max_message_bytes() > MAX_MESSAGE_BYTES
+
+
 def test_limits_come_from_the_flags(model: ModelLimits) -> None:
     default = request_limits(parse_args(["--scheduler", "x:1", "--model", "m"]), model)
     assert default == RequestLimits.for_model(model.max_model_len)
@@ -140,7 +158,7 @@ def test_limits_come_from_the_flags(model: ModelLimits) -> None:
     limits = request_limits(args, model)
     assert (limits.max_stop_strings, limits.max_prompt_bytes) == (2, 999)
     assert dict(server_options(limits))["grpc.max_receive_message_length"] == (
-        limits.max_message_bytes()
+        limits.receive_bytes()
     )
     with pytest.raises(InvalidArgumentError) as info:
         request_limits(
