@@ -23,7 +23,8 @@ from pdserve.errors import BindError, InvalidArgumentError
 from pdserve.gateway import Gateway, GatewayConfig, create_app
 from pdserve.gateway.security import GatewayTls, add_gateway_tls_args, gateway_tls_from_args
 from pdserve.rpc.server import freeze_startup_heap, run_service, write_port_file
-from pdserve.telemetry.metrics import GatewayMetrics, MetricsServer, start_metrics_server
+from pdserve.telemetry.metrics import GatewayMetrics
+from pdserve.telemetry.metrics_http import MetricsServer, start_metrics_server
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 
 logger = logging.getLogger("pdserve.gateway")

@@ -39,7 +39,7 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.server import write_port_file
 from pdserve.telemetry import tracing
 from pdserve.telemetry.handover import StageEndInterceptor
-from pdserve.telemetry.metrics import MetricsServer, start_metrics_server
+from pdserve.telemetry.metrics_http import MetricsServer, start_metrics_server
 from pdserve.telemetry.spans import SERVICE_ROUTER
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.errors import BindError
 from pdserve.rpc.server import DEFAULT_OPTIONS, build_server, run_service
-from pdserve.telemetry.metrics import start_metrics_server
+from pdserve.telemetry.metrics_http import start_metrics_server
 
 HELD = "another process holds this port"
 

@@ -14,8 +14,8 @@ from pdserve.telemetry.metrics import (
     RouterMetrics,
     SchedulerMetrics,
     WorkerMetrics,
-    start_metrics_server,
 )
+from pdserve.telemetry.metrics_http import start_metrics_server
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
