@@ -24,8 +24,9 @@ enough); a Secret that exists is kept (409), so the Job may run again:
 * ``pdserve-tls``: ``ca.pem``, ``node.pem``, ``node.key``, ``client.pem``, ``client.key``,
   ``internal-token`` (the CA's key is not kept: nothing more is issued in the cluster);
 * ``pdserve-api-keys``: ``api-keys.yaml``, ``demo-key``;
-* ``pdserve-redis``: ``password``, ``url`` (``--redis-url-template`` with every ``{password}``
-  filled in: what the services read as ``PDSERVE_REDIS_URL``), ``redis.conf``.
+* ``pdserve-redis``: ``password`` and ``redis.conf``, for the Redis pods;
+* ``pdserve-redis-url``: ``PDSERVE_REDIS_URL``, ``--redis-url-template`` with every
+  ``{password}`` filled in (the services take it with ``envFrom``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def secret_manifest(name: str, data: Mapping[str, str | bytes]) -> dict[str, obj
 
 
 def kubernetes_secrets(tls_dir: Path, redis_url_template: str) -> list[dict[str, object]]:
-    """The three Secrets (see the module docstring), from a ``pdserve certs`` directory."""
+    """The Secrets (see the module docstring), from a ``pdserve certs`` directory."""
     if "{password}" not in redis_url_template:
         raise SystemExit("pdserve-init-secrets: --redis-url-template has no {password}")
     key = "pdk-" + secrets.token_hex(24)
@@ -138,12 +139,11 @@ def kubernetes_secrets(tls_dir: Path, redis_url_template: str) -> list[dict[str,
         secret_manifest("pdserve-tls", {f: (tls_dir / f).read_bytes() for f in TLS_FILES}),
         secret_manifest("pdserve-api-keys", {"api-keys.yaml": api_keys_yaml(key), "demo-key": key}),
         secret_manifest(
-            "pdserve-redis",
-            {
-                "password": password,
-                "url": redis_url_template.replace("{password}", password),
-                "redis.conf": redis_conf(password),
-            },
+            "pdserve-redis", {"password": password, "redis.conf": redis_conf(password)}
+        ),
+        secret_manifest(
+            "pdserve-redis-url",
+            {"PDSERVE_REDIS_URL": redis_url_template.replace("{password}", password)},
         ),
     ]
 

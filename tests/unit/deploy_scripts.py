@@ -36,5 +36,7 @@ def run_entrypoint(env: Mapping[str, str], *argv: str) -> subprocess.CompletedPr
     return subprocess.run(
         [bash, str(ENTRYPOINT), *argv],
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )

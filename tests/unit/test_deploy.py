@@ -28,8 +28,10 @@ from tests.unit.deploy_scripts import ENTRYPOINT, init_secrets, run_entrypoint
 ROOT = Path(__file__).resolve().parents[2]
 BASE, INSECURE, HA = "docker-compose.yml", "docker-compose.insecure.yml", "docker-compose.ha.yml"
 SECRETS = "/var/lib/pdserve/secrets"
-WORKER_ROLES = {"services.prefill": [WorkerRole.PREFILL],
-                "services.decode": [WorkerRole.DECODE, WorkerRole.MIXED]}  # fmt: skip
+WORKER_ROLES = {
+    "services.prefill": [WorkerRole.PREFILL],
+    "services.decode": [WorkerRole.DECODE, WorkerRole.MIXED],
+}
 MEMBERS = {"kvstore", "scheduler", "prefill", "decode", "router"}
 """Services that are cluster members (the gateway is a client; the planner a Redis client)."""
 _VAR = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")
@@ -127,8 +129,10 @@ def test_features_are_on_by_default() -> None:
     assert "--lane long" in prefill
     assert SERVICES["planner"]["scale"] == "1"
     planner = flags("planner")
-    assert all(any(a.startswith(f"--{f}=") for a in planner)
-               for f in ("min-prefill", "max-prefill", "min-decode", "max-decode"))  # fmt: skip
+    assert all(
+        any(a.startswith(f"--{f}=") for a in planner)
+        for f in ("min-prefill", "max-prefill", "min-decode", "max-decode")
+    )
 
 
 def test_members_run_with_tls_mutual_tls_and_the_token() -> None:
@@ -240,8 +244,10 @@ def test_insecure_override_turns_security_off_loudly() -> None:
 def test_secure_entrypoint_keeps_tls_and_fills_the_redis_password(tmp_path: Path) -> None:
     (tmp_path / "redis-password").write_text("s3cret\n")
     for files in [(BASE,), (BASE, HA)]:
-        env = {**compose(*files)["scheduler"]["environment"],
-               "PDSERVE_REDIS_PASSWORD_FILE": str(tmp_path / "redis-password")}  # fmt: skip
+        env = {
+            **compose(*files)["scheduler"]["environment"],
+            "PDSERVE_REDIS_PASSWORD_FILE": str(tmp_path / "redis-password"),
+        }
         result = run_entrypoint(env, "env")
         assert result.returncode == 0 and "INSECURE" not in result.stderr
         seen = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
@@ -273,15 +279,19 @@ def test_ha_override_points_every_service_at_three_sentinels() -> None:
 DOCKER_COMPOSE = shutil.which("docker-compose")
 
 
-@pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose is not installed "
-                    "(Debian: apt-get install docker-compose; no daemon needed)")  # fmt: skip
+@pytest.mark.skipif(
+    DOCKER_COMPOSE is None,
+    reason="docker-compose is not installed "
+    "(Debian: apt-get install docker-compose; no daemon needed)",
+)
 @pytest.mark.parametrize("files", [(BASE,), (BASE, INSECURE), (BASE, HA)])
 def test_docker_compose_validates_and_agrees(files: tuple[str, ...]) -> None:
     assert DOCKER_COMPOSE is not None
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "OTEL_"))}
     argv = [DOCKER_COMPOSE, *(a for f in files for a in ("-f", f)), "config"]
-    out = subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, text=True,
-                         timeout=120).stdout  # fmt: skip
+    out = subprocess.run(
+        argv, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     theirs = yaml.safe_load(out)["services"]
     ours = compose(*files)
     assert set(theirs) == set(ours)

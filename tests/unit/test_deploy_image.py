@@ -43,8 +43,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> ClusterCerts:
 
 
 def member_env(certs: ClusterCerts) -> dict[str, str]:
-    return {k: str(certs.dir / v) if v.endswith((".pem", ".key")) else v
-            for k, v in MEMBER_ENV.items()}  # fmt: skip
+    return {
+        k: str(certs.dir / v) if v.endswith((".pem", ".key")) else v for k, v in MEMBER_ENV.items()
+    }
 
 
 def probe(server_side: SecurityOptions, *checks: tuple[str, dict[str, str]]) -> list[bool]:
@@ -55,8 +56,9 @@ def probe(server_side: SecurityOptions, *checks: tuple[str, dict[str, str]]) -> 
         await server.start()
         await health.set_serving()
         try:
-            return [await asyncio.to_thread(healthcheck.check, kind, port, env)
-                    for kind, env in checks]  # fmt: skip
+            return [
+                await asyncio.to_thread(healthcheck.check, kind, port, env) for kind, env in checks
+            ]
         finally:
             await server.stop(None)
 
@@ -65,16 +67,18 @@ def probe(server_side: SecurityOptions, *checks: tuple[str, dict[str, str]]) -> 
 
 def test_health_check_speaks_mutual_tls_as_the_service_does(certs: ClusterCerts) -> None:
     env = member_env(certs)
-    server = SecurityOptions(tls=TlsConfig(cert=certs.node_cert, key=certs.node_key,
-                                           ca=certs.ca, client_auth=True))  # fmt: skip
+    server = SecurityOptions(
+        tls=TlsConfig(cert=certs.node_cert, key=certs.node_key, ca=certs.ca, client_auth=True)
+    )
     ok, plaintext, insecure = probe(
         server, ("grpc", env), ("grpc", {}), ("grpc", {**env, "PDSERVE_INSECURE": "1"})
     )
     assert ok and not plaintext and not insecure
     # A plaintext server (the planner's health; any service under PDSERVE_INSECURE=1).
     assert probe(INSECURE, ("plain", {}), ("grpc", {**env, "PDSERVE_INSECURE": "1"})) == [
-        True, True
-    ]  # fmt: skip
+        True,
+        True,
+    ]
 
 
 def test_health_check_finds_the_service_and_its_port() -> None:
@@ -86,8 +90,10 @@ def test_health_check_finds_the_service_and_its_port() -> None:
     assert find(["python3", "/usr/local/bin/pdserve-init-secrets", "files", "/s"]) is None
     with pytest.raises(SystemExit, match="without a --port"):
         find(["python", "-m", "services.decode", "--model", "m"])
-    required = {"services.router": ["--scheduler", "s:1", "--model", "m"],
-                "services.gateway": ["--model", "m", "--router", "r:1"]}  # fmt: skip
+    required = {
+        "services.router": ["--scheduler", "s:1", "--model", "m"],
+        "services.gateway": ["--model", "m", "--router", "r:1"],
+    }
     for module, port in healthcheck.DEFAULT_PORTS.items():
         args = importlib.import_module(f"{module}.__main__").parse_args(required.get(module, []))
         assert args.port == port, module
@@ -108,8 +114,9 @@ def test_secrets_files_made_once_with_the_demo_key_printed_once(
     assert ApiKeys.from_file(keys_file).tenant_of(key) == "demo"
     password = (tmp_path / "redis-password").read_text().strip()
     assert (tmp_path / "redis.conf").read_text().splitlines() == [
-        f"requirepass {password}", f"masterauth {password}"
-    ]  # fmt: skip
+        f"requirepass {password}",
+        f"masterauth {password}",
+    ]
     for secret in ("api-keys.yaml", "redis-password", "redis.conf", "tls/node.key"):
         assert (tmp_path / secret).stat().st_mode & 0o077 == 0, secret
     names = x509.load_pem_x509_certificate((tmp_path / "tls/node.pem").read_bytes()).extensions
@@ -162,9 +169,11 @@ def api_server(certs: ClusterCerts) -> Iterator[tuple[str, dict[str, dict[str, A
 
 
 def test_kubernetes_secrets_created_once_each(
-    tmp_path: Path, certs: ClusterCerts, api_server: tuple[str, dict[str, dict[str, Any]]],
+    tmp_path: Path,
+    certs: ClusterCerts,
+    api_server: tuple[str, dict[str, dict[str, Any]]],
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     import base64
 
     url, stored = api_server
@@ -172,15 +181,31 @@ def test_kubernetes_secrets_created_once_each(
     template = (
         "redis+sentinel://:{password}@redis-0.redis:26379/pdserve/0?sentinel_password={password}"
     )
-    argv = ["kubernetes", "--service", "router", "--host", "pdserve-cluster", "--namespace", "ml",
-            "--redis-url-template", template, "--api-server", url,
-            "--token-file", str(tmp_path / "token"), "--ca-file", str(certs.ca)]  # fmt: skip
+    argv = [
+        "kubernetes",
+        "--service",
+        "router",
+        "--host",
+        "pdserve-cluster",
+        "--namespace",
+        "ml",
+        "--redis-url-template",
+        template,
+        "--api-server",
+        url,
+        "--token-file",
+        str(tmp_path / "token"),
+        "--ca-file",
+        str(certs.ca),
+    ]
     args: argparse.Namespace = init_secrets.parser().parse_args(argv)
     init_secrets.make_kubernetes(args)
-    assert capsys.readouterr().out.count(": created") == 3
-    assert set(stored) == {"pdserve-tls", "pdserve-api-keys", "pdserve-redis"}
-    data = {name: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
-            for name, s in stored.items()}  # fmt: skip
+    assert capsys.readouterr().out.count(": created") == 4
+    assert set(stored) == {"pdserve-tls", "pdserve-api-keys", "pdserve-redis", "pdserve-redis-url"}
+    data = {
+        name: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
+        for name, s in stored.items()
+    }
     assert set(data["pdserve-tls"]) == set(init_secrets.TLS_FILES)
     node = x509.load_pem_x509_certificate(data["pdserve-tls"]["node.pem"].encode())
     san = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -188,14 +213,15 @@ def test_kubernetes_secrets_created_once_each(
         san.get_values_for_type(x509.DNSName)
     )
     redis = data["pdserve-redis"]
-    assert redis["url"] == template.replace("{password}", redis["password"])
+    url = data["pdserve-redis-url"]["PDSERVE_REDIS_URL"]
+    assert url == template.replace("{password}", redis["password"])
     assert f"requirepass {redis['password']}" in redis["redis.conf"]
     keys = data["pdserve-api-keys"]
     (tmp_path / "keys.yaml").write_text(keys["api-keys.yaml"])
     assert ApiKeys.from_file(tmp_path / "keys.yaml").tenant_of(keys["demo-key"]) == "demo"
     first = dict(stored)
     init_secrets.make_kubernetes(args)  # the Job again: everything kept
-    assert capsys.readouterr().out.count("exists, kept") == 3 and stored == first
+    assert capsys.readouterr().out.count("exists, kept") == 4 and stored == first
     (tmp_path / "token").write_text("wrong\n")
     with pytest.raises(SystemExit, match="HTTP 401"):
         init_secrets.make_kubernetes(args)
