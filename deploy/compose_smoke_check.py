@@ -1,17 +1,22 @@
 """The host-side checks of ``deploy/compose-smoke`` (run with this checkout on PYTHONPATH).
 
-    python deploy/compose_smoke_check.py wait-http URL TIMEOUT_S
-    python deploy/compose_smoke_check.py requests ROUTER_ADDR HTTP_URL
+    python deploy/compose_smoke_check.py demo-key CERTS_INIT_LOG        # prints the key
+    python deploy/compose_smoke_check.py wait-http URL CA TIMEOUT_S
+    python deploy/compose_smoke_check.py refused ROUTER_ADDR HTTPS_URL CA
+    python deploy/compose_smoke_check.py requests ROUTER_ADDR HTTPS_URL CA KEY_FILE
     python deploy/compose_smoke_check.py prometheus PROM_URL DECODE_REPLICAS TIMEOUT_S
+    python deploy/compose_smoke_check.py jaeger JAEGER_URL TIMEOUT_S
     python deploy/compose_smoke_check.py wait-workers ROLE COUNT TIMEOUT_S -- STATUS_COMMAND...
 
 Each exits 0 when its check holds, else 1 with what it saw. The waits poll: the containers
-offer nothing to block on.
+offer nothing to block on. The stack is the secured one: gRPC over TLS with an API key,
+HTTPS checked against the cluster's CA (copied out of the secrets volume).
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 import time
@@ -19,24 +24,33 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from pdserve.client import Client
+from pdserve.client import Client, PdServeClientError, TlsConfig
 
-JOBS = ("router", "gateway", "scheduler", "kvstore", "prefill", "decode")
+JOBS = ("router", "gateway", "scheduler", "kvstore", "prefill", "decode", "planner")
 PROMPT = "Once upon a time"
+KEY_LINE = "PDSERVE_API_KEY="
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as reply:
+def _context(ca: str | None) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=ca) if ca else None
+
+
+def _get(url: str, ca: str | None = None, key: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10, context=_context(ca)) as reply:
         return json.loads(reply.read())
 
 
-def _post(url: str, body: dict[str, Any]) -> bytes:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as reply:
+def _post(url: str, body: dict[str, Any], ca: str | None = None, key: str | None = None) -> bytes:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(request, timeout=120, context=_context(ca)) as reply:
         return bytes(reply.read())
 
 
@@ -56,30 +70,61 @@ def _poll(what: str, timeout_s: float, check: Callable[[], str | None]) -> None:
     raise SystemExit(f"compose-smoke: timed out waiting for {what}; last seen: {seen}")
 
 
-def wait_http(url: str, timeout_s: str) -> None:
-    _poll(f"{url} to answer 200", float(timeout_s), lambda: None if _get(url) else "empty")
+def demo_key(log: str) -> None:
+    """Print the demo key certs-init printed, checking it printed exactly one."""
+    keys = [line.split(KEY_LINE, 1)[1].strip() for line in Path(log).read_text().splitlines()
+            if KEY_LINE in line]  # fmt: skip
+    if len(keys) != 1:
+        raise SystemExit(f"compose-smoke: certs-init printed {len(keys)} demo keys, not one")
+    print(keys[0])
+    print("compose-smoke: certs-init printed the demo API key once", file=sys.stderr)
 
 
-def requests(router: str, http: str) -> None:
-    """A greedy completion over gRPC and over HTTP give the same tokens; chat and a stream
-    answer too."""
-    with Client(router, timeout=120) as client:
+def wait_http(url: str, ca: str, timeout_s: str) -> None:
+    _poll(f"{url} to answer 200", float(timeout_s), lambda: None if _get(url, ca) else "empty")
+
+
+def refused(router: str, http: str, ca: str) -> None:
+    """Plaintext gRPC, gRPC without a key and HTTPS without a key are all refused."""
+    for tls, what in ((False, "plaintext gRPC"), (TlsConfig(ca=Path(ca)), "gRPC without a key")):
+        try:
+            with Client(router, timeout=10, tls=tls) as client:
+                client.generate(PROMPT, max_tokens=1)
+        except PdServeClientError as err:
+            print(f"compose-smoke: {what} refused ({type(err).__name__}): ok", file=sys.stderr)
+            continue
+        raise SystemExit(f"compose-smoke: the router answered {what}")
+    try:
+        _get(f"{http}/v1/models", ca)
+    except urllib.error.HTTPError as err:
+        if err.code != 401:
+            raise SystemExit(f"compose-smoke: HTTPS without a key: {err.code}, not 401") from err
+        print("compose-smoke: HTTPS without a key refused (401): ok", file=sys.stderr)
+        return
+    raise SystemExit("compose-smoke: the gateway answered without a key")
+
+
+def requests(router: str, http: str, ca: str, key_file: str) -> None:
+    """A greedy completion over gRPC (TLS, the key) and over HTTPS give the same tokens; chat
+    and a stream answer too."""
+    key = Path(key_file).read_text().strip()
+    with Client(router, timeout=120, api_key=key, tls=TlsConfig(ca=Path(ca))) as client:
         expected = client.generate(PROMPT, max_tokens=12, temperature=0)
-    (model,) = _get(f"{http}/v1/models")["data"]
+    (model,) = _get(f"{http}/v1/models", ca, key)["data"]
     body = {"model": model["id"], "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
             "return_token_ids": True}  # fmt: skip
-    answer = json.loads(_post(f"{http}/v1/completions", body))
+    answer = json.loads(_post(f"{http}/v1/completions", body, ca, key))
     choice = answer["choices"][0]
     if choice["token_ids"] != expected.token_ids or choice["text"] != expected.text:
         raise SystemExit(f"compose-smoke: HTTP gave {choice}, gRPC {expected}")
     hello = {"model": model["id"], "messages": [{"role": "user", "content": "Hi"}],
              "max_tokens": 8}  # fmt: skip
-    chat = json.loads(_post(f"{http}/v1/chat/completions", hello))
+    chat = json.loads(_post(f"{http}/v1/chat/completions", hello, ca, key))
     if chat["usage"]["completion_tokens"] < 1 or chat["choices"][0]["message"]["role"] != (
         "assistant"
     ):
         raise SystemExit(f"compose-smoke: bad chat answer {chat}")
-    stream = _post(f"{http}/v1/completions", {**body, "stream": True}).decode()
+    stream = _post(f"{http}/v1/completions", {**body, "stream": True}, ca, key).decode()
     events = [line for line in stream.splitlines() if line.startswith("data: ")]
     if events[-1] != "data: [DONE]" or len(events) < 3:
         raise SystemExit(f"compose-smoke: bad stream {events}")
@@ -88,6 +133,22 @@ def requests(router: str, http: str) -> None:
         f"({expected.text!r}); chat and stream answered",
         file=sys.stderr,
     )
+
+
+def jaeger(url: str, timeout_s: str) -> None:
+    """Jaeger holds a trace of the router with its spans (the latency breakdown of one
+    request: /trace/ID in the UI)."""
+
+    def check() -> str | None:
+        traces = _get(f"{url}/api/traces?service=pdserve-router&limit=5")["data"]
+        spans = max((len(t["spans"]) for t in traces), default=0)
+        if spans < 2:
+            return f"{len(traces)} router traces, at most {spans} spans"
+        print(f"compose-smoke: Jaeger trace {traces[0]['traceID']} ({spans} spans)",
+              file=sys.stderr)  # fmt: skip
+        return None
+
+    _poll(f"a router trace in Jaeger at {url}", float(timeout_s), check)
 
 
 def prometheus(url: str, decode_replicas: str, timeout_s: str) -> None:
@@ -139,9 +200,12 @@ def main(argv: list[str]) -> None:
         wait_workers(*args[:split], *args[split + 1 :])
         return
     commands: dict[str, Callable[..., None]] = {
+        "demo-key": demo_key,
         "wait-http": wait_http,
+        "refused": refused,
         "requests": requests,
         "prometheus": prometheus,
+        "jaeger": jaeger,
     }
     commands[name](*args)
 

@@ -1,5 +1,7 @@
-"""``deploy/compose-smoke`` (the compose stack built and run for real: gRPC and HTTP requests,
-Prometheus, decode scaled to 2), opt-in: it builds images for several minutes.
+"""``deploy/compose-smoke`` (the secured compose stack built and run for real: the demo key
+printed once, plaintext gRPC, missing keys and a password-less Redis client refused, gRPC over
+TLS and HTTPS with the key giving the same tokens, Prometheus scraping every service, decode
+scaled to 2), opt-in: it builds images for several minutes.
 
     PDSERVE_COMPOSE_SMOKE=1 python -m pytest tests/integration/test_compose_smoke.py
 
@@ -29,7 +31,7 @@ pytestmark = [
 
 
 @pytest.mark.timeout(3600)
-def test_compose_stack_serves_scales_and_tears_down() -> None:
+def test_secured_compose_stack_serves_scales_and_tears_down() -> None:
     result = subprocess.run(
         [str(SCRIPT)], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3500
     )
@@ -38,5 +40,13 @@ def test_compose_stack_serves_scales_and_tears_down() -> None:
         pytest.skip(lines[-1] if lines else "compose-smoke skipped")
     assert result.returncode == 0, "\n".join(result.stderr.splitlines()[-60:])
     assert lines[-1].startswith("compose-smoke: PASS"), lines
-    assert any("gRPC and HTTP agree" in line for line in lines)
-    assert any("(2 decode)" in line for line in lines)
+    for seen in (
+        "printed the demo API key once",
+        "plaintext gRPC refused",
+        "gRPC without a key refused",
+        "HTTPS without a key refused (401)",
+        "Redis refuses a client without the password",
+        "gRPC and HTTP agree",
+        "(2 decode)",
+    ):
+        assert any(seen in line for line in lines), seen
