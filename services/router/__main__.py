@@ -95,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--scheduler-wait-s",
         type=float,
         default=DEFAULT_SCHEDULER_WAIT_S,
-        help="while no scheduler answers (one restarting), a request waits this long at most "
-        "for one, then fails (0: at once)",
+        help="while no scheduler answers (one restarting), or the survivors of a failed worker "
+        "are full, a request waits this long at most for one, then fails (0: at once)",
     )
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")

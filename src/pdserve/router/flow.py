@@ -26,7 +26,8 @@ without waiting for the scheduler. Every downstream call gets the caller's remai
 A worker that fails a request (UNAVAILABLE) does not fail it for the caller: before any token
 went out the request is placed again elsewhere, after that it migrates to another decode
 worker, which resumes after the tokens already streamed (``failover``; bounded by
-``FlowConfig.prefill_attempts`` and ``migration_limit``).
+``FlowConfig.prefill_attempts`` and ``migration_limit``). Such a placement waits, as long as
+for a scheduler, while the surviving workers are full.
 
 Tracing and timing (``observed``) are the request's ``RequestTrace`` (``trace``): it records
 ``router.mode_decision`` (with the scheduler's reasons), names the mode on ``router.request``

@@ -2,7 +2,8 @@
 
 Assign goes through ``SchedulerCalls`` (``scheduler_wait``): an unreachable replica is skipped,
 and while none answers the request waits, bounded, for one to come back. A placement after a
-failure (``failover``) excludes the workers that failed the request.
+failure (``failover``) excludes the workers that failed the request and also waits while the
+survivors are full.
 
 Each try of Assign runs to completion even when the caller's deadline or a cancellation cuts
 the wait for it short: a reservation committed after the router stopped waiting would
@@ -96,6 +97,7 @@ class Placer:
                 ASSIGN,
                 attempt,
                 deadline=run.clock.deadline,
+                replacing=bool(run.failed_workers),
                 span=run.trace.root,
                 metrics=run.trace.metrics,
             )

@@ -12,6 +12,11 @@ through ``SchedulerCalls.call``:
   round again, for at most ``WaitPolicy.bound_s`` (``--scheduler-wait-s``, 10 s) from its
   first failure, and never past the request's deadline. Then it fails with the last error,
   which says how long it waited.
+* A placement made after a worker failed the request (a retry from the start or a migration,
+  ``failover``) also waits when the scheduler answers RESOURCE_EXHAUSTED: the request was
+  admitted once, and its worker's death moved its load onto the survivors, whose queues are
+  full for a moment. That is load to wait out, not a refusal to pass on. A first placement that
+  finds the cluster full is refused at once: shedding new load is the caller's to decide.
 
 Nothing else is retried: any other status would come back the same. UNAVAILABLE also covers
 a scheduler that answers but has no live worker of a role (its Redis restarting, the only
@@ -62,6 +67,8 @@ class WaitCause(StrEnum):
 
     UNAVAILABLE = "unavailable"
     """No replica answered (or one answered that it has no live worker of a role)."""
+    FULL = "full"
+    """A placement after a failover found no room (RESOURCE_EXHAUSTED)."""
 
 
 class WaitOutcome(StrEnum):
@@ -103,12 +110,14 @@ class WaitPolicy:
         return step / 2 + random.uniform(0.0, step / 2)
 
 
-def wait_cause(err: PdServeError) -> WaitCause | None:
+def wait_cause(err: PdServeError, *, replacing: bool) -> WaitCause | None:
     """Why ``err`` of a scheduler call is worth waiting out, or None: it must be raised."""
     if not isinstance(err, DownstreamError):
         return None  # the caller's deadline, a bad answer: nothing to wait for
     if err.code is grpc.StatusCode.UNAVAILABLE:
         return WaitCause.UNAVAILABLE
+    if replacing and err.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WaitCause.FULL
     return None
 
 
@@ -129,11 +138,13 @@ class SchedulerCalls:
         attempt: Attempt[T],
         *,
         deadline: float | None = None,
+        replacing: bool = False,
         span: trace.Span | None = None,
         metrics: RouterMetrics | None = None,
     ) -> T:
         """``attempt`` on one replica after another until one answers; waits while none
         can (see the module docstring). ``deadline``: the request's, on the monotonic clock;
+        ``replacing``: a placement after a failover (RESOURCE_EXHAUSTED is waited out);
         ``span`` gets the wait's event, ``metrics`` its figures."""
         wait = _Wait(self.policy, len(self.replicas), deadline, step, span, metrics)
         stubs = self.replicas.cycle()
@@ -143,7 +154,7 @@ class SchedulerCalls:
                 try:
                     answer = await attempt(next(stubs))
                 except PdServeError as err:
-                    cause = wait_cause(err)
+                    cause = wait_cause(err, replacing=replacing)
                     if cause is None or not await wait.again(cause):
                         raise wait.failure(err) from err
                     continue
@@ -187,7 +198,7 @@ class _Wait:
         again; False when the bound or the deadline leaves no time to."""
         self.tries += 1
         self.failed_in_round += 1
-        if self.failed_in_round < self.replicas:
+        if cause is WaitCause.UNAVAILABLE and self.failed_in_round < self.replicas:
             return True  # another replica may answer
         now = time.monotonic()
         since = now if self.since is None else self.since

@@ -132,7 +132,7 @@ class RouterMetrics:
             ARM_ITL_SECONDS, "Time between streamed tokens by rollout arm.", ["arm"],
             buckets=ITL_BUCKETS, registry=r,
         )  # fmt: skip
-        # Placements that waited for a scheduler (restarting).
+        # Placements that waited for a scheduler (restarting, or full during a failover).
         self._waiting = Gauge(
             SCHEDULER_WAITING, "Requests waiting for a scheduler now.", registry=r
         )
@@ -168,7 +168,7 @@ class RouterMetrics:
 
     def scheduler_wait_ended(self, cause: str, seconds: float) -> None:
         """That wait ended (placed, failed or cancelled) after ``seconds``; ``cause``:
-        ``unavailable``."""
+        ``unavailable`` or ``full``."""
         self._waiting.dec()
         self._waited.labels(cause=_label("cause", cause)).observe(_non_negative("seconds", seconds))
 

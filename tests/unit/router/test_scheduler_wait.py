@@ -1,6 +1,7 @@
-"""RequestFlow while no scheduler answers: it waits for one to come back (UNAVAILABLE), bounded
-by ``WaitPolicy.bound_s`` and the deadline, cancellable, and recorded (scripted in-process
-services of ``router/test_flow``)."""
+"""RequestFlow while the scheduler cannot place a request: it waits for a scheduler that comes
+back (UNAVAILABLE), and a placement after a failover waits for room (RESOURCE_EXHAUSTED), both
+bounded by ``WaitPolicy.bound_s`` and the deadline, cancellable, and recorded (scripted
+in-process services of ``router/test_flow``)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,24 @@ def test_a_first_placement_is_refused_at_once_when_full(tokenizer: Tokenizer) ->
     refusing = Refusing(lambda _: grpc.StatusCode.RESOURCE_EXHAUSTED)
     run_with_fakes(tokenizer, refusing, body, FlowConfig(scheduler_wait=QUICK))
     assert refusing.refused == 1
+
+
+def test_a_placement_after_a_failover_waits_for_room(tokenizer: Tokenizer) -> None:
+    refusing = Refusing(first(3, grpc.StatusCode.RESOURCE_EXHAUSTED, replacing=True))
+
+    def configure(f: Fakes) -> None:
+        refusing(f)
+        f.prefill_failures = 1  # the worker dies: the request is placed again, full at first
+
+    fakes, tokens, metrics, exporter = observed_run(
+        tokenizer, configure, FlowConfig(scheduler_wait=QUICK)
+    )
+    assert tokens == [FIRST, *DECODED]
+    assert refusing.refused == 3
+    assert [list(r.exclude) for r in fakes.assign_requests] == [[], ["w0"]]
+    (event,) = wait_events(exporter)
+    assert event[ATTR_WAIT_CAUSE] == "full" and event[ATTR_WAIT_OUTCOME] == "ok"
+    assert waits(metrics, "full") == 1 and waiting(metrics) == 0
 
 
 def test_a_waiting_request_is_cancelled_by_its_caller(tokenizer: Tokenizer) -> None:
