@@ -155,9 +155,12 @@ class SchedulerCalls:
                     answer = await attempt(next(stubs))
                 except PdServeError as err:
                     cause = wait_cause(err, replacing=replacing)
-                    if cause is None or not await wait.again(cause):
-                        raise wait.failure(err) from err
-                    continue
+                    if cause is not None and await wait.again(cause):
+                        continue
+                    failure = wait.failure(err)
+                    if failure is err:
+                        raise
+                    raise failure from err
                 outcome = WaitOutcome.OK
                 return answer
         except asyncio.CancelledError:
