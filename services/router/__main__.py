@@ -28,6 +28,7 @@ from pdserve.router import (
 from pdserve.router.capture import Capture, capturing
 from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
 from pdserve.router.rollout import RolloutFollower, following
+from pdserve.router.scheduler_wait import DEFAULT_SCHEDULER_WAIT_S, WaitPolicy
 from pdserve.router.telemetry import RouterTelemetry
 from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import (
@@ -94,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="moves at most of a stream whose decode worker fails mid-way to another decode "
         "worker, which resumes after the tokens already sent (0: fail the stream)",
+    )
+    p.add_argument(
+        "--scheduler-wait-s",
+        type=float,
+        default=DEFAULT_SCHEDULER_WAIT_S,
+        help="while no scheduler answers (one restarting), or the survivors of a failed worker "
+        "are full, a request waits this long at most for one, then fails (0: at once)",
     )
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
@@ -200,6 +208,7 @@ async def serve(args: argparse.Namespace) -> None:
                 mode=mode_from_name(args.mode),
                 prefill_attempts=args.prefill_attempts,
                 migration_limit=args.migration_limit,
+                scheduler_wait=WaitPolicy(bound_s=args.scheduler_wait_s),
             ),
             arms=arms,
             capture=capture,

@@ -42,6 +42,8 @@ SCHEDULER_ARGS = ("--reservation-ttl-s", "5")  # releases lost with a dead proce
 RESTARTS = RestartPolicy(initial_backoff_s=0.2, max_backoff_s=2.0, poll_s=0.05)
 RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.05, max_backoff_s=0.5)
 """Clients ride out a restart: UNAVAILABLE before the first token is retried."""
+NO_RETRY = RetryPolicy(max_attempts=1)
+"""Clients that retry nothing: whatever rides out a fault is the cluster's doing."""
 MAX_TOKENS = 96
 LONG_STREAM = 320
 """Tokens of the streams a kill must catch mid-way: long enough that they outlast the
@@ -112,8 +114,10 @@ class Outcome:
 class Load:
     """Streams jobs through the router; ``progress`` counts each one's tokens so far."""
 
-    def __init__(self, address: str, *, restart_broken: bool = False) -> None:
-        self.client = AsyncClient(address, timeout=120, retry=RETRY)
+    def __init__(
+        self, address: str, *, restart_broken: bool = False, retry: RetryPolicy = RETRY
+    ) -> None:
+        self.client = AsyncClient(address, timeout=120, retry=retry)
         self.restart_broken = restart_broken
         """Start a request over when its stream breaks after tokens (no spare router)."""
         self.progress: dict[str, int] = {}

@@ -28,6 +28,7 @@ from pdserve.supervisor import REDIS, RestartPolicy
 from pdserve.transfer.janitor import SHM_DIR, SegmentState, parse_owner_pid, segment_state
 from tests.integration.failover_load import (
     LONG_STREAM,
+    NO_RETRY,
     RESTARTS,
     WORKER_ARGS,
     Load,
@@ -192,15 +193,16 @@ def test_kvstore_killed_and_restarted(tiny_llama_dir: Path, engine: Engine) -> N
 
 
 def test_scheduler_killed_under_load(tiny_llama_dir: Path, engine: Engine) -> None:
-    """Streams in flight finish; requests that arrive while it is down are retried by the
-    client until the restarted scheduler places them. Releases it missed expire."""
+    """Streams in flight finish; requests that arrive while it is down wait in the router
+    (their clients retry nothing) until the scheduler the supervisor restarted places them."""
     first, second = jobs(7, 6), jobs(8, 6)
     expected = references(engine, first + second)
-    with supervised(tiny_llama_dir) as c:
+    # Longer than the default 10 s: a process start on a busy test machine takes its time.
+    with supervised(tiny_llama_dir, router_args=("--scheduler-wait-s", "60")) as c:
         scheduler = next(s for s in c.services if s.name == "scheduler")
 
         async def body() -> None:
-            load = Load(c.router_address)
+            load = Load(c.router_address, retry=NO_RETRY)
             tasks = load.start(first)
             await until(lambda: load.all_past(first, 2), "streams under way")
             pid, _ = kill(scheduler)

@@ -29,6 +29,7 @@ class DownstreamError(PdServeError):
         super().__init__(f"{step} failed ({code.name}): {details}")
         self.step = step
         self.code = code
+        self.details = details
         # Instance attribute: the rpc error mapping reads grpc_code to pick the status.
         self.grpc_code = code.name
 

@@ -10,7 +10,9 @@ Colocated mode: ``Scheduler.Assign`` picks one mixed worker and ``Mixed.Generate
 
 The mode asked of the scheduler is the request's rollout arm when a split is set
 (``rollout``), else the router's configured mode; in ``conditional`` mode (the default) the
-scheduler decides per request. The prompt's token ids go along, for KV-aware placement.
+scheduler decides per request. The prompt's token ids go along, for KV-aware placement
+(``placing``). While no scheduler replica answers (one restarting), the request waits for one,
+bounded by ``--scheduler-wait-s`` and its deadline (``scheduler_wait``).
 
 Whatever happens (success, error, client cancel, deadline) the clean-up runs: downstream calls
 still open are cancelled (a cancelled Decode frees its KV blocks on the worker), a KV payload
@@ -24,7 +26,8 @@ without waiting for the scheduler. Every downstream call gets the caller's remai
 A worker that fails a request (UNAVAILABLE) does not fail it for the caller: before any token
 went out the request is placed again elsewhere, after that it migrates to another decode
 worker, which resumes after the tokens already streamed (``failover``; bounded by
-``FlowConfig.prefill_attempts`` and ``migration_limit``).
+``FlowConfig.prefill_attempts`` and ``migration_limit``). Such a placement waits, as long as
+for a scheduler, while the surviving workers are full.
 
 Tracing and timing (``observed``) are the request's ``RequestTrace`` (``trace``): it records
 ``router.mode_decision`` (with the scheduler's reasons), names the mode on ``router.request``
@@ -41,9 +44,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -53,7 +55,6 @@ from pdserve.errors import PdServeError
 from pdserve.router.capture import Capture
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import (
-    DeadlineExceededError,
     DownstreamError,
     downstream_error,
     unary_call,
@@ -61,7 +62,9 @@ from pdserve.router.downstream import (
 from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
 from pdserve.router.output import RouteChunk
+from pdserve.router.placing import Placer
 from pdserve.router.request import RouteRequest
+from pdserve.router.scheduler_wait import SchedulerCalls, WaitPolicy
 from pdserve.router.schedulers import SchedulerReplicas
 from pdserve.router.state import RequestState
 from pdserve.router.telemetry import ObservedRequest
@@ -104,13 +107,16 @@ class FlowConfig:
     cleanup_timeout_s: float = 5.0
     """Bound on each clean-up call (Release, KV delete); a stuck call must not pin the request."""
     assign_timeout_s: float = 10.0
-    """Bound on Scheduler.Assign, independent of the caller's deadline (see ``_assign``)."""
+    """Bound on each try of Scheduler.Assign, independent of the caller's deadline
+    (``placing``)."""
     renew_fraction: float = 0.5
     """Renew a reservation after this fraction of its TTL (long decodes outlive the TTL)."""
     prefill_attempts: int = 3
     """Tries in all of a request whose worker fails before any token went out."""
     migration_limit: int = 2
     """Migrations at most of a request whose stream breaks mid-way; 0: none."""
+    scheduler_wait: WaitPolicy = field(default_factory=WaitPolicy)
+    """How long a call waits for a scheduler (restarting, or full during a failover)."""
 
     def __post_init__(self) -> None:
         Attempts(self.prefill_attempts, self.migration_limit)  # validates them
@@ -135,13 +141,19 @@ class RequestFlow:
         # Not ``channels or ...``: a pool with no channel yet is falsy (it has a length).
         self.channels = channels if channels is not None else ChannelPool()
         self.config = config or FlowConfig()
-        self.schedulers = SchedulerReplicas(scheduler_address, self.channels)
-        """Every scheduler call goes to the next replica (``router.schedulers``)."""
+        self.scheduler = SchedulerCalls(
+            SchedulerReplicas(scheduler_address, self.channels), self.config.scheduler_wait
+        )
+        """Every scheduler call goes to the next replica, and waits while none answers
+        (``router.scheduler_wait``)."""
         self.housekeeper = Housekeeper(
             self.channels,
-            self.schedulers,
+            self.scheduler,
             timeout_s=self.config.cleanup_timeout_s,
             renew_fraction=self.config.renew_fraction,
+        )
+        self.placer = Placer(
+            self.scheduler, self.housekeeper, assign_timeout_s=self.config.assign_timeout_s
         )
         self._cleanups: set[asyncio.Task[None]] = set()
 
@@ -169,7 +181,7 @@ class RequestFlow:
             if observed is not None:
                 observed.arm = run.trace.arm
             mode = mode_from_name(arm) if arm else self.config.mode
-            assignment = await self._assign(run, mode)
+            assignment = await self.placer.assign(run, mode)
             run.trace.serving_mode(assignment.mode)  # the scheduler has the last word
             stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
@@ -244,81 +256,7 @@ class RequestFlow:
                     f"migrating after {len(run.streamed)} tokens" if run.streamed
                     else "placing it again",
                 )  # fmt: skip
-                assignment = await self._reassign(run, assignment.mode)
-
-    async def _reassign(self, run: RequestState, mode: common_pb2.Mode) -> scheduler_pb2.Assignment:
-        """Give the failed attempt's reservation back and place the request again, away
-        from the workers that failed it; a decode worker alone once tokens went out."""
-        if run.renewer is not None:
-            run.renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await run.renewer
-            run.renewer = None
-        if run.reservation_id:
-            run.tasks.append(asyncio.create_task(self.housekeeper.release(run.reservation_id)))
-            run.reservation_id = ""
-        return await self._assign(run, mode, decode_only=bool(run.streamed))
-
-    async def _assign(
-        self, run: RequestState, mode: common_pb2.Mode, *, decode_only: bool = False
-    ) -> scheduler_pb2.Assignment:
-        req = run.request
-        step = "Scheduler.Assign"
-        remaining = run.clock.remaining(step)
-        # The router's own part ends here: validation and tokenization (by the caller, since
-        # the request arrived), and the rollout arm; ``router.mode_decision`` is recorded once
-        # the scheduler said which mode and why.
-        asked_ns = time.time_ns()
-        decides = not run.failed_workers  # a placement after a failure decides nothing new
-        # The call runs to completion even when the caller's deadline or a cancellation cuts the
-        # wait short: a reservation committed after we stopped waiting would otherwise stay
-        # orphaned until its TTL. The clean-up releases what the task reserves, however late.
-        request = scheduler_pb2.AssignRequest(
-            request_id=req.request_id,
-            prompt_tokens=len(req.prompt_token_ids),
-            max_tokens=req.params.max_tokens,
-            mode=mode,
-            tenant=req.tenant,
-            exclude=run.failed_workers,
-            decode_only=decode_only,
-            prompt_token_ids=req.prompt_token_ids,
-        )
-        # A replica that cannot be reached reserved nothing: the next one is asked.
-        for others in range(len(self.schedulers) - 1, -1, -1):
-            with run.trace.handing_over(asked_ns):
-                call = self.schedulers.stub().Assign(request, timeout=self.config.assign_timeout_s)
-            run.assign_task = asyncio.create_task(unary_call(step, call), name="assign")
-            try:
-                assignment: scheduler_pb2.Assignment = await asyncio.wait_for(
-                    asyncio.shield(run.assign_task), remaining
-                )
-            except TimeoutError:
-                if decides:
-                    run.trace.mode_decided(asked_ns, mode, req, None)
-                raise DeadlineExceededError(f"deadline exceeded during {step}") from None
-            except PdServeError as err:
-                run.assign_task = None  # Assign itself failed: nothing was reserved
-                unavailable = (
-                    isinstance(err, DownstreamError) and err.code is grpc.StatusCode.UNAVAILABLE
-                )
-                if others and unavailable:
-                    remaining = run.clock.remaining(step)
-                    continue
-                if decides:
-                    run.trace.mode_decided(asked_ns, mode, req, None)
-                raise
-            break
-        if decides:
-            run.trace.mode_decided(asked_ns, mode, req, assignment)
-        run.reservation_id = assignment.reservation_id
-        await run.trace.stage_ended(call)
-        run.trace.placed()
-        if assignment.ttl_s > 0:
-            run.renewer = asyncio.create_task(
-                self.housekeeper.renew_forever(assignment.reservation_id, assignment.ttl_s),
-                name="renew",
-            )
-        return assignment
+                assignment = await self.placer.reassign(run, assignment.mode)
 
     async def _disaggregated(
         self, run: RequestState, assignment: scheduler_pb2.Assignment

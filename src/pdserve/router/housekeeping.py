@@ -20,8 +20,8 @@ from opentelemetry import trace
 
 from pdserve.errors import PdServeError
 from pdserve.router.channels import ChannelPool
-from pdserve.router.downstream import late_kv
-from pdserve.router.schedulers import SchedulerReplicas
+from pdserve.router.downstream import late_kv, unary_call
+from pdserve.router.scheduler_wait import SchedulerCalls
 from pdserve.router.state import RequestState
 from pdserve.router.telemetry import detached
 from pdserve.telemetry.spans import ROUTER_RELEASE
@@ -37,10 +37,6 @@ from pdserve.v1 import (
 logger = logging.getLogger(__name__)
 
 
-RELEASE_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
-"""Waits before each new try of a Release that found the scheduler unreachable: long enough
-for a supervised scheduler to come back."""
-
 Track = Callable[[Coroutine[Any, Any, None]], Any]
 """Starts a background clean-up that outlives the request (its owner waits for it on close)."""
 
@@ -51,22 +47,19 @@ class Housekeeper:
     def __init__(
         self,
         channels: ChannelPool,
-        schedulers: SchedulerReplicas,
+        scheduler: SchedulerCalls,
         *,
         timeout_s: float = 5.0,
         renew_fraction: float = 0.5,
     ) -> None:
         self.channels = channels
-        self.schedulers = schedulers
-        """Release and Renew go to any replica: each call to the next (a retry after an
-        unreachable one, to another)."""
+        self.scheduler = scheduler
+        """Release and Renew go to any replica, and wait while none answers (a scheduler
+        restarting): one lost holds the capacity until the reservation's TTL."""
         self.timeout_s = timeout_s
         """Bound on each call; a stuck call must not pin the request."""
         self.renew_fraction = renew_fraction
         """Renew a reservation after this fraction of its TTL."""
-
-    def _scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return self.schedulers.stub()
 
     async def release_when_assigned(
         self, request_id: str, assign: asyncio.Task[scheduler_pb2.Assignment]
@@ -80,42 +73,45 @@ class Housekeeper:
         await self.release(reservation_id)
 
     async def release(self, reservation_id: str, *, prefill_only: bool = False) -> None:
-        """Scheduler.Release (only the prefill share with ``prefill_only``). While the
-        scheduler is unreachable (restarting) the call is tried again a few times
-        (``RELEASE_BACKOFF_S``): a release lost holds the capacity until the TTL."""
+        """Scheduler.Release (only the prefill share with ``prefill_only``), waiting for a
+        scheduler while none answers (``scheduler_wait``)."""
+        step = "Scheduler.Release"
         request = scheduler_pb2.ReleaseRequest(
             reservation_id=reservation_id, prefill_only=prefill_only
         )
-        for backoff_s in (*RELEASE_BACKOFF_S, None):
-            try:
-                await self._scheduler().Release(request, timeout=self.timeout_s)
-                return
-            except AioRpcError as err:
-                if err.code() is grpc.StatusCode.UNAVAILABLE and backoff_s is not None:
-                    await asyncio.sleep(backoff_s)  # a backoff, not synchronisation
-                    continue
-                # The reservation expires by its TTL; the request itself is unaffected.
-                logger.warning(
-                    "Release of reservation %s failed (%s: %s); it expires by its TTL",
-                    reservation_id, err.code().name, err.details(),
-                )  # fmt: skip
-                return
+
+        async def attempt(stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+            await unary_call(step, stub.Release(request, timeout=self.timeout_s))
+
+        try:
+            await self.scheduler.call(step, attempt, span=trace.get_current_span())
+        except PdServeError as err:
+            # The reservation expires by its TTL; the request itself is unaffected.
+            logger.warning(
+                "Release of reservation %s failed (%s); it expires by its TTL", reservation_id, err
+            )
 
     async def renew_forever(self, reservation_id: str, ttl_s: float) -> None:
         """Renew the reservation before each TTL runs out, until cancelled or it is gone."""
+        step = "Scheduler.Renew"
+        request = scheduler_pb2.RenewRequest(reservation_id=reservation_id)
+
+        async def attempt(stub: scheduler_pb2_grpc.SchedulerStub) -> scheduler_pb2.RenewResponse:
+            reply: scheduler_pb2.RenewResponse = await unary_call(
+                step, stub.Renew(request, timeout=self.timeout_s)
+            )
+            return reply
+
         while True:
             # A timer, not synchronisation: renew well before the reservation would expire.
             await asyncio.sleep(max(0.05, ttl_s * self.renew_fraction))
             try:
-                resp = await self._scheduler().Renew(
-                    scheduler_pb2.RenewRequest(reservation_id=reservation_id),
-                    timeout=self.timeout_s,
-                )
-            except AioRpcError as err:
-                if err.code() is grpc.StatusCode.NOT_FOUND:
+                resp = await self.scheduler.call(step, attempt)
+            except PdServeError as err:
+                if err.grpc_code == "NOT_FOUND":
                     logger.warning("reservation %s expired before it was renewed", reservation_id)
                     return
-                logger.warning("Renew of %s failed: %s", reservation_id, err.details())
+                logger.warning("Renew of %s failed: %s", reservation_id, err)
                 continue
             ttl_s = resp.ttl_s
 

@@ -3,14 +3,15 @@
 Scheduler replicas share nothing but Redis: each reserves with the same optimistic re-check
 (WATCH/MULTI/EXEC), so any replica may answer any call of any request (Assign, Renew,
 Release). The router spreads its calls over them in turn, which adds their capacity, and a
-call that finds one replica unreachable goes to the next, so that a replica that dies (or
-restarts) costs no request while another is up.
+call that finds one replica unreachable goes to the next (``cycle``), so that a replica that
+dies (or restarts) costs no request while another is up. When none answers, the call waits
+for one (``router.scheduler_wait``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.router.channels import ChannelPool
@@ -42,5 +43,16 @@ class SchedulerReplicas:
 
     def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         """The next replica's stub: each call asks the one after the previous call's."""
-        address = self.addresses[next(self._turn) % len(self.addresses)]
+        return self._stub(next(self._turn))
+
+    def cycle(self) -> Iterator[scheduler_pb2_grpc.SchedulerStub]:
+        """Stubs for the tries of one call, without end: the next replica's first, then each
+        other replica's in order, then round again. A call that fails over so tries every
+        replica once before any of them twice, however many other calls take their turns
+        meanwhile."""
+        for turn in itertools.count(next(self._turn)):
+            yield self._stub(turn)
+
+    def _stub(self, turn: int) -> scheduler_pb2_grpc.SchedulerStub:
+        address = self.addresses[turn % len(self.addresses)]
         return scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))

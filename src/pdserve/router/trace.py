@@ -21,6 +21,7 @@ from pdserve.router.downstream import DeadlineExceededError
 from pdserve.router.request import RouteRequest
 from pdserve.router.telemetry import ObservedRequest, name_mode, record_mode_decision
 from pdserve.telemetry.handover import handing_over, stage_end_of
+from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.timing import Timing
 from pdserve.v1 import common_pb2, scheduler_pb2
 
@@ -58,13 +59,20 @@ class RequestTrace:
     """The rollout arm the request was sent in ("" when no split is set)."""
     timing: Timing = field(default_factory=Timing)
     first_sent: bool = False
+    metrics: RouterMetrics | None = None
+    """The router's metrics, for what the flow counts itself (waits for the scheduler)."""
 
     @classmethod
     def of(cls, clock: Clock, observed: ObservedRequest | None) -> RequestTrace:
         """The trace of a request ``observed`` by the router's telemetry (None: no spans)."""
         if observed is None:
             return cls(clock)
-        return cls(clock, root=observed.span, stage_end_ns=observed.accepted_ns)
+        return cls(
+            clock,
+            root=observed.span,
+            stage_end_ns=observed.accepted_ns,
+            metrics=observed.metrics,
+        )
 
     # -- stages --------------------------------------------------------------------------------
 

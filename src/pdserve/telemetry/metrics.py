@@ -46,6 +46,8 @@ CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
 HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
 HTTP_SECONDS = "pdserve_http_request_seconds"
 ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
+SCHEDULER_WAITING = "pdserve_router_scheduler_waiting"
+SCHEDULER_WAIT_SECONDS = "pdserve_router_scheduler_wait_seconds"
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
@@ -53,7 +55,7 @@ METRICS: tuple[str, ...] = (
     SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
     CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS, ENGINE_FAILURES,
     CORE_LENT_SECONDS, SCHEDULER_MODES, ARM_REQUESTS, ARM_TTFT_SECONDS, ARM_ITL_SECONDS,
-    PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER,
+    PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER, SCHEDULER_WAITING, SCHEDULER_WAIT_SECONDS,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -62,6 +64,7 @@ METRICS: tuple[str, ...] = (
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 TRANSFER_DIRECTIONS = ("send", "recv")
@@ -134,6 +137,14 @@ class RouterMetrics:
             ARM_ITL_SECONDS, "Time between streamed tokens by rollout arm.", ["arm"],
             buckets=ITL_BUCKETS, registry=r,
         )  # fmt: skip
+        # Placements that waited for a scheduler (restarting, or full during a failover).
+        self._waiting = Gauge(
+            SCHEDULER_WAITING, "Requests waiting for a scheduler now.", registry=r
+        )
+        self._waited = Histogram(
+            SCHEDULER_WAIT_SECONDS, "Time a placement waited for a scheduler, by cause.",
+            ["cause"], buckets=WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
 
     def observe_ttft(self, seconds: float, *, arm: str = "") -> None:
         self._ttft.observe(_non_negative("seconds", seconds))
@@ -161,6 +172,16 @@ class RouterMetrics:
     def count_request(self, outcome: str) -> None:
         """One finished request; ``outcome`` is a short fixed word (ok, error, cancelled...)."""
         self._requests.labels(outcome=_label("outcome", outcome)).inc()
+
+    def scheduler_wait_began(self) -> None:
+        """A placement found no scheduler to take it and waits (``router.scheduler_wait``)."""
+        self._waiting.inc()
+
+    def scheduler_wait_ended(self, cause: str, seconds: float) -> None:
+        """That wait ended (placed, failed or cancelled) after ``seconds``; ``cause``:
+        ``unavailable`` or ``full``."""
+        self._waiting.dec()
+        self._waited.labels(cause=_label("cause", cause)).observe(_non_negative("seconds", seconds))
 
 
 class WorkerMetrics:

@@ -39,6 +39,9 @@ DECODE_GENERATE = "decode.generate"
 ROUTER_RELEASE = "router.release"
 """Not a stage: the release of a finished request's reservation, after the request's call
 ended, as the root of a trace of its own linked to the request's ``router.request``."""
+ROUTER_SCHEDULER_WAIT = "router.scheduler_wait"
+"""Not a span: an event on ``router.request`` (or ``router.release``) saying that a call to
+the scheduler waited for one to answer or to have room (``ATTR_WAIT_*``)."""
 
 # --- attribute keys -----------------------------------------------------------------------
 
@@ -68,6 +71,12 @@ ATTR_BYTES = "pdserve.bytes"
 ATTR_BANDWIDTH_MBPS = "pdserve.bandwidth_MBps"
 ATTR_OVERLAP_MS = "pdserve.overlap_ms"
 ATTR_FALLBACK = "pdserve.fallback"
+
+ATTR_WAIT_CAUSE = "pdserve.wait_cause"
+ATTR_WAIT_MS = "pdserve.wait_ms"
+ATTR_WAIT_TRIES = "pdserve.wait_tries"
+ATTR_WAIT_OUTCOME = "pdserve.wait_outcome"
+ATTR_WAIT_STEP = "pdserve.wait_step"
 
 ATTR_ITL_MEAN_MS = "pdserve.itl_mean_ms"
 ATTR_ITL_MAX_MS = "pdserve.itl_max_ms"
