@@ -50,3 +50,23 @@ def test_requests_go_on_when_a_replica_dies(cluster: Cluster) -> None:
         for i in range(8):  # every other call would have gone to the dead replica
             done = client.generate([9, 10, 11 + i], max_tokens=3, ignore_eos=True)
             assert done.usage.completion_tokens == 3
+
+
+def test_a_client_of_both_routers_spreads_its_calls_and_rides_out_one_dying(
+    cluster: Cluster,
+) -> None:
+    urls = [cluster.metrics_urls()[name] for name in ("router", "router-1")]
+
+    def served() -> list[float]:
+        return [metric(u, "pdserve_requests_total", outcome="ok") for u in urls]
+
+    both = ",".join(cluster.router_addresses)
+    before = served()
+    with Client(both, timeout=60) as client:
+        for i in range(8):
+            assert client.generate([3, 4, 5 + i], max_tokens=2).usage.completion_tokens == 2
+        spread = [a - b for a, b in zip(served(), before, strict=True)]
+        assert sum(spread) == 8 and min(spread) >= 1, spread  # round robin over the two
+        kill(next(s for s in cluster.services if s.name == "router-1"))
+        for i in range(8):  # none fails: the dead router is skipped
+            assert client.generate([6, 7, 8 + i], max_tokens=2).usage.completion_tokens == 2

@@ -19,6 +19,8 @@
 
 Errors are typed (``InvalidRequest``, ``Overloaded``, ``DeadlineExceeded``, ``Unavailable``,
 ``Unauthenticated``, all ``PdServeClientError``), each with the gRPC ``code`` and ``message``.
+Several routers: ``Client("10.0.0.1:50051,10.0.0.2:50051")`` (or ``dns:///NAME:PORT``)
+spreads calls over them and skips one that is down (``channel_target``).
 UNAVAILABLE is retried (bounded, with backoff) as long as no token has arrived. A prompt over
 the router's limits is ``InvalidRequest`` naming the field (``text``, ``token_ids``) and the
 limit; one so large that gRPC refuses the message unparsed is ``RequestTooLarge``, an
@@ -37,6 +39,7 @@ TLS; ``TlsConfig(ca=..., cert=..., key=...)`` also presents a client certificate
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -56,6 +59,7 @@ from pdserve.client.request import (
 )
 from pdserve.client.results import Completion, ModelInfo
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
+from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.convert.client import completion_from_proto, model_info_from_proto
 from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.security.tls import TlsConfig
@@ -71,6 +75,36 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target of ``address`` and the channel options it needs.
+
+    One ``HOST:PORT`` is used as it is. Several routers, ``IP:PORT,IP:PORT,...`` (IP literals,
+    as behind no load balancer), become one channel that spreads calls over them
+    (``round_robin``) and skips one that is down: a router's death then costs only the calls
+    it had open. For a DNS name with several addresses, use ``dns:///NAME:PORT`` (also
+    ``round_robin``)."""
+    if "," not in address and not address.startswith("dns:"):
+        return address, []
+    balanced = [("grpc.lb_policy_name", "round_robin")]
+    if address.startswith("dns:"):
+        return address, balanced
+    hosts = [a.strip() for a in address.split(",") if a.strip()]
+    v6 = [h.startswith("[") for h in hosts]
+    for h in hosts:
+        host = h.rpartition(":")[0].strip("[]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise InvalidArgumentError(
+                "address",
+                f"{h!r}: a list of routers takes IP:PORT entries; for a DNS name with several "
+                "addresses use dns:///NAME:PORT",
+            ) from None
+    if any(v6) and not all(v6):
+        raise InvalidArgumentError("address", "a list of routers is all IPv4 or all IPv6")
+    return f"{'ipv6' if all(v6) else 'ipv4'}:{','.join(hosts)}", balanced
 
 
 def _tls(tls: TlsConfig | bool) -> TlsConfig | None:
@@ -91,6 +125,7 @@ class _Base:
         tls: TlsConfig | bool = False,
     ) -> None:
         self.address = address
+        self._target, self._balancing = channel_target(address)
         self.timeout = check_timeout(timeout)
         """Default deadline of a call in seconds, streams included (None: no limit)."""
         self.tenant = tenant
@@ -102,7 +137,7 @@ class _Base:
         """TLS settings of the channel; None: plaintext."""
 
     def _channel_args(self) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
-        options = list(CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS, *self._balancing]
         if self.tls is None:
             return None, options
         return self.tls.channel_credentials(), [*options, *self.tls.channel_options()]
@@ -149,9 +184,9 @@ class Client(_Base):
         )
         creds, options = self._channel_args()
         self._channel = (
-            grpc.secure_channel(address, creds, options=options)
+            grpc.secure_channel(self._target, creds, options=options)
             if creds is not None
-            else grpc.insecure_channel(address, options=options)
+            else grpc.insecure_channel(self._target, options=options)
         )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
@@ -261,9 +296,9 @@ class AsyncClient(_Base):
         if self._stub is None:
             creds, options = self._channel_args()
             self._channel = (
-                grpc.aio.secure_channel(self.address, creds, options=options)
+                grpc.aio.secure_channel(self._target, creds, options=options)
                 if creds is not None
-                else grpc.aio.insecure_channel(self.address, options=options)
+                else grpc.aio.insecure_channel(self._target, options=options)
             )
             self._stub = router_pb2_grpc.RouterStub(self._channel)
         return self._stub
