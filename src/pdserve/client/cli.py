@@ -11,6 +11,7 @@ from pathlib import Path
 from pdserve.client.client import Client
 from pdserve.client.errors import PdServeClientError
 from pdserve.client.request import DEFAULT_TIMEOUT_S
+from pdserve.client.results import Completion
 from pdserve.security.tls import TlsConfig
 
 
@@ -69,5 +70,29 @@ def main_generate(argv: Sequence[str]) -> int:
             return 1
     sys.stdout.write("\n")
     if args.stats:
-        print(f"[finish: {result.finish_reason}; usage: {result.usage}; timing: {result.timing}]")
+        print("\n".join(stats_lines(result)))
     return 0
+
+
+def stats_lines(result: Completion) -> list[str]:
+    """``--stats``: the request's outcome, tokens and where its time went, as a small table."""
+    u, t = result.usage, result.timing
+    if u is None or t is None:  # a router that sent no final accounting
+        return [f"finish  {result.finish_reason}", f"tokens  {len(result.token_ids)} generated"]
+    moved = f"{t.transfer_bytes / 1e6:.2f} MB by {t.transport}" if t.transport else "-"
+    rows = [
+        ("finish", str(result.finish_reason)),
+        ("tokens", f"{u.prompt_tokens} prompt ({u.cached_tokens} cached), "
+                   f"{u.completion_tokens} generated"),
+        ("time to first token", f"{t.ttft_ms:.1f} ms"),
+        ("end to end", f"{t.e2e_ms:.1f} ms"),
+        ("  queue", f"{t.queue_ms:.1f} ms"),
+        ("  prefill", f"{t.prefill_ms:.1f} ms"),
+        ("  KV transfer", f"{t.transfer_ms:.1f} ms ({moved})"),
+        ("  decode", f"{t.decode_ms:.1f} ms"),
+    ]  # fmt: skip
+    if u.completion_tokens > 1 and t.decode_ms > 0:
+        per = t.decode_ms / (u.completion_tokens - 1)
+        rows.append(("  per output token", f"{per:.1f} ms after the first"))
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows]
