@@ -274,7 +274,7 @@ class RequestFlow:
         # wait short: a reservation committed after we stopped waiting would otherwise stay
         # orphaned until its TTL. The clean-up releases what the task reserves, however late.
         request = scheduler_pb2.AssignRequest(
-            request_id=req.request_id,
+            request_id=req.key.scoped_id,
             prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.params.max_tokens,
             mode=mode,
@@ -331,7 +331,7 @@ class RequestFlow:
         with run.trace.handing_over():
             call = prefill.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=sampling_to_proto(req.params),
                     tenant=req.tenant,
@@ -390,7 +390,7 @@ class RequestFlow:
         with run.trace.handing_over():
             stream = decode.Decode(
                 decode_pb2.DecodeRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     first_token_id=prefilled.first_token_id,
                     first_logprob=prefilled.first_logprob,
@@ -415,7 +415,7 @@ class RequestFlow:
         with run.trace.handing_over():
             stream = mixed.Generate(
                 decode_pb2.ColocatedRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=sampling_to_proto(req.params),
                     tenant=req.tenant,
