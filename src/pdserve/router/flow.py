@@ -60,6 +60,7 @@ from pdserve.router.downstream import (
 )
 from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
+from pdserve.router.inflight import InFlight
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
 from pdserve.router.schedulers import SchedulerReplicas
@@ -144,6 +145,8 @@ class RequestFlow:
             renew_fraction=self.config.renew_fraction,
         )
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.in_flight = InFlight()
+        """The keys of the requests in flight: a tenant's id is refused while it runs."""
 
     async def generate(
         self,
@@ -161,6 +164,7 @@ class RequestFlow:
             self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
         )
         run = RequestState(request, clock, text, RequestTrace.of(clock, observed))
+        claim = self.in_flight.claim(request.key)  # ALREADY_EXISTS: this tenant runs the id
         ticket = self.capture.admit(observed) if self.capture is not None else None
         failed: type[BaseException] | None = None
         try:
@@ -174,11 +178,14 @@ class RequestFlow:
             stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
+                    if chunk.finished:
+                        claim.release()  # the caller may reuse the id once it has this chunk
                     yield chunk
         except BaseException as err:
             failed = type(err)
             raise
         finally:
+            claim.release()
             if ticket is not None:
                 ticket.finished(run, failed)
             task = self._track(self.housekeeper.clean_up(run, self._track))
