@@ -219,6 +219,7 @@ def test_each_release_is_a_trace_of_its_own_linked_to_its_request(run: Run) -> N
         assert root.service == "pdserve-router" and root.span.name == RELEASE_ROOT
         rid = _attr(root.span, "pdserve.request_id")
         assert isinstance(rid, str) and rid in requests
+        assert _attr(root.span, "pdserve.tenant") == TENANT
         # Linked to its request's root stage, in the request's own trace.
         (link,) = root.span.links
         assert (link.trace_id, link.span_id) == (
@@ -341,7 +342,10 @@ def test_stage_attributes(run: Run) -> None:
         assert isinstance(retries, int) and retries >= 0
         assert _attr(assign, "pdserve.prefill_worker") == run.worker_ids["prefill"]
         assert _attr(assign, "pdserve.decode_worker") == run.worker_ids["decode"]
-        assert _attr(spans["prefill.queue"], "pdserve.request_id") == rid
+        for name in ("prefill.queue", "decode.queue", "decode.first_token"):
+            # The caller's id and tenant, as on router.request (the workers got them scoped).
+            assert _attr(spans[name], "pdserve.request_id") == rid, name
+            assert _attr(spans[name], "pdserve.tenant") == TENANT, name
         compute = spans["prefill.compute"]
         assert 1 <= _attr(compute, "pdserve.batch_size") <= len(PROMPTS)  # type: ignore[operator]
         assert _attr(compute, "pdserve.tokens") == run.prompt_tokens[rid]

@@ -3,7 +3,9 @@
 The store itself treats keys as opaque strings; the namespaces are its callers' agreement:
 
 * hand-offs, ``kv/{request_id}/{capability hex}`` (``handoff_key``): a prefill worker's
-  prompt KV for one decode worker, read once and deleted as it is read. The capability (16
+  prompt KV for one decode worker, read once and deleted as it is read. The request id is the
+  one the worker got, which the router makes unique per tenant (``RequestKey.scoped_id``,
+  ``pdserve.request_key``): two tenants' equal ids never name one key. The capability (16
   random bytes, ``transfer.stamp``) makes the key unguessable: only the writer and whoever it
   answered can name the entry. A decode worker's own endpoint assembles the layer streams of
   these keys as they land (``is_handoff_key``).

@@ -81,13 +81,13 @@ def migrated_request(
     ``fingerprint``: the model that drew them (the prefill's KV handle), "" when unknown.
     """
     handle = common_pb2.KVHandle(
-        request_id=req.request_id,
+        request_id=req.key.scoped_id,
         num_tokens=len(req.prompt_token_ids),
         model_fingerprint=fingerprint,
         recompute=common_pb2.RecomputeLocation(reason=reason),
     )
     return decode_pb2.DecodeRequest(
-        request_id=req.request_id,
+        request_id=req.key.scoped_id,
         prompt_token_ids=req.prompt_token_ids,
         first_token_id=streamed[0],
         # Kept only by the worker's engine, never streamed again: the caller has it already.

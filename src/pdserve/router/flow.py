@@ -61,6 +61,7 @@ from pdserve.router.downstream import (
 )
 from pdserve.router.failover import Attempts, migrated_request
 from pdserve.router.housekeeping import Housekeeper
+from pdserve.router.inflight import InFlight
 from pdserve.router.output import RouteChunk
 from pdserve.router.placing import Placer
 from pdserve.router.request import RouteRequest
@@ -156,6 +157,8 @@ class RequestFlow:
             self.scheduler, self.housekeeper, assign_timeout_s=self.config.assign_timeout_s
         )
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.in_flight = InFlight()
+        """The keys of the requests in flight: a tenant's id is refused while it runs."""
 
     async def generate(
         self,
@@ -173,6 +176,7 @@ class RequestFlow:
             self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
         )
         run = RequestState(request, clock, text, RequestTrace.of(clock, observed))
+        claim = self.in_flight.claim(request.key)  # ALREADY_EXISTS: this tenant runs the id
         ticket = self.capture.admit(observed) if self.capture is not None else None
         failed: type[BaseException] | None = None
         try:
@@ -186,11 +190,14 @@ class RequestFlow:
             stream = self._serve(run, assignment)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
+                    if chunk.finished:
+                        claim.release()  # the caller may reuse the id once it has this chunk
                     yield chunk
         except BaseException as err:
             failed = type(err)
             raise
         finally:
+            claim.release()
             if ticket is not None:
                 ticket.finished(run, failed)
             task = self._track(self.housekeeper.clean_up(run, self._track))
@@ -269,7 +276,7 @@ class RequestFlow:
         with run.trace.handing_over():
             call = prefill.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=sampling_to_proto(req.params),
                     tenant=req.tenant,
@@ -328,7 +335,7 @@ class RequestFlow:
         with run.trace.handing_over():
             stream = decode.Decode(
                 decode_pb2.DecodeRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     first_token_id=prefilled.first_token_id,
                     first_logprob=prefilled.first_logprob,
@@ -353,7 +360,7 @@ class RequestFlow:
         with run.trace.handing_over():
             stream = mixed.Generate(
                 decode_pb2.ColocatedRequest(
-                    request_id=req.request_id,
+                    request_id=req.key.scoped_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=sampling_to_proto(req.params),
                     tenant=req.tenant,

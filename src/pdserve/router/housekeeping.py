@@ -19,6 +19,7 @@ from grpc.aio import AioRpcError
 from opentelemetry import trace
 
 from pdserve.errors import PdServeError
+from pdserve.request_key import RequestKey
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import late_kv, unary_call
 from pdserve.router.scheduler_wait import SchedulerCalls
@@ -159,15 +160,15 @@ class Housekeeper:
         if run.renewer is not None:
             run.renewer.cancel()  # nothing left to renew; the clean-up awaits its end
         run.tasks.append(asyncio.create_task(self.drain(stream)))
-        track(self.release_after(run.request.request_id, run.reservation_id, run.trace.root))
+        track(self.release_after(run.request.key, run.reservation_id, run.trace.root))
         run.wound_up = True
 
     async def release_after(
-        self, request_id: str, reservation_id: str, root: trace.Span | None
+        self, key: RequestKey, reservation_id: str, root: trace.Span | None
     ) -> None:
         """Release the reservation of a request whose call may have ended: under a
         ``router.release`` span linked to the request's ``router.request`` (``root``)."""
-        with detached(ROUTER_RELEASE, root, request_id):
+        with detached(ROUTER_RELEASE, root, key):
             await self.release(reservation_id)
 
     async def clean_up(self, run: RequestState, track: Track) -> None:

@@ -65,7 +65,7 @@ class Placer:
         asked_ns = time.time_ns()
         decides = not run.failed_workers  # a placement after a failure decides nothing new
         request = scheduler_pb2.AssignRequest(
-            request_id=req.request_id,
+            request_id=req.key.scoped_id,
             prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.params.max_tokens,
             mode=mode,

@@ -18,6 +18,7 @@ from pathlib import Path
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
+from pdserve.request_key import RequestKey
 from pdserve.router.limits import RequestLimits
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.tokenizer import Tokenizer
@@ -46,10 +47,17 @@ class RouteRequest:
     """A request ready to be placed: tokenized, with validated parameters."""
 
     request_id: str
+    """The caller's id (or one made up for it): what answers and spans show."""
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     tenant: str = ""
     skip_special_tokens: bool = True
+
+    @property
+    def key(self) -> RequestKey:
+        """The request's identity: its id within its tenant. Downstream services get its
+        ``scoped_id`` as their ``request_id`` (``pdserve.request_key``)."""
+        return RequestKey(self.tenant, self.request_id)
 
 
 @dataclass(frozen=True, slots=True)

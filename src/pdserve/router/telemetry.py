@@ -41,6 +41,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from pdserve.engine.outputs import FinishReason
+from pdserve.request_key import RequestKey
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
 from pdserve.rpc.convert import MODE_NAMES
@@ -117,17 +118,18 @@ def record_mode_decision(
 
 
 @contextmanager
-def detached(name: str, link_to: trace.Span | None, request_id: str) -> Iterator[None]:
-    """Run the block outside the request's trace, under a root span ``name`` of a trace of
-    its own that links to ``link_to`` (the request's ``router.request``): for work that
-    outlives the request's call, whose spans could not lie inside it. Use it inside a task
-    of its own (it replaces that task's tracing context while the block runs)."""
+def detached(name: str, link_to: trace.Span | None, key: RequestKey) -> Iterator[None]:
+    """Run the block outside the request's trace, under a root span ``name`` (naming the
+    request ``key``: the caller's id and tenant) of a trace of its own that links to
+    ``link_to`` (the request's ``router.request``): for work that outlives the request's
+    call, whose spans could not lie inside it. Use it inside a task of its own (it replaces
+    that task's tracing context while the block runs)."""
     token = otel_context.attach(otel_context.Context())  # no parent, no baggage
     try:
         context = link_to.get_span_context() if link_to is not None else None
         links = [trace.Link(context)] if context is not None and context.is_valid else []
         tracer = trace.get_tracer(_INSTRUMENTATION_NAME)
-        attributes = {ATTR_REQUEST_ID: request_id}
+        attributes = {ATTR_REQUEST_ID: key.request_id, ATTR_TENANT: key.tenant}
         with tracer.start_as_current_span(name, links=links, attributes=attributes):
             yield
     finally:

@@ -11,8 +11,8 @@ key                                type    content
 ``pdserve:resv:{worker_id}``       zset    ``{reservation_id}|{tokens}|{blocks}`` -> expiry
                                            (Redis time, ms); what is reserved on the worker
 ``pdserve:reservation:{id}``       string  JSON record of one reservation (its zset members,
-                                           the workers' addresses, tenant, creation time),
-                                           PX TTL equal to the reservation's
+                                           the workers' addresses, tenant, creation time,
+                                           request id), PX TTL equal to the reservation's
 ``pdserve:tenant:{tenant}``        zset    ``{reservation_id}|{blocks}`` -> expiry: a tenant's
                                            live reservations (kept while it has a quota)
 ``pdserve:kvevents``               stream  prefix-cache changes of every worker (``kv_events``)

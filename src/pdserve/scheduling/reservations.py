@@ -12,6 +12,10 @@ time in milliseconds of *Redis* time (``TIME``), so every scheduler replica agre
   of a competing scheduler modifies the sorted set and aborts ours (WatchError).
 * A record ``{ns}:reservation:{id}`` (PX TTL = the reservation's) lists the members, so that
   release and renew find them without scanning; it expires together with the members.
+* A reservation's id is random (``uuid4``), never derived from the request's: callers choose
+  request ids, and one tenant's id must not name, renew or release another's reservation. The
+  record keeps the request id it was asked for (the router's per-tenant ``scoped_id``,
+  ``pdserve.request_key``), for the logs only.
 * Members the worker lists in its heartbeat (``WorkerInfo.reservations``, requests it has
   admitted) are already part of its free-block and queue figures and are not counted again.
 * The sorted set's own key expiry is kept at or after its latest member's expiry, so the key

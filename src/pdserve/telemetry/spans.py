@@ -136,7 +136,7 @@ SPANS: tuple[SpanSpec, ...] = (
         PREFILL_QUEUE,
         SERVICE_PREFILL,
         "waiting in the prefill engine's queue until the request's batch starts",
-        (ATTR_REQUEST_ID,),
+        (ATTR_REQUEST_ID, ATTR_TENANT),
     ),
     SpanSpec(
         PREFILL_COMPUTE,
@@ -160,13 +160,13 @@ SPANS: tuple[SpanSpec, ...] = (
         DECODE_QUEUE,
         SERVICE_DECODE,
         "waiting for a decode batch slot once the KV is installed",
-        (ATTR_REQUEST_ID,),
+        (ATTR_REQUEST_ID, ATTR_TENANT),
     ),
     SpanSpec(
         DECODE_FIRST_TOKEN,
         SERVICE_DECODE,
         "joining the running batch to the first generated token leaving the worker",
-        (ATTR_REQUEST_ID,),
+        (ATTR_REQUEST_ID, ATTR_TENANT),
     ),
     SpanSpec(
         DECODE_GENERATE,

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from pdserve.backends import EngineBackend
 from pdserve.compute import HostLease
 from pdserve.errors import InvalidArgumentError
+from pdserve.request_key import RequestKey
 from pdserve.telemetry.metrics import WorkerMetrics
 from pdserve.telemetry.service import MetricsEndpoint, ServiceTelemetry
 from pdserve.telemetry.spans import (
@@ -41,6 +42,7 @@ from pdserve.telemetry.spans import (
     ATTR_OVERLAP_MS,
     ATTR_PREFIX_HIT_TOKENS,
     ATTR_REQUEST_ID,
+    ATTR_TENANT,
     ATTR_TOKENS,
     ATTR_TRANSPORT,
     DECODE_FIRST_TOKEN,
@@ -194,6 +196,16 @@ def stamps_ns(
     )
 
 
+def request_attributes(request_id: str) -> dict[str, AttributeValue]:
+    """The span attributes naming a request: the caller's id and tenant, read back from the
+    scoped id the router sent (``pdserve.request_key``), so that they match the router's
+    ``router.request``; an id the router did not make (a direct call) as it is."""
+    key = RequestKey.parse(request_id)
+    if key is None:
+        return {ATTR_REQUEST_ID: request_id}
+    return {ATTR_REQUEST_ID: key.request_id, ATTR_TENANT: key.tenant}
+
+
 def record_prefill_stages(
     timing: RequestTiming,
     *,
@@ -215,7 +227,7 @@ def record_prefill_stages(
     submitted, started, first, _ = stamps
     queued = submitted if queue_start_ns is None else min(queue_start_ns, submitted)
     record_span(
-        PREFILL_QUEUE, queued, started, {ATTR_REQUEST_ID: request_id}, parent,
+        PREFILL_QUEUE, queued, started, request_attributes(request_id), parent,
         tracer_provider=tracer_provider,
     )  # fmt: skip
     record_span(
@@ -277,7 +289,7 @@ def record_decode_stages(
     if stamps is None:
         return False
     submitted, started, first, _ = stamps
-    attrs = {ATTR_REQUEST_ID: request_id}
+    attrs = request_attributes(request_id)
     record_span(DECODE_QUEUE, submitted, started, attrs, parent, tracer_provider=tracer_provider)
     record_span(DECODE_FIRST_TOKEN, started, first, attrs, parent, tracer_provider=tracer_provider)
     return record_generate_stage(

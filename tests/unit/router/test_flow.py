@@ -17,7 +17,8 @@ import pytest
 
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PdServeError
+from pdserve.errors import DuplicateRequestError, PdServeError
+from pdserve.request_key import RequestKey
 from pdserve.router import FlowConfig, RequestFlow, RouteChunk, RouteRequest
 from pdserve.router.downstream import DeadlineExceededError, DownstreamError
 from pdserve.tokenizer import Tokenizer
@@ -35,6 +36,8 @@ from pdserve.v1 import (
 
 FIRST = 7
 DECODED = [8, 9, 10]
+KV_KEY = f"kv-{RequestKey('', 'r1').scoped_id}"
+"""The fake prefill's KV key of ``_request``: made of the id the worker got."""
 
 
 @dataclass
@@ -310,7 +313,7 @@ def test_decode_failure_is_reported_and_cleaned_up(tokenizer: Tokenizer) -> None
 
     fakes = run_with_fakes(tokenizer, configure, body, FlowConfig(migration_limit=0))
     assert ("res-0", False) in fakes.released
-    assert fakes.deleted == ["kv-r1"]  # nobody consumed the payload
+    assert fakes.deleted == [KV_KEY]  # nobody consumed the payload
 
 
 def test_leaving_after_the_first_token_deletes_the_payload(tokenizer: Tokenizer) -> None:
@@ -322,7 +325,7 @@ def test_leaving_after_the_first_token_deletes_the_payload(tokenizer: Tokenizer)
 
     fakes = run_with_fakes(tokenizer, lambda f: None, body)
     assert fakes.decode_calls == 0
-    assert fakes.deleted == ["kv-r1"]
+    assert fakes.deleted == [KV_KEY]
     assert fakes.released == [("res-0", False)]
 
 
@@ -386,3 +389,60 @@ def test_errors_are_pdserve_errors() -> None:
         DeadlineExceededError, PdServeError
     )
     assert DeadlineExceededError.grpc_code == "DEADLINE_EXCEEDED"
+
+
+def test_every_service_gets_the_id_scoped_by_tenant_the_caller_its_own(
+    tokenizer: Tokenizer,
+) -> None:
+    got: list[RouteChunk] = []
+    prefill_ids: list[str] = []
+    req = RouteRequest("r1", (5, 6, 7), SamplingParams(max_tokens=4), tenant="acme")
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, req))
+
+    def configure(f: Fakes) -> None:
+        prefill = f.Prefill
+
+        async def spy(request: Any, context: Any) -> prefill_pb2.PrefillResponse:
+            prefill_ids.append(request.request_id)
+            return await prefill(request, context)
+
+        f.Prefill = spy  # type: ignore[method-assign]
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    scoped = RequestKey("acme", "r1").scoped_id
+    assert [r.request_id for r in fakes.assign_requests] == [scoped]
+    assert prefill_ids == [scoped]
+    assert [(r.request_id, r.kv.request_id) for r in fakes.decode_requests] == [(scoped, scoped)]
+    assert {c.request_id for c in got} == {"r1"}  # the caller sees its own id
+
+
+def test_an_id_in_flight_is_refused_to_its_tenant_only(tokenizer: Tokenizer) -> None:
+    def request(tenant: str) -> RouteRequest:
+        return RouteRequest("x", (5, 6, 7), SamplingParams(max_tokens=4), tenant=tenant)
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        first = flow.generate(request("acme"))
+        assert (await anext(first)).token_ids == [FIRST]  # in flight: its decode hangs
+        with pytest.raises(DuplicateRequestError, match="'x' is already in flight"):
+            await _collect(flow, request("acme"), timeout_s=10)  # bounded: decodes hang
+        # The same id of another tenant (the empty one too) is another request.
+        fakes.decode_hang = False
+        for tenant in ("globex", ""):
+            other = await _collect(flow, request(tenant))
+            assert other[-1].finish_reason is FinishReason.LENGTH
+            assert {c.request_id for c in other} == {"x"}
+        await first.aclose()
+        # Once its request has ended, the tenant may use the id again.
+        done = await _collect(flow, request("acme"))
+        assert done[-1].finish_reason is FinishReason.LENGTH
+        assert len(flow.in_flight) == 0
+
+    def configure(f: Fakes) -> None:
+        f.decode_hang = True
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    # Four placements (the refused request got none), each released in full.
+    assert fakes.assigned == ["res-0", "res-1", "res-2", "res-3"]
+    assert {r for r, prefill_only in fakes.released if not prefill_only} == set(fakes.assigned)

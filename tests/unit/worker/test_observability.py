@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.backends import Capacity
 from pdserve.compute import HostLease
 from pdserve.engine.gate import UNGATED, ComputeGate
+from pdserve.request_key import RequestKey
 from pdserve.timing import RequestTiming
 from pdserve.worker import observability as obs
 
@@ -153,6 +154,31 @@ def test_decode_stages_follow_each_other_up_to_the_last_write(
     assert attrs["pdserve.tokens"] == 4
     assert attrs["pdserve.itl_mean_ms"] == pytest.approx(10.0)  # (37 - 7) ms over 3 gaps
     assert attrs["pdserve.itl_max_ms"] == pytest.approx(15.0)
+
+
+def test_stage_spans_name_the_callers_id_and_tenant(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    # The router sends the id scoped by tenant; the spans show what the caller knows, as
+    # router.request does. An id the router did not make (a direct call) shows as it is.
+    scoped = RequestKey("acme", "r@1#2").scoped_id
+    assert obs.record_prefill_stages(
+        _timing(), request_id=scoped, prompt_tokens=3, cached_tokens=0, tracer_provider=provider
+    )
+    assert obs.record_decode_stages(
+        _timing(), obs.TokenGaps(), request_id=scoped, tracer_provider=provider
+    )
+    for name in ("prefill.queue", "decode.queue", "decode.first_token"):
+        assert (_by_name(exporter)[name].attributes or {}) == {
+            "pdserve.request_id": "r@1#2", "pdserve.tenant": "acme",
+        }, name  # fmt: skip
+    exporter.clear()
+    assert obs.record_prefill_stages(
+        _timing(), request_id="direct", prompt_tokens=3, cached_tokens=0, tracer_provider=provider
+    )
+    assert (_by_name(exporter)["prefill.queue"].attributes or {}) == {
+        "pdserve.request_id": "direct"
+    }
 
 
 def test_a_coalesced_output_spreads_its_gap_over_its_tokens() -> None:
