@@ -57,7 +57,12 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         servicers: list[tuple[AddServicerFn, object]] = [
             (add_decode_servicer, DecodeServicer(worker, stages)),
         ]
+
+        async def sweep() -> None:
+            inbox.sweep()
+
         links = None
+        sweeps = [("inbox sweep", sweep), ("prefetch sweep", worker.sweep)]
         if options.role is WorkerRole.MIXED:
             servicers.append(
                 (decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker, stages))
@@ -70,6 +75,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.chooser.model.published
+                sweeps.append(("shm slot sweep", prefill.sweep))
                 servicers.append(
                     (
                         prefill_pb2_grpc.add_PrefillServicer_to_server,
@@ -77,14 +83,11 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     )
                 )
 
-        async def sweep() -> None:
-            inbox.sweep()
-
         await run_worker(
             options,
             engine,
             servicers,
-            sweeps=[("inbox sweep", sweep), ("prefetch sweep", worker.sweep)],
+            sweeps=sweeps,
             telemetry=telemetry,
             links=links,
         )

@@ -46,6 +46,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     options,
                     engine,
                     [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+                    sweeps=[("shm slot sweep", worker.sweep)],
                     telemetry=telemetry,
                     links=worker.chooser.model.published,
                 )

@@ -160,6 +160,11 @@ class PrefillWorker:
             )
         )  # fmt: skip
 
+    async def sweep(self) -> None:
+        """Periodic: free the shm slots whose hand-off outlived its lease unread."""
+        if self._shm_slots is not None:
+            self._shm_slots.expire()
+
     async def close(self) -> None:
         """Close the connections to decode workers' endpoints, wait for prefix publishing."""
         if self.prefix is not None:

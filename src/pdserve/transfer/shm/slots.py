@@ -194,6 +194,27 @@ class SlotPool:
                     fcntl.flock(slot.fd, fcntl.LOCK_UN)
             slot.busy = False
 
+    def expire(self) -> int:
+        """Mark FREE every idle slot whose hand-off was SEALED longer ago than the lease and
+        never claimed (its reader died or gave up); the number marked. Acquire would take such
+        a slot back anyway; marking it on a timer keeps ``/dev/shm`` honest between hand-offs:
+        a slot left SEALED would still show a hand-off in flight to the janitor and to leak
+        checks. A reader holding the slot's lock keeps it (lifecycle step 4)."""
+        expired = 0
+        with self._lock:
+            for slot in self._idle(0):
+                if time.monotonic() - slot.sealed_at <= self.lease_s or not _try_lock(slot.fd):
+                    continue
+                try:
+                    assert slot.mm is not None  # _idle lists mapped slots only
+                    if segment.mapped_state(slot.mm) is SegmentState.SEALED:
+                        logger.info("shm slot %s: its hand-off was never read; freed", slot.name)
+                        segment.set_state(slot.mm, SegmentState.FREE)
+                        expired += 1
+                finally:
+                    fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        return expired
+
     def close(self) -> None:
         """Unlink and unmap every slot (idempotent); a reader's mapping keeps the memory of a
         slot it still holds until it lets go."""

@@ -383,3 +383,30 @@ def test_a_follower_waits_for_a_new_slot_to_be_reserved(
     monkeypatch.setattr(segment, "map_for_writing", held_back)
     follow_a_hand_off(pool, maps, seed=4)
     assert found_empty.is_set()
+
+
+def test_a_hand_off_never_read_is_freed_once_its_lease_passes(
+    pool: SlotPool, maps: SlotMappings
+) -> None:
+    _, d, _ = send(pool, "orphan")
+    assert d is not None
+    assert pool.expire() == 0  # within the lease: still its reader's
+    assert state(pool) is SegmentState.SEALED
+    (slot,) = pool.slots
+    slot.sealed_at -= pool.lease_s + 1  # as if the lease had passed, its reader dead
+    assert pool.expire() == 1
+    assert state(pool) is SegmentState.FREE
+    with pytest.raises(KVTransferError):
+        receive(maps, d)  # the hand-off is gone, not half-readable
+
+
+def test_a_claimed_slot_is_not_expired(pool: SlotPool, maps: SlotMappings) -> None:
+    _, d, _ = send(pool, "slow-reader")
+    assert d is not None
+    got = receive(maps, d)  # claimed: its reader holds the lock until the release
+    (slot,) = pool.slots
+    slot.sealed_at -= pool.lease_s + 1
+    assert pool.expire() == 0
+    assert state(pool) is SegmentState.CLAIMED
+    assert got.release is not None
+    got.release()
