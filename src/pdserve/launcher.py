@@ -435,11 +435,12 @@ class Cluster:
             gateway = self._add(
                 "gateway", "services.gateway",
                 [*common, *self._gateway_security_args(), "--router", router.address,
-                 "--model", str(self.model_dir), *self.gateway_args,
-                 "--port", str(self.http_port)],
+                 "--model", str(self.model_dir), *self.gateway_args],
                 http=True,
             )  # fmt: skip
-            gateway.spawn(env)
+            # The port goes to spawn, not into the args: a restart passes the port the first
+            # run bound, and an argument "--port 0" would override it with a new one.
+            gateway.spawn(env, port=self.http_port)
             self._wait("port files", [gateway], self._read_ports, deadline)
         assert len(self.services) == self.num_services, "num_services disagrees with _start"
         security = self.security
