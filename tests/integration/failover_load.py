@@ -11,21 +11,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import grpc
 
+from pdserve.bench.faults.leaks import holdings
 from pdserve.client import AsyncClient, PdServeClientError, RetryPolicy
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvstore.client import KVStoreClient
-from pdserve.launcher import Cluster, read_heartbeats
-from pdserve.scheduling import KeySpace, connect
+from pdserve.launcher import Cluster
 from pdserve.service_process import ServiceProcess
 from pdserve.supervisor import RestartPolicy
-from pdserve.transfer.janitor import SHM_DIR, holds_hand_off, parse_owner_pid
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.inbox import inbox_held
 
 INTERVAL_S = 0.5
 """The workers' heartbeat interval."""
@@ -228,56 +224,13 @@ async def detected(c: Cluster, victim: ServiceProcess, killed_at: float) -> None
     await until(replaced, f"the scheduler to see {victim.name} replaced")
 
 
-async def live_reservations(redis_url: str, keys: KeySpace) -> int:
-    """Reservation records and live members of any worker's reservation set."""
-    redis = connect(redis_url)
-    try:
-        records = await redis.keys(keys.reservation("*"))
-        seconds, micros = await redis.time()
-        now_ms = seconds * 1000 + micros / 1000
-        members = 0
-        for key in await redis.keys(keys.reservations_on("*")):
-            reply = await redis.zrange(key, 0, -1, withscores=True)
-            members += sum(s > now_ms for _, s in cast(list[tuple[bytes, float]], reply))
-    finally:
-        await redis.aclose()
-    return len(records) + members
-
-
-def cluster_pids(c: Cluster, dead: set[int]) -> set[int]:
-    return {s.proc.pid for s in c.services if s.proc is not None} | dead
-
-
 async def nothing_left(c: Cluster, *, dead_pids: set[int]) -> None:
     """Every worker back in Redis with all its KV blocks free and nothing running, no
     hand-off entry or pending write in the store or a decode worker's endpoint, no shm
     segment of the cluster's processes (dead ones included) holding a hand-off, and no live
-    reservation."""
-    assert c.redis_url is not None
-    redis_url = c.redis_url
-    keys = KeySpace(c.namespace)
+    reservation (``bench.faults.leaks``)."""
 
     async def clean() -> bool:
-        beats = read_heartbeats(redis_url, c.namespace)
-        if len(beats) != len(c.workers()):
-            return False
-        if any(w.kv_blocks_free != w.kv_blocks_total or w.running_seqs for w in beats):
-            return False
-        async with KVStoreClient(c.kvstore_address, timeout_s=5) as client:
-            t = (await client.stat()).totals
-        assert t is not None
-        if t.num_entries - t.num_cache_entries or t.num_writing:
-            return False
-        for s in c.workers("decode"):
-            if any(await inbox_held(s.address)):
-                return False
-        pids = cluster_pids(c, dead_pids)
-        for path in SHM_DIR.glob("pdserve-kv-*"):
-            owner = parse_owner_pid(path.name)
-            # A dead process's segments all go (its reused slots too); a live one's may stay
-            # between hand-offs.
-            if owner in dead_pids or (owner in pids and holds_hand_off(path)):
-                return False
-        return await live_reservations(redis_url, keys) == 0
+        return (await holdings(c, dead_pids=dead_pids)).clean
 
     await until(clean, "the cluster to hold nothing")

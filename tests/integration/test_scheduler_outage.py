@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.faults.leaks import live_reservations
 from pdserve.engine.engine import Engine
 from pdserve.launcher import Cluster
 from pdserve.scheduling import KeySpace
@@ -24,7 +25,6 @@ from tests.integration.failover_load import (
     check,
     jobs,
     kill,
-    live_reservations,
     references,
     scheduler_view,
     until,

@@ -23,6 +23,9 @@ SUBCOMMANDS: dict[str, Command] = {
     "engine": Command(
         "pdserve.bench.engine_bench", "main", "engine throughput beside HF transformers and vLLM"
     ),
+    "faults": Command(
+        "pdserve.bench.faults.cli", "main", "each kind of process killed under load: what was lost"
+    ),
     "overhead": Command(
         "pdserve.bench.overhead", "main", "latency the service path adds over the engine alone"
     ),
