@@ -15,8 +15,9 @@
 
 Each is a handful of tensor ops over the whole ``[C, V]`` block: the per-request Python work
 is gathering the few ids each request names (and, for the penalties, its token ids) into flat
-index tensors, never a loop over the vocabulary. ``min_p`` is not here: it filters the sampled
-distribution after temperature (``sampler``), where it is argmax-invariant, as in vLLM.
+index tensors, never a loop over the vocabulary. ``min_p`` is not among them: the sampler
+applies ``min_p_filter`` to the sampled distribution after temperature (argmax-invariant, so
+greedy rows skip it), as vLLM does.
 """
 
 from __future__ import annotations
