@@ -137,6 +137,17 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         "--max-stop-chars", type=int, default=1024, help="characters of all stop strings together"
     )
     g.add_argument("--max-stop-token-ids", type=int, default=128, help="stop token ids")
+    g.add_argument("--max-logit-bias", type=int, default=1024, help="entries of logit_bias")
+    g.add_argument("--max-allowed-token-ids", type=int, default=16384, help="allowed token ids")
+    g.add_argument(
+        "--max-bad-words", type=int, default=128, help="bad words (as text and as token ids)"
+    )
+    g.add_argument(
+        "--max-bad-words-chars",
+        type=int,
+        default=4096,
+        help="characters of the bad words given as text plus token ids of those given as ids",
+    )
     g.add_argument("--max-request-id-chars", type=int, default=256)
     g.add_argument("--max-tenant-chars", type=int, default=256)
     g.add_argument("--tokenize-threads", type=int, default=2,
@@ -153,6 +164,10 @@ def request_limits(args: argparse.Namespace, model: ModelLimits) -> RequestLimit
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
             max_stop_token_ids=args.max_stop_token_ids,
+            max_logit_bias=args.max_logit_bias,
+            max_allowed_token_ids=args.max_allowed_token_ids,
+            max_bad_words=args.max_bad_words,
+            max_bad_words_chars=args.max_bad_words_chars,
             max_request_id_chars=args.max_request_id_chars,
             max_tenant_chars=args.max_tenant_chars,
         )

@@ -236,17 +236,18 @@ class StopStringMatcher:
         self._pending = ""
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Add newly decoded text; returns (text to emit, matched stop string or None)."""
+    def feed(self, delta: str, *, match: bool = True) -> tuple[str, str | None]:
+        """Add newly decoded text; returns (text to emit, matched stop string or None).
+        ``match=False``: this text ends no stop string (a request's ``min_tokens``)."""
         if self.matched is not None:
             return "", self.matched
         pending = self._pending + delta
         # Held text is never the whole of a stop string, so any match ends in this delta.
-        match = find_stop_string(pending, self._stops, len(self._pending))
-        if match is not None:
+        found = find_stop_string(pending, self._stops, len(self._pending)) if match else None
+        if found is not None:
             self._pending = ""
-            self.matched = match.stop
-            return pending[: match.end if self._include_stop else match.start], match.stop
+            self.matched = found.stop
+            return pending[: found.end if self._include_stop else found.start], found.stop
         held = self._partial_suffix(pending)
         self._pending = pending[len(pending) - held :]
         return pending[: len(pending) - held], None

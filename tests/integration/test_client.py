@@ -230,6 +230,27 @@ def test_generate_builds_the_request_and_reads_the_response(fake: tuple[FakeRout
     assert servicer.metadata[0]["x-pdserve-tenant"] == "team-b"  # per call beats the default
 
 
+def test_logits_controls_travel_under_their_names(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    with Client(address) as client:
+        client.generate(
+            "hi", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+            min_tokens=3, logit_bias={7: 100, 8: -2.5}, allowed_token_ids=[7, 8, 9],
+            bad_words=["gosh"], bad_words_token_ids=[[4], [5, 6]],
+        )  # fmt: skip
+        client.generate("hi", repetition_penalty=None)
+    controlled, plain = (r.sampling for r in servicer.requests)
+    assert (controlled.presence_penalty, controlled.frequency_penalty) == (0.5, -1.0)
+    assert controlled.repetition_penalty == pytest.approx(1.2)
+    assert controlled.min_p == pytest.approx(0.1) and controlled.min_tokens == 3
+    assert dict(controlled.logit_bias) == {7: 100.0, 8: -2.5}
+    assert list(controlled.allowed_token_ids) == [7, 8, 9]
+    assert list(controlled.bad_words) == ["gosh"]
+    assert [list(w.ids) for w in controlled.bad_words_token_ids] == [[4], [5, 6]]
+    assert not plain.HasField("repetition_penalty")  # unset: the server's default (1, off)
+    assert (plain.min_tokens, plain.min_p, len(plain.logit_bias)) == (0, 0.0, 0)
+
+
 def test_every_call_has_the_default_deadline_unless_told_otherwise(
     fake: tuple[FakeRouter, str],
 ) -> None:
@@ -350,6 +371,10 @@ def test_client_side_checks_send_nothing(fake: tuple[FakeRouter, str]) -> None:
             ({"top_k": 2**32}, "sampling.top_k"),
             ({"seed": -3}, "sampling.seed"),
             ({"stop_token_ids": [1, -1]}, "sampling.stop_token_ids"),
+            ({"min_tokens": -1}, "sampling.min_tokens"),
+            ({"logit_bias": {-1: 1.0}}, "sampling.logit_bias"),
+            ({"allowed_token_ids": [2**32]}, "sampling.allowed_token_ids"),
+            ({"bad_words_token_ids": [[1], [True]]}, "sampling.bad_words_token_ids"),
         ]:
             with pytest.raises(InvalidRequest) as info:
                 client.generate("hi", **kwargs)  # type: ignore[arg-type]

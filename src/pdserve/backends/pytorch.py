@@ -9,7 +9,6 @@ prefill, and the prefix cache; it has no native KV transfer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -141,7 +140,7 @@ class TorchBackend:
         stream = self.engine.generate(
             request_id,
             prompt_ids,
-            dataclasses.replace(params, max_tokens=1),
+            params.first_token_only(),
             hold_kv=handoff is Handoff.HOLD,
             cache_salt=cache_salt,
             tag=tag,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -262,7 +261,7 @@ class TensorRTLLMBackend:
             params,
             lambda: self._llm.generate_async(
                 list(prompt_ids),
-                sampling_params=sampling_params(self._api, params),
+                sampling_params=self._sampling(params, len(prompt_ids)),
                 streaming=True,
             ),
             tag=tag,
@@ -282,13 +281,16 @@ class TensorRTLLMBackend:
         elsewhere: one request on all of ``tokens`` for the rest of ``max_tokens``."""
         if params.max_tokens <= done:
             return finished_at_first(request_id, len(tokens) - done)
-        rest = dataclasses.replace(params, max_tokens=params.max_tokens - done)
+        rest = params.after(done)
         return self._requests.stream(
             request_id,
             tokens,
             rest,
             lambda: self._llm.generate_async(
-                tokens, sampling_params=sampling_params(self._api, rest), streaming=True
+                tokens,
+                # The drawn tokens join the prompt, and still count as output for penalties.
+                sampling_params=self._sampling(rest, len(tokens) - done),
+                streaming=True,
             ),
             tag=tag,
             timing=timing,
@@ -317,10 +319,10 @@ class TensorRTLLMBackend:
         stream = self._requests.stream(
             request_id,
             prompt_ids,
-            dataclasses.replace(params, max_tokens=1),
+            params.first_token_only(),
             lambda: self._llm.generate_async(
                 list(prompt_ids),
-                sampling_params=sampling_params(self._api, params, max_tokens=1),
+                sampling_params=self._sampling(params.first_token_only(), len(prompt_ids)),
                 streaming=False,
                 disaggregated_params=request,
             ),
@@ -382,7 +384,7 @@ class TensorRTLLMBackend:
             params,
             lambda: self._llm.generate_async(
                 list(prompt_ids),
-                sampling_params=sampling_params(self._api, params),
+                sampling_params=self._sampling(params, len(prompt_ids)),
                 streaming=True,
                 disaggregated_params=generation_params(self._api, kv),
             ),
@@ -390,6 +392,9 @@ class TensorRTLLMBackend:
             timing=timing,
             skip=len(kv.first_gen_tokens),
         )
+
+    def _sampling(self, params: SamplingParams, prompt_len: int) -> Any:
+        return sampling_params(self._api, params, prompt_len=prompt_len, vocab_size=self.vocab_size)
 
     async def export_kv(self, request_id: str) -> KVPayload:
         raise InvalidArgumentError("kv.location", NO_BLOCK_ACCESS)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pdserve.backends.base import TENSORRT_LLM, NativeKV
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.engine.outputs import FinishReason
@@ -191,12 +193,26 @@ def read_shape(model_dir: str | Path) -> CheckpointShape:
 
 
 # -- requests -----------------------------------------------------------------------------
-def sampling_params(api: LLMApi, params: SamplingParams, *, max_tokens: int | None = None) -> Any:
+def sampling_params(
+    api: LLMApi,
+    params: SamplingParams,
+    *,
+    prompt_len: int,
+    vocab_size: int,
+    max_tokens: int | None = None,
+) -> Any:
     """TensorRT-LLM's sampling parameters for ``params`` (``max_tokens`` overrides its own).
 
     Greedy is ``top_k=1`` (TensorRT-LLM's own spelling of it); one logprob per token is asked
-    for, the sampled token's.
+    for, the sampled token's. The logits controls map to their namesakes (``logit_bias`` to
+    ``embedding_bias``, one-token bad words to ``bad_token_ids``); ``prompt_ignore_length``
+    keeps the prompt's ``prompt_len`` tokens out of the presence and frequency penalties, which
+    count the output only in pdserve. What TensorRT-LLM cannot honour is refused
+    (``InvalidArgumentError`` naming the field): see ``unsupported``.
     """
+    why = unsupported(params)
+    if why is not None:
+        raise InvalidArgumentError(*why)
     kwargs: dict[str, Any] = {
         "max_tokens": params.max_tokens if max_tokens is None else max_tokens,
         "ignore_eos": params.ignore_eos,
@@ -216,7 +232,53 @@ def sampling_params(api: LLMApi, params: SamplingParams, *, max_tokens: int | No
             kwargs["top_k"] = params.top_k
         if params.top_p < 1.0:
             kwargs["top_p"] = params.top_p
+        if params.min_p:
+            kwargs["min_p"] = params.min_p
+    kwargs.update(_controls(params, prompt_len, vocab_size))
     return api.SamplingParams(**kwargs)
+
+
+def unsupported(params: SamplingParams) -> tuple[str, str] | None:
+    """(field, why) of a control TensorRT-LLM's ``SamplingParams`` cannot express; None when
+    it can express them all."""
+    if params.allowed_token_ids:
+        return "sampling.allowed_token_ids", "tensorrt-llm has no allowed-token list"
+    if params.bad_words:
+        return "sampling.bad_words", "give the words as token ids (the router tokenizes them)"
+    if any(len(w) > 1 for w in params.bad_words_token_ids):
+        return (
+            "sampling.bad_words_token_ids",
+            "tensorrt-llm takes bad words of one token only (bad_token_ids)",
+        )
+    if params.min_tokens and (params.stop_token_ids or params.stop):
+        # TensorRT-LLM's min_tokens holds back the end token alone: its stop words still end
+        # the request early.
+        return (
+            "sampling.min_tokens",
+            "tensorrt-llm applies min_tokens to the end-of-sequence token only, not to "
+            "stop_token_ids or stop strings",
+        )
+    return None
+
+
+def _controls(params: SamplingParams, prompt_len: int, vocab_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if params.presence_penalty or params.frequency_penalty:
+        out["presence_penalty"] = params.presence_penalty
+        out["frequency_penalty"] = params.frequency_penalty
+        out["prompt_ignore_length"] = prompt_len
+    if params.repetition_penalty != 1.0:
+        out["repetition_penalty"] = params.repetition_penalty
+    if params.min_tokens:
+        out["min_tokens"] = params.min_tokens
+    if params.bad_words_token_ids:
+        out["bad_token_ids"] = [w[0] for w in params.bad_words_token_ids]
+    if params.logit_bias:
+        bias = torch.zeros(vocab_size, dtype=torch.float32)
+        for token, value in params.logit_bias.items():
+            bias[token] = value
+        out["embedding_bias"] = bias
+    return out
 
 
 def generation_params(api: LLMApi, kv: NativeKV) -> Any:

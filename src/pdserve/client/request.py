@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack, cast
 
@@ -36,7 +36,8 @@ class RequestOptions(TypedDict, total=False):
     """The keyword arguments of ``Client.generate``/``stream`` that shape the request.
 
     Unset (or ``None``) sampling parameters take the server's defaults (temperature 1,
-    max_tokens 16); ``temperature=0`` is greedy.
+    max_tokens 16); ``temperature=0`` is greedy. The logits controls carry vLLM's names and
+    meanings (``docs/sampling.md``); ``bad_words`` are tokenized by the router.
     """
 
     max_tokens: int | None
@@ -47,6 +48,15 @@ class RequestOptions(TypedDict, total=False):
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
     ignore_eos: bool
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    min_p: float | None
+    min_tokens: int | None
+    logit_bias: Mapping[int, float] | None
+    allowed_token_ids: Sequence[int] | None
+    bad_words: Sequence[str] | None
+    bad_words_token_ids: Sequence[Sequence[int]] | None
     request_id: str | None
     skip_special_tokens: bool
     """Default True."""
@@ -82,6 +92,7 @@ def build_request(
         sampling.temperature = float(temperature)
     if top_p is not None:
         sampling.top_p = float(top_p)
+    _logits_controls(sampling, options)
     request = router_pb2.GenerateRequest(
         sampling=sampling, skip_special_tokens=options.get("skip_special_tokens", True)
     )
@@ -99,6 +110,28 @@ def build_request(
     if request_id is not None:
         request.request_id = request_id
     return request
+
+
+def _logits_controls(sampling: common_pb2.SamplingParams, options: RequestOptions) -> None:
+    """The logits controls of ``options`` into ``sampling`` (``None`` leaves each unset)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        value = options.get(name)
+        if value is not None:
+            setattr(sampling, name, float(value))  # type: ignore[arg-type]
+    min_tokens = options.get("min_tokens")
+    if min_tokens is not None:
+        sampling.min_tokens = _in_range(min_tokens, _UINT32, "sampling.min_tokens")
+    for token, bias in (options.get("logit_bias") or {}).items():
+        sampling.logit_bias[_in_range(token, _UINT32, "sampling.logit_bias")] = float(bias)
+    sampling.allowed_token_ids.extend(
+        _in_range(t, _UINT32, "sampling.allowed_token_ids")
+        for t in options.get("allowed_token_ids") or ()
+    )
+    sampling.bad_words.extend(options.get("bad_words") or ())
+    for word in options.get("bad_words_token_ids") or ():
+        sampling.bad_words_token_ids.add(
+            ids=[_in_range(t, _UINT32, "sampling.bad_words_token_ids") for t in word]
+        )
 
 
 def metadata(tenant: str | None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:

@@ -33,6 +33,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.logits_processors import tokenize_bad_words
 from pdserve.engine.outputs import (
     EngineStats,
     GenerationResult,
@@ -146,6 +147,7 @@ class Engine:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         vocab = self.model_config.vocab_size
         token_ids = prompt_ids(prompt, self.tokenizer, vocab, self.max_model_len)
+        params = tokenize_bad_words(params, self.tokenizer)
         params.check_against(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -175,7 +177,7 @@ class Engine:
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             seq.generator = torch.Generator(device=self.runner.device)
-        req = _Request(seq, TextStream(self.tokenizer, params.stop))
+        req = _Request(seq, TextStream(self.tokenizer, params.stop, params.min_tokens))
         if resumed:
             self._resume(req, resumed)
         elif kv is None:

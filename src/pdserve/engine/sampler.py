@@ -1,10 +1,19 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeded RNG.
+"""Turns logits into tokens: logits controls, greedy, temperature, min-p, top-k, top-p,
+per-request seeded RNG.
+
+The rows of the requests that use a logits control this step (penalties, ``logit_bias``,
+``allowed_token_ids``, bad words, ``min_tokens``: ``logits_processors``) are copied out and
+processed together before the arg-max or the draw, greedy rows included (as vLLM does). A
+batch in which no request uses one takes the plain path: no copy, no extra tensor op. The
+logprob reported is always the *raw* model distribution's (before the controls, temperature
+and filters), as the API reports it.
 
 No sampling parameter that ``SamplingParams`` accepts makes a draw fail: temperatures below
 ``GREEDY_TEMPERATURE`` are greedy, and every filter keeps at least the most likely token, so
 each row's distribution has a finite, positive mass. What can still fail is the model: a row
 of non-finite logits (NaN, +inf) has no distribution. Such a row fails alone (``Samples.failed``)
-and the other rows of the batch get their tokens as if it had not been there.
+and the other rows of the batch get their tokens as if it had not been there; so does a row
+whose controls mask every token (``allowed_token_ids`` all bad words, say).
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logits_processors import apply_controls, is_controlled, min_p_filter
 from pdserve.engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +35,8 @@ class Samples:
 
     tokens: list[int]
     logprobs: list[float]
-    """Log-probability of each token under the model's raw distribution (before temperature and
-    filtering), as the API reports it."""
+    """Log-probability of each token under the model's raw distribution (before the logits
+    controls, temperature and filtering), as the API reports it."""
     failed: dict[int, str]
     """Row -> why no token could be drawn; ``tokens[row]`` is meaningless for these rows."""
 
@@ -45,6 +57,8 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
     """Sample one token of ``row`` (``[vocab]`` float32 logits) under ``seq.params``."""
     p = seq.params
     row = row / p.temperature  # >= GREEDY_TEMPERATURE: finite logits stay finite
+    if p.min_p > 0.0:  # vLLM's order: after temperature, before top-k and top-p
+        row = min_p_filter(row, p.min_p)
     if 0 < p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -66,13 +80,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
     """Pick one token per row of ``logits`` ``[S, vocab]`` (float32) for ``seqs[i]``."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
     # max() beats argmax() on CPU by ~2x for [S, 32000] rows; ties resolve to the first index.
-    tokens = logits.max(dim=-1).indices  # [S]; overwritten below for sampled rows
+    tokens = logits.max(dim=-1).indices  # [S]; overwritten below for controlled/sampled rows
     failed: dict[int, str] = {}
+    processed: dict[int, torch.Tensor] = {}  # row -> its logits after the controls
+    controlled = [i for i, seq in enumerate(seqs) if is_controlled(seq)]
+    if controlled:
+        rows = apply_controls(logits[controlled], [seqs[i] for i in controlled])  # a copy
+        best = rows.max(dim=-1)
+        tokens[controlled] = best.indices
+        for j, i in enumerate(controlled):
+            processed[i] = rows[j]
+        for j in torch.nonzero(best.values == _NEG_INF).flatten().tolist():
+            failed[controlled[j]] = "no token is left to sample: the logits controls mask all"
     for i, seq in enumerate(seqs):
-        if seq.params.greedy:
+        if seq.params.greedy or i in failed:
             continue
         try:
-            tokens[i] = _draw(logits[i], seq)
+            tokens[i] = _draw(processed.get(i, logits[i]), seq)
         except RuntimeError as err:  # torch refuses a distribution with NaN/inf mass
             failed[i] = f"sampling failed: {err}"
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

@@ -10,10 +10,17 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    """``min_tokens``: the text of the first that many tokens ends no stop string (vLLM's
+    rule); a stop string that ends in a later token's text counts, even if it began earlier."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0
+    ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._tokens = 0
         self._text = ""
         self._sent = 0
         self.stopped = False
@@ -22,11 +29,15 @@ class TextStream:
         """Feed one token; True when a stop string completed (the text is cut before it)."""
         if self.stopped:
             return True
-        # A stop string that completes now starts no earlier than `hold` chars before the new text.
-        start = max(0, len(self._text) - self._hold)
+        before = len(self._text)
         self._text += self._detok.add([token])
+        self._tokens += 1
+        if self._tokens <= self._min_tokens:
+            return False
         for s in self._stop:
-            idx = self._text.find(s, start)
+            # Only a stop string that ends in the new text: one that ended earlier was found
+            # then, or lies in the text of the first ``min_tokens`` tokens.
+            idx = self._text.find(s, max(0, before - len(s) + 1))
             if idx != -1:
                 self._text = self._text[:idx]
                 self.stopped = True

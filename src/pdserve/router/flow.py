@@ -173,7 +173,10 @@ class RequestFlow:
         params = request.params
         clock = Clock(timeout_s)
         text = ResponseText(
-            self.tokenizer, params.stop, skip_special_tokens=request.skip_special_tokens
+            self.tokenizer,
+            params.stop,
+            skip_special_tokens=request.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )
         run = RequestState(request, clock, text, RequestTrace.of(clock, observed))
         claim = self.in_flight.claim(request.key)  # ALREADY_EXISTS: this tenant runs the id

@@ -2,7 +2,9 @@
 
 Every field whose size a client chooses has a limit (``RequestLimits``, set by the router's
 flags): the prompt (token ids, or text in UTF-8 bytes), the stop strings (how many, and their
-characters together), the stop token ids, the request id and the tenant. A request over one is
+characters together), the stop token ids, the logit bias entries, the allowed token ids, the
+bad words (how many, and their characters and token ids together), the request id and the
+tenant. A request over one is
 INVALID_ARGUMENT naming the field. ``check_message`` checks a ``GenerateRequest`` by counts
 alone, before any repeated field is copied into Python objects.
 
@@ -16,7 +18,7 @@ that one call's memory stays bounded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 from pdserve.errors import InvalidArgumentError
@@ -31,6 +33,7 @@ refuses would have been too long in tokens anyway."""
 # Bytes of protobuf framing per field at most: a tag and a length varint.
 _FRAMING = 6
 _UINT32_BYTES = 5  # a uint32 as a varint, at most
+_BIAS_ENTRY_BYTES = _FRAMING + 1 + _UINT32_BYTES + 1 + 4  # a map entry: key varint, float
 _UTF8_CHAR_BYTES = 4
 _SCALARS_BYTES = 128  # sampling's numbers and flags, with their tags
 _SLACK_BYTES = 4096
@@ -53,13 +56,21 @@ class RequestLimits:
     max_stop_chars: int = 1024
     """Characters of all stop strings together."""
     max_stop_token_ids: int = 128
+    max_logit_bias: int = 1024
+    """Entries of ``logit_bias``."""
+    max_allowed_token_ids: int = 16384
+    max_bad_words: int = 128
+    """Bad words, as text and as token ids together."""
+    max_bad_words_chars: int = 4096
+    """Characters of the bad words given as text plus token ids of those given as ids."""
     max_request_id_chars: int = 256
     max_tenant_chars: int = 256
 
     def __post_init__(self) -> None:
         for name in (
             "max_prompt_tokens", "max_prompt_bytes", "max_stop_strings", "max_stop_chars",
-            "max_stop_token_ids", "max_request_id_chars", "max_tenant_chars",
+            "max_stop_token_ids", "max_logit_bias", "max_allowed_token_ids", "max_bad_words",
+            "max_bad_words_chars", "max_request_id_chars", "max_tenant_chars",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -86,8 +97,19 @@ class RequestLimits:
         prompt = max(self.max_prompt_bytes, _UINT32_BYTES * self.max_prompt_tokens) + _FRAMING
         stops = _UTF8_CHAR_BYTES * self.max_stop_chars + _FRAMING * self.max_stop_strings
         stop_ids = _UINT32_BYTES * self.max_stop_token_ids + _FRAMING
+        controls = (
+            _BIAS_ENTRY_BYTES * self.max_logit_bias
+            + _UINT32_BYTES * self.max_allowed_token_ids
+            + _FRAMING
+            # A word as text or as a TokenIds message: framing each, <= 5 bytes a char or id.
+            + 2 * _FRAMING * self.max_bad_words
+            + max(_UTF8_CHAR_BYTES, _UINT32_BYTES) * self.max_bad_words_chars
+        )
         names = _UTF8_CHAR_BYTES * (self.max_request_id_chars + self.max_tenant_chars)
-        total = prompt + stops + stop_ids + names + 3 * _FRAMING + _SCALARS_BYTES + _SLACK_BYTES
+        total = (
+            prompt + stops + stop_ids + controls + names
+            + 3 * _FRAMING + _SCALARS_BYTES + _SLACK_BYTES
+        )  # fmt: skip
         return -(-total // 1024) * 1024
 
     def receive_bytes(self) -> int:
@@ -137,6 +159,39 @@ class RequestLimits:
                 field, f"{count} stop token ids; this router takes {self.max_stop_token_ids}"
             )
 
+    def check_controls(self, logit_bias: int, allowed_token_ids: int) -> None:
+        """The entries of ``logit_bias`` and the ``allowed_token_ids``, by count."""
+        if logit_bias > self.max_logit_bias:
+            raise InvalidArgumentError(
+                "sampling.logit_bias",
+                f"{logit_bias} entries; this router takes {self.max_logit_bias}",
+            )
+        if allowed_token_ids > self.max_allowed_token_ids:
+            raise InvalidArgumentError(
+                "sampling.allowed_token_ids",
+                f"{allowed_token_ids} token ids; this router takes {self.max_allowed_token_ids}",
+            )
+
+    def check_bad_word_count(self, count: int) -> None:
+        """Bad words as text and as token ids together."""
+        if count > self.max_bad_words:
+            raise InvalidArgumentError(
+                "sampling.bad_words",
+                f"{count} bad words (as text and as token ids); this router takes "
+                f"{self.max_bad_words}",
+            )
+
+    def check_bad_words(self, words: Sequence[str], token_ids: Sequence[Sized]) -> None:
+        """The bad words' count, then their characters and token ids together."""
+        self.check_bad_word_count(len(words) + len(token_ids))
+        size = sum(len(w) for w in words) + sum(len(w) for w in token_ids)
+        if size > self.max_bad_words_chars:
+            raise InvalidArgumentError(
+                "sampling.bad_words" if words else "sampling.bad_words_token_ids",
+                f"{size} characters and token ids of bad words; this router takes "
+                f"{self.max_bad_words_chars} in all",
+            )
+
     def check_name(self, value: str, field: str) -> str:
         """A request id or tenant: bounded, printable, no spaces (they end up in Redis keys)."""
         limit = self.max_tenant_chars if field == "tenant" else self.max_request_id_chars
@@ -162,6 +217,9 @@ def check_message(
         limits.check_stop_token_ids(len(s.stop_token_ids))
         limits.check_stop_count(len(s.stop))  # before the strings are copied out
         limits.check_stops(s.stop)
+        limits.check_controls(len(s.logit_bias), len(s.allowed_token_ids))
+        limits.check_bad_word_count(len(s.bad_words) + len(s.bad_words_token_ids))
+        limits.check_bad_words(s.bad_words, [w.ids for w in s.bad_words_token_ids])
     if request.HasField("request_id"):
         limits.check_name(request.request_id, "request_id")
     limits.check_name(tenant, "tenant")

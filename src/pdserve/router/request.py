@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.logits_processors import tokenize_bad_words
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
@@ -95,6 +96,8 @@ def _check(
         ids = check_token_ids(token_ids, vocab_size=model.vocab_size, field="token_ids")
     limits.check_stops(params.stop)
     limits.check_stop_token_ids(len(params.stop_token_ids))
+    limits.check_controls(len(params.logit_bias), len(params.allowed_token_ids))
+    limits.check_bad_words(params.bad_words, params.bad_words_token_ids)
     if request_id is None:
         request_id = uuid.uuid4().hex
     elif not request_id:
@@ -155,6 +158,7 @@ def prepare_request(
     """
     req_limits = request_limits or RequestLimits.for_model(limits.max_model_len)
     checked = _check(text, token_ids, params, limits, req_limits, request_id, tenant)
+    params = tokenize_bad_words(params, tokenizer)  # a few short strings: inline
     ids = checked.token_ids if checked.text is None else tokenizer.encode(checked.text)
     assert ids is not None  # _check sets one of the two
     return _route_request(checked, ids, params, limits, skip_special_tokens)
@@ -193,6 +197,7 @@ class RequestPreparer:
     ) -> RouteRequest:
         """See ``prepare_request``."""
         checked = _check(text, token_ids, params, self.model, self.limits, request_id, tenant)
+        params = tokenize_bad_words(params, self.tokenizer)  # a few short strings: inline
         if checked.text is None:
             ids = checked.token_ids
         elif len(checked.text) <= self.inline_chars:

@@ -14,7 +14,10 @@ export for hand-offs, imports, preemption. Per step it
    engine shares its device through a gate that lets other engines in between layers);
 4. samples deterministic tokens: a hash of the prompt, the output position and the request's
    seed, never an EOS id, so every stream runs to ``max_tokens`` and equal requests give equal
-   streams on any worker, through hand-offs, migration and retries.
+   streams on any worker, through hand-offs, migration and retries. The hash picks among the
+   tokens the request's masks leave (``allowed_token_ids``, bad words, ``min_tokens``'s stop
+   tokens, a ``logit_bias`` of -100 out; a bias of +100 forces its token); the sim has no
+   distribution, so penalties, ``min_p`` and other biases change nothing.
 
 A sequence's first decode checks that its KV slots hold its prompt's tokens: a block table
 or hand-off that lost or mixed up KV fails that request, as a wrong KV would make a real
@@ -32,7 +35,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from pdserve.engine.logits_processors import banned_by_bad_words, is_controlled
 from pdserve.engine.outputs import StepResult
+from pdserve.engine.sampling_params import LOGIT_BIAS_RANGE
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sim.timing import TimingModel, step_of
@@ -145,13 +150,44 @@ class SimRunner:
                     waited += self._clock() - before
             start += waited
         self._wait_until(start + seconds)
-        return StepResult({s.request_id: (self.token_for(s), 0.0) for s in sampling}, failed)
+        drawn: dict[str, tuple[int, float]] = {}
+        for s in sampling:
+            token = self.token_for(s)
+            if token is None:
+                failed[s.request_id] = "no token is left to sample: the logits controls mask all"
+            else:
+                drawn[s.request_id] = (token, 0.0)
+        return StepResult(drawn, failed)
 
-    def token_for(self, seq: Sequence) -> int:
-        """The token ``seq`` draws next."""
+    def token_for(self, seq: Sequence) -> int | None:
+        """The token ``seq`` draws next (None: its masks leave none)."""
         position = len(seq) - seq.num_prompt_tokens
         seed = 0 if seq.params.greedy else seq.seed
-        return int(self._tokens[sim_token(self._digest(seq), position, seed, len(self._tokens))])
+        choices = self._choices(seq) if is_controlled(seq) else self._tokens
+        if not len(choices):
+            return None
+        return int(choices[sim_token(self._digest(seq), position, seed, len(choices))])
+
+    def _choices(self, seq: Sequence) -> np.ndarray:
+        """The token ids ``seq``'s masks leave this step, ascending; EOS only when the allowed
+        ids leave nothing else."""
+        p = seq.params
+        choices = self._tokens
+        if p.allowed_token_ids:
+            allowed = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            kept = np.intersect1d(choices, allowed, assume_unique=True)
+            choices = kept if len(kept) else allowed
+        forbidden = banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids)
+        forbidden += [t for t, b in p.logit_bias.items() if b <= -LOGIT_BIAS_RANGE]
+        if seq.num_output_tokens < p.min_tokens:
+            forbidden += p.stop_token_ids
+        if forbidden:
+            choices = choices[~np.isin(choices, np.asarray(forbidden, dtype=np.int64))]
+        forced = [t for t, b in p.logit_bias.items() if b >= LOGIT_BIAS_RANGE]
+        if forced:
+            kept = np.intersect1d(choices, np.asarray(forced, dtype=np.int64))
+            choices = kept if len(kept) else choices
+        return choices
 
     def _digest(self, seq: Sequence) -> int:
         """The prompt's digest, hashed once per sequence rather than once per token: a decode

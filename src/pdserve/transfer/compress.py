@@ -17,7 +17,6 @@ matching tokens (numbers in ``docs/kv-transfer.md``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -208,7 +207,7 @@ def measure_match_rate(
 def _prefill_export(
     engine: Engine, rid: str, prompt: str | Sequence[int], params: SamplingParams
 ) -> tuple[tuple[int, float], KVPayload]:
-    engine.add_request(rid, prompt, dataclasses.replace(params, max_tokens=1), hold_kv=True)
+    engine.add_request(rid, prompt, params.first_token_only(), hold_kv=True)
     first: tuple[int, float] | None = None
     while engine.has_unfinished():
         for out in engine.step():

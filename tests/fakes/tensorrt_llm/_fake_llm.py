@@ -24,7 +24,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +214,8 @@ class LLM:
     async def _drive(
         self, out: RequestOutput, sp: SamplingParams, kind: str, dp: DisaggregatedParams | None
     ) -> None:
-        params = _pdserve_params(sp)
         try:
+            params = _pdserve_params(sp, len(out.prompt_token_ids))
             if kind == "context_only":
                 await self._context(out, params)
             elif kind == "generation_only":
@@ -262,7 +262,7 @@ class LLM:
         rid = str(out.request_id)
         last = None
         stream = self._engine.generate(
-            rid, out.prompt_token_ids, replace(params, max_tokens=1), hold_kv=True
+            rid, out.prompt_token_ids, params.first_token_only(), hold_kv=True
         )
         async with aclosing(stream):
             async for o in stream:
@@ -319,12 +319,24 @@ def _write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def _pdserve_params(sp: SamplingParams) -> PdSamplingParams:
+def _pdserve_params(sp: SamplingParams, prompt_len: int) -> PdSamplingParams:
     """pdserve's reading of TensorRT-LLM's sampling parameters (``top_k=1``, temperature 0,
-    or nothing set at all: greedy)."""
+    or nothing set at all: greedy). Presence and frequency penalties must ignore the whole
+    prompt (``prompt_ignore_length``): pdserve's engine counts output tokens only."""
     unset = sp.temperature is None and sp.top_k is None and sp.top_p is None
     greedy = unset or sp.top_k == 1 or sp.temperature == 0
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    if (sp.presence_penalty or sp.frequency_penalty) and (
+        sp.prompt_ignore_length or 0
+    ) < prompt_len:
+        raise NotImplementedError("the stand-in counts the penalties over output tokens only")
+    if sp.bad is not None:
+        raise NotImplementedError("the stand-in takes bad words as bad_token_ids only")
+    bias = (
+        {}
+        if sp.embedding_bias is None
+        else {int(t): float(sp.embedding_bias[t]) for t in sp.embedding_bias.nonzero().flatten()}
+    )
     return PdSamplingParams(
         temperature=0.0 if greedy else (1.0 if sp.temperature is None else sp.temperature),
         top_k=0 if greedy else (sp.top_k or 0),
@@ -334,4 +346,11 @@ def _pdserve_params(sp: SamplingParams) -> PdSamplingParams:
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         stop=tuple(stop),
         ignore_eos=sp.ignore_eos,
+        min_tokens=sp.min_tokens or 0,
+        min_p=sp.min_p or 0.0,
+        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty or 0.0,
+        frequency_penalty=sp.frequency_penalty or 0.0,
+        bad_words_token_ids=tuple((t,) for t in sp.bad_token_ids or ()),
+        logit_bias=bias,
     )

@@ -4,6 +4,7 @@ unknown argument is a ``TypeError``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
 TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI")
@@ -23,6 +24,16 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     n: int = 1
+    min_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    prompt_ignore_length: int | None = None
+    bad: str | list[str] | None = None
+    bad_token_ids: list[int] | None = None
+    embedding_bias: Any = None
+    """A float32 tensor ``[vocab_size]`` (TensorRT-LLM's documented type)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -12,6 +12,7 @@ capacity a heartbeat reads, aborts, and the clear refusal of what a backend cann
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 from contextlib import aclosing
@@ -21,11 +22,13 @@ import pytest
 
 from pdserve.backends import (
     BACKEND_NAMES,
+    TENSORRT_LLM,
     EngineBackend,
     Handoff,
     NativeKV,
     Prefilled,
 )
+from pdserve.backends.tensorrt_llm_api import unsupported
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -210,6 +213,61 @@ def test_a_stop_token_ends_the_prefill(backend_kind: str, tiny_llama_dir: Path) 
             assert pre.native is None
             if not backend.features.native_kv:
                 backend.abort("s")  # frees the held KV
+            await barrier(backend)
+            assert backend.capacity().running == 0
+
+    run(body)
+
+
+def test_logits_controls_hold_on_every_path(backend_kind: str, tiny_llama_dir: Path) -> None:
+    """A +100 ``logit_bias`` forces its token and ``min_tokens`` holds back a stop token that
+    would end the request at once, whole and across a hand-off (the prefill draws the first
+    token, the decode side the rest); ``allowed_token_ids`` keeps every token in the list. A
+    backend that cannot honour a control refuses it by name (tensorrt-llm: ``unsupported``)."""
+    p = prompts(10, [13])[0]
+
+    def refusal(backend: EngineBackend, params: SamplingParams) -> str | None:
+        why = unsupported(params) if backend.name == TENSORRT_LLM else None
+        return None if why is None else why[0]
+
+    async def both_ways(
+        backend: EngineBackend, rid: str, params: SamplingParams
+    ) -> list[list[int]]:
+        """The tokens of the whole request, and of prefill + hand-off + decode; or the refusal
+        of each, checked to name its field."""
+        field = refusal(backend, params)
+        if field is not None:
+            with pytest.raises(InvalidArgumentError) as err:
+                await collect(backend.generate(f"{rid}-w", p, params))
+            assert err.value.field == field
+            return []
+        whole, _, _ = await collect(backend.generate(f"{rid}-w", p, params))
+        pre = await backend.prefill(f"{rid}-s", p, params, handoff=handoff_of(backend))
+        first = pre.output.new_token_ids[0]
+        kv = await handed_over(backend, pre, f"{rid}-s")
+        rest, _, _ = await collect(backend.decode(f"{rid}-s", p, params, (first, 0.0), kv))
+        return [whole, [first, *rest]]
+
+    async def body() -> None:
+        async with open_backend(backend_kind, tiny_llama_dir) as backend:
+            plain, _, _ = await collect(backend.generate("plain", p, GREEDY))
+            forced = plain[3]  # a token that greedy draws, but not first
+            biased = SamplingParams(
+                temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={forced: 100.0}
+            )
+            for tokens in await both_ways(backend, "bias", biased):
+                assert tokens == [forced] * 5
+            stop = plain[0]  # ends a request at once, but for min_tokens
+            held = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop,))
+            assert (await collect(backend.generate("stops", p, held)))[0] == [stop]
+            held = dataclasses.replace(held, min_tokens=3)
+            for tokens in await both_ways(backend, "min", held):
+                assert len(tokens) >= 3 and stop not in tokens[:3], tokens
+            allowed = SamplingParams(
+                temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=(plain[5], 77)
+            )
+            for tokens in await both_ways(backend, "allowed", allowed):
+                assert set(tokens) <= {plain[5], 77} and len(tokens) == 6
             await barrier(backend)
             assert backend.capacity().running == 0
 

@@ -4,6 +4,7 @@ objects, the arguments it builds the engine with, a hand-off between two engine 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from contextlib import aclosing
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pdserve.backends import TENSORRT_LLM, Handoff, NativeKV
 from pdserve.backends.tensorrt_llm_api import (
@@ -37,6 +39,7 @@ from pdserve.errors import (
 from tests.unit.backends.conftest import open_backend, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+VOCAB = 2048  # the tiny model's
 
 
 def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,22 +50,106 @@ def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
     assert reason is not None and reason.startswith(MISSING)
 
 
+def _sp(api: Any, params: SamplingParams, **kwargs: Any) -> Any:
+    return sampling_params(api, params, prompt_len=3, vocab_size=VOCAB, **kwargs)
+
+
 def test_greedy_and_sampled_parameters(fake_tensorrt_llm: Path) -> None:
     api = load_api()
-    greedy = sampling_params(
+    greedy = _sp(
         api, SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=(9,), stop=("x",))
     )
     assert (greedy.top_k, greedy.temperature, greedy.max_tokens) == (1, None, 7)
     assert greedy.stop_token_ids == [9] and greedy.stop == ["x"] and greedy.logprobs == 1
-    sampled = sampling_params(
+    sampled = _sp(
         api,
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11, ignore_eos=True),
         max_tokens=1,
     )
     assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.seed) == (0.7, 5, 0.9, 11)
     assert sampled.max_tokens == 1 and sampled.ignore_eos
-    plain = sampling_params(api, SamplingParams(temperature=1.0))
+    plain = _sp(api, SamplingParams(temperature=1.0))
     assert (plain.top_k, plain.top_p, plain.stop_token_ids, plain.stop) == (None, None, None, None)
+    assert (plain.min_p, plain.min_tokens, plain.embedding_bias, plain.bad_token_ids) == (
+        None, None, None, None,
+    )  # fmt: skip
+    assert (plain.presence_penalty, plain.repetition_penalty) == (None, None)
+
+
+def test_logits_controls_map_to_their_namesakes(fake_tensorrt_llm: Path) -> None:
+    api = load_api()
+    sp = _sp(
+        api,
+        SamplingParams(
+            temperature=0.8, min_p=0.1, min_tokens=4, repetition_penalty=1.3,
+            presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={7: 2.5, 9: -100},
+            bad_words_token_ids=((11,), (12,)),
+        ),
+    )  # fmt: skip
+    assert (sp.min_p, sp.min_tokens, sp.repetition_penalty) == (0.1, 4, 1.3)
+    # pdserve's presence and frequency penalties count the output only: the prompt is ignored.
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.prompt_ignore_length) == (0.5, -0.25, 3)
+    assert sp.bad_token_ids == [11, 12]
+    assert sp.embedding_bias.shape == (VOCAB,) and sp.embedding_bias.dtype == torch.float32
+    assert sp.embedding_bias[7] == 2.5 and sp.embedding_bias[9] == -100
+    assert int((sp.embedding_bias != 0).sum()) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"allowed_token_ids": (5, 6)}, "sampling.allowed_token_ids"),
+        ({"bad_words_token_ids": ((5, 6),)}, "sampling.bad_words_token_ids"),
+        ({"bad_words": ("hello",)}, "sampling.bad_words"),
+        ({"min_tokens": 2, "stop_token_ids": (5,)}, "sampling.min_tokens"),
+        ({"min_tokens": 2, "stop": ("x",)}, "sampling.min_tokens"),
+    ],
+)
+def test_what_tensorrt_llm_cannot_express_is_refused_by_name(
+    fake_tensorrt_llm: Path, tiny_llama_dir: Path, kwargs: dict[str, Any], field: str
+) -> None:
+    """Refused before anything reaches TensorRT-LLM, on every path: generate and prefill."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, **kwargs)
+    with pytest.raises(InvalidArgumentError) as err:
+        _sp(load_api(), params)
+    assert err.value.field == field
+
+    async def body() -> None:
+        async with open_backend(TENSORRT_LLM, tiny_llama_dir) as backend:
+            stream = backend.generate("g", [5, 6, 7], params)
+            with pytest.raises(InvalidArgumentError) as e:
+                async with aclosing(stream):
+                    async for _ in stream:
+                        pass
+            assert e.value.field == field
+            with pytest.raises(InvalidArgumentError) as e:
+                await backend.prefill("p", [5, 6, 7], params, handoff=Handoff.NATIVE)
+            assert e.value.field == field
+
+    run(body)
+
+
+def test_controls_reach_the_engine(fake_tensorrt_llm: Path, tiny_llama_dir: Path) -> None:
+    """Through TensorRT-LLM's parameters (here the stand-in, which computes with pdserve's
+    engine): a +100 bias forces its token; min_tokens holds back the end token."""
+    prompt = [5, 77, 300, 1024, 9, 18]
+
+    async def body() -> None:
+        async with open_backend(TENSORRT_LLM, tiny_llama_dir) as backend:
+            forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={42: 100.0})
+            tokens = [
+                t async for o in backend.generate("b", prompt, forced) for t in o.new_token_ids
+            ]
+            assert tokens == [42] * 5
+            # A bias of +100 on the end token ends the request at once, unless min_tokens.
+            eos = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={2: 100.0})
+            ended = [t async for o in backend.generate("e", prompt, eos) for t in o.new_token_ids]
+            assert ended == [2]
+            held = dataclasses.replace(eos, min_tokens=4)
+            tokens = [t async for o in backend.generate("m", prompt, held) for t in o.new_token_ids]
+            assert len(tokens) == 5 and 2 not in tokens[:4] and tokens[4] == 2
+
+    run(body)
 
 
 def test_native_handle_round_trip(fake_tensorrt_llm: Path) -> None:

@@ -120,9 +120,60 @@ def test_a_row_of_non_finite_logits_fails_alone(greedy: bool) -> None:
         ({"seed": 2**63}, "seed"),
         ({"stop": ("ok", 3)}, "stop"),
         ({"stop_token_ids": (1, "2")}, "stop_token_ids"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # above max_tokens (16)
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -math.inf}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"bad_words": ("ok", " ")}, "bad_words"),
+        ({"bad_words": (b"x",)}, "bad_words"),
+        ({"bad_words_token_ids": ((1, 2), ())}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": ((1, True),)}, "bad_words_token_ids"),
     ],
 )
 def test_values_of_the_wrong_kind_name_their_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidArgumentError) as e:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": (0, VOCAB)}, "allowed_token_ids"),
+        ({"bad_words_token_ids": ((1, VOCAB),)}, "bad_words_token_ids"),
+        ({"allowed_token_ids": (4, 5), "bad_words_token_ids": ((5,), (4,))}, "allowed_token_ids"),
+    ],
+)
+def test_token_ids_are_checked_against_the_vocabulary(
+    kwargs: dict[str, object], field: str
+) -> None:
+    params = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError) as e:
+        params.check_against(vocab_size=VOCAB, max_model_len=100, prompt_len=3)
+    assert e.value.field == field
+
+
+def test_the_first_token_and_the_rest_keep_min_tokens() -> None:
+    """A prefill draws the first token alone, still under ``min_tokens``; a request continued
+    after ``n`` tokens owes ``n`` fewer."""
+    p = SamplingParams(max_tokens=10, min_tokens=4)
+    assert (p.first_token_only().max_tokens, p.first_token_only().min_tokens) == (1, 1)
+    assert (p.after(3).max_tokens, p.after(3).min_tokens) == (7, 1)
+    assert p.after(6).min_tokens == 0
+    assert SamplingParams().first_token_only().min_tokens == 0

@@ -20,7 +20,8 @@ from services.router.__main__ import parse_args, request_limits, server_options
 
 LIMITS = RequestLimits(
     max_prompt_tokens=50, max_prompt_bytes=300, max_stop_strings=3, max_stop_chars=20,
-    max_stop_token_ids=4, max_request_id_chars=10, max_tenant_chars=8,
+    max_stop_token_ids=4, max_logit_bias=3, max_allowed_token_ids=5, max_bad_words=2,
+    max_bad_words_chars=6, max_request_id_chars=10, max_tenant_chars=8,
 )  # fmt: skip
 
 
@@ -41,6 +42,14 @@ OVER_A_LIMIT: list[tuple[dict[str, object], str]] = [
     ({"text": "hi", "stop": ["a", "b", "c", "d"]}, "sampling.stop"),
     ({"text": "hi", "stop": ["a" * 15, "b" * 6]}, "sampling.stop"),
     ({"text": "hi", "stop_token_ids": [1, 2, 3, 4, 5]}, "sampling.stop_token_ids"),
+    ({"text": "hi", "logit_bias": {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}, "sampling.logit_bias"),
+    ({"text": "hi", "allowed_token_ids": [1, 2, 3, 4, 5, 6]}, "sampling.allowed_token_ids"),
+    ({"text": "hi", "bad_words": ["a", "b", "c"]}, "sampling.bad_words"),
+    ({"text": "hi", "bad_words": ["abcd", "efg"]}, "sampling.bad_words"),
+    (
+        {"text": "hi", "bad_words_token_ids": [[1, 2, 3, 4], [5, 6, 7]]},
+        "sampling.bad_words_token_ids",
+    ),
     ({"text": "hi", "request_id": "r" * 11}, "request_id"),
     ({"text": "hi", "tenant": "t" * 9}, "tenant"),
 ]
@@ -51,6 +60,13 @@ def _message(case: dict[str, object]) -> tuple[router_pb2.GenerateRequest, str]:
         sampling=common_pb2.SamplingParams(
             stop=case.get("stop", []),  # type: ignore[arg-type]
             stop_token_ids=case.get("stop_token_ids", []),  # type: ignore[arg-type]
+            logit_bias=case.get("logit_bias", {}),  # type: ignore[arg-type]
+            allowed_token_ids=case.get("allowed_token_ids", []),  # type: ignore[arg-type]
+            bad_words=case.get("bad_words", []),  # type: ignore[arg-type]
+            bad_words_token_ids=[
+                common_pb2.TokenIds(ids=w)
+                for w in case.get("bad_words_token_ids", [])  # type: ignore[attr-defined]
+            ],
         )
     )
     if "text" in case:
@@ -69,6 +85,10 @@ def test_each_limit_names_its_field(
     params = SamplingParams(
         stop=tuple(case.get("stop", ())),  # type: ignore[arg-type]
         stop_token_ids=tuple(case.get("stop_token_ids", ())),  # type: ignore[arg-type]
+        logit_bias=case.get("logit_bias", {}),  # type: ignore[arg-type]
+        allowed_token_ids=tuple(case.get("allowed_token_ids", ())),  # type: ignore[arg-type]
+        bad_words=tuple(case.get("bad_words", ())),  # type: ignore[arg-type]
+        bad_words_token_ids=tuple(map(tuple, case.get("bad_words_token_ids", ()))),  # type: ignore[call-overload]
     )
     with pytest.raises(InvalidArgumentError) as info:
         prepare_request(
@@ -115,6 +135,15 @@ def test_a_request_within_every_limit_fits_the_message_bound() -> None:
             stop_token_ids=[2**32 - 1] * limits.max_stop_token_ids,
             stop=[widest * (limits.max_stop_chars // n_stops)] * n_stops,
             ignore_eos=True,
+            presence_penalty=-1.5, frequency_penalty=1.5, repetition_penalty=1.5, min_p=0.5,
+            min_tokens=2**32 - 1,
+            logit_bias={2**32 - 1 - i: -99.5 for i in range(limits.max_logit_bias)},
+            allowed_token_ids=[2**32 - 1] * limits.max_allowed_token_ids,
+            # As token ids, the widest form of the bad words (5 bytes an id, 4 a character).
+            bad_words_token_ids=[
+                common_pb2.TokenIds(ids=[2**32 - 1] * (limits.max_bad_words_chars // n_words))
+                for n_words in [limits.max_bad_words] for _ in range(n_words)
+            ],
         )  # fmt: skip
         common = {
             "sampling": sampling,

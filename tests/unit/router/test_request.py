@@ -141,3 +141,24 @@ def test_special_tokens_are_rendered_only_when_asked(tokenizer: Tokenizer) -> No
     kept, _ = _stream(ResponseText(tokenizer, (), skip_special_tokens=False), tokens)
     assert skipped == tokenizer.decode(tokens, skip_special_tokens=True)
     assert kept == tokenizer.decode(tokens, skip_special_tokens=False) != skipped
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "stop", "expected"),
+    [
+        (0, "two", "one "),
+        (2, "two", "one two three "),  # the first "two" is the text of the first 2 tokens
+        (4, "two", "one two three two one"),
+        (1, "e t", "on"),
+        # Begins in the text of the first 3 tokens, ends in the 4th's: it counts (vLLM's rule).
+        (3, "e t", "one two thre"),
+    ],
+)
+def test_min_tokens_keeps_stop_strings_out_of_the_first_tokens_text(
+    tokenizer: Tokenizer, min_tokens: int, stop: str, expected: str
+) -> None:
+    tokens = tokenizer.encode("one two three two one", add_bos=False)
+    assert len(tokens) == 5
+    for skip in (True, False):
+        text = ResponseText(tokenizer, (stop,), skip_special_tokens=skip, min_tokens=min_tokens)
+        assert _stream(text, tokens) == (expected, expected != "one two three two one")

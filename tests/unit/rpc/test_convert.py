@@ -25,6 +25,15 @@ def test_sampling_round_trip_keeps_every_field() -> None:
         stop_token_ids=(3, 9),
         stop=("\n\n", "END"),
         ignore_eos=True,
+        presence_penalty=-0.5,
+        frequency_penalty=1.25,
+        repetition_penalty=1.5,
+        min_p=0.125,
+        min_tokens=4,
+        logit_bias={7: 100.0, 8: -2.5},
+        allowed_token_ids=(7, 8, 9),
+        bad_words=("gosh",),
+        bad_words_token_ids=((1,), (2, 3)),
     )
     msg = convert.sampling_to_proto(params)
     back = convert.sampling_from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
@@ -36,6 +45,11 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
     # temperature is `optional`: 0 set on purpose must differ from "unset" (default 1.0).
     params = convert.sampling_from_proto(pb.SamplingParams(temperature=0.0))
     assert params.greedy
+
+
+def test_unset_repetition_penalty_is_off() -> None:
+    assert convert.sampling_from_proto(pb.SamplingParams()).repetition_penalty == 1.0
+    assert convert.sampling_to_proto(SamplingParams()).repetition_penalty == 1.0
 
 
 def test_seed_absent_stays_none() -> None:
@@ -57,6 +71,18 @@ def test_seed_absent_stays_none() -> None:
         (pb.SamplingParams(top_p=1.5), "sampling.top_p"),
         (pb.SamplingParams(seed=2**63), "sampling.seed"),
         (pb.SamplingParams(stop=["ok", ""]), "sampling.stop"),
+        (pb.SamplingParams(presence_penalty=2.5), "sampling.presence_penalty"),
+        (pb.SamplingParams(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+        # optional: an explicit 0 is refused, not taken for "unset" (1, off)
+        (pb.SamplingParams(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (pb.SamplingParams(min_p=1.5), "sampling.min_p"),
+        (pb.SamplingParams(min_tokens=17), "sampling.min_tokens"),  # above max_tokens (16)
+        (pb.SamplingParams(logit_bias={5: 101.0}), "sampling.logit_bias"),
+        (pb.SamplingParams(bad_words=[" "]), "sampling.bad_words"),
+        (
+            pb.SamplingParams(bad_words_token_ids=[pb.TokenIds(ids=[])]),
+            "sampling.bad_words_token_ids",
+        ),
     ],
 )
 def test_invalid_sampling_names_the_field(msg: pb.SamplingParams, field: str) -> None:

@@ -7,6 +7,7 @@ blocks, prefix cache and imports, and a KV that does not hold the prompt fails t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -249,3 +250,42 @@ def test_time_given_away_at_a_checkpoint_is_not_the_step_s_own(tiny_llama_dir: P
     assert len(calls) == 3  # between the four layers
     assert ticks.now - 100.0 == pytest.approx(step_s + 0.5)
     assert calls[2] - 100.0 == pytest.approx(0.5 + step_s * 3 / 4)
+
+
+def test_the_hash_draws_among_what_the_masks_leave(tiny_llama_dir: Path) -> None:
+    """allowed_token_ids, bad words, min_tokens's stop tokens and a -100 bias mask tokens; a
+    +100 bias forces its token; the rest of the controls (penalties, min_p, other biases)
+    change nothing, for the sim has no distribution."""
+    engine = sim_engine(tiny_llama_dir)
+    p = prompts(12, [11])[0]
+    plain = engine.generate([p], GREEDY)[0].token_ids
+
+    def tokens(**kw: object) -> list[int]:
+        return engine.generate([p], SamplingParams(**{**vars_of(GREEDY), **kw}))[0].token_ids
+
+    assert set(tokens(allowed_token_ids=(5, 6, 7))) <= {5, 6, 7}
+    # EOS only when nothing else is allowed: then it ends the request.
+    assert tokens(allowed_token_ids=(2,), max_tokens=3, ignore_eos=False) == [2]
+    assert plain[0] not in tokens(bad_words_token_ids=((plain[0],),))
+    pair = tokens(bad_words_token_ids=((plain[0], plain[1]),))
+    assert pair[0] == plain[0] and pair[1] != plain[1]
+    assert tokens(logit_bias={plain[0]: -100.0})[0] != plain[0]
+    assert tokens(logit_bias={9: 100.0, plain[0]: 99.0}) == [9] * GREEDY.max_tokens
+    held = tokens(stop_token_ids=(plain[0],), min_tokens=2, ignore_eos=False)
+    assert plain[0] not in held[:2]
+    unchanged = tokens(repetition_penalty=1.8, presence_penalty=2.0, logit_bias={9: 50.0})
+    assert unchanged == plain
+    dead = SamplingParams(
+        temperature=0.0, max_tokens=4, allowed_token_ids=(5, 7),
+        bad_words_token_ids=((5,), (6,)), logit_bias={7: -100.0},
+    )  # fmt: skip
+    engine.add_request("dead", p, dead)
+    with pytest.raises(StepFailedError) as failed:
+        while engine.has_unfinished():
+            engine.step()
+    assert "mask" in str(failed.value.failures["dead"])
+    engine.check_no_leaks()
+
+
+def vars_of(params: SamplingParams) -> dict[str, object]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}

@@ -73,6 +73,21 @@ def sampling_from_proto(msg: pb.SamplingParams, *, field: str = "sampling") -> S
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             stop=tuple(msg.stop),
             ignore_eos=bool(msg.ignore_eos),
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=(
+                msg.repetition_penalty
+                if msg.HasField("repetition_penalty")
+                else defaults.repetition_penalty
+            ),
+            min_p=msg.min_p,
+            min_tokens=int(msg.min_tokens),
+            logit_bias={int(t): float(b) for t, b in msg.logit_bias.items()},
+            allowed_token_ids=tuple(int(t) for t in msg.allowed_token_ids),
+            bad_words=tuple(msg.bad_words),
+            bad_words_token_ids=tuple(
+                tuple(int(t) for t in w.ids) for w in msg.bad_words_token_ids
+            ),
         )
     except InvalidArgumentError as e:
         raise _prefixed(e, field) from e
@@ -88,6 +103,15 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         ignore_eos=bool(params.ignore_eos),
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        min_p=float(params.min_p),
+        min_tokens=int(params.min_tokens),
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=list(params.allowed_token_ids),
+        bad_words=list(params.bad_words),
+        bad_words_token_ids=[pb.TokenIds(ids=w) for w in params.bad_words_token_ids],
     )
     if params.seed is not None:
         msg.seed = int(params.seed)
