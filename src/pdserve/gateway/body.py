@@ -210,8 +210,9 @@ def check_strings(value: Any) -> None:
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
-                raise bad_request(path or None, f"holds {_LONE_SURROGATE}")
+            if _SURROGATE.search(item):  # a path "" is a key "" (no parameter to name)
+                message = f"holds {_LONE_SURROGATE}"
+                raise bad_request(path, message) if path else _body_error(message)
         elif isinstance(item, dict):
             for key, child in item.items():
                 if _SURROGATE.search(key):  # no parameter can be named by it

@@ -51,6 +51,7 @@ SURROGATES = [
      "chat_template_kwargs.x[0]"),
     ({**CHAT, "logit_bias": {LONE: 1}}, ChatCompletionRequest, "logit_bias"),
     ({"prompt": "x", LONE: 1}, CompletionRequest, None),
+    ({"prompt": "x", "": LONE}, CompletionRequest, None),
 ]  # fmt: skip
 
 
