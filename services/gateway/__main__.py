@@ -21,6 +21,8 @@ import uvicorn
 
 from pdserve.errors import BindError, InvalidArgumentError
 from pdserve.gateway import Gateway, GatewayConfig, create_app
+from pdserve.gateway.body import DEFAULT_MAX_BODY_BYTES
+from pdserve.gateway.pool import DEFAULT_THREADS
 from pdserve.gateway.security import GatewayTls, add_gateway_tls_args, gateway_tls_from_args
 from pdserve.rpc.server import freeze_startup_heap, run_service, write_port_file
 from pdserve.telemetry.metrics import GatewayMetrics
@@ -49,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout-s", type=float, default=600.0, help="deadline of each request (0: none)"
     )
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused (413) without being read (default: 16 MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--parse-threads", type=int, default=DEFAULT_THREADS,
+        help="threads that parse large bodies, render chat templates and tokenize",
+    )  # fmt: skip
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
@@ -56,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.router:
         p.error(f"--router (or ${ENV_ROUTER}) is required")
+    for flag in ("max_body_bytes", "parse_threads"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:
         args.tls = gateway_tls_from_args(args)
     except InvalidArgumentError as err:
@@ -82,6 +95,8 @@ async def serve(args: argparse.Namespace) -> None:
         timeout_s=args.timeout_s or None,
         chat_template=args.chat_template,
         router_tls=tls.router,
+        max_body_bytes=args.max_body_bytes,
+        parse_threads=args.parse_threads,
     )
     gateway = Gateway.load(config)
     metrics = GatewayMetrics()

@@ -10,6 +10,10 @@
   and ``Client.model_info`` names the key's tenant;
 * the tenant is the key's: a tenant at its quota is refused (429 naming the quota) over HTTP
   and gRPC alike, while another key is served;
+* a caller without a key is refused from the headers: an 8 MB chat body gets its 401 while it
+  is still being sent (nothing of it read, parsed or tokenized), another caller is served
+  meanwhile, and the whole body sent gets the 401 too (not the 429 of a router that was sent
+  its tokens);
 * the banner's curl command works as printed.
 """
 
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import secrets
+import socket
 import ssl
 import subprocess
 import time
@@ -162,6 +167,65 @@ def test_a_wrong_key_is_401(url: str, certs: ClusterCerts, tiny_llama_dir: Path)
         verify=trusting(certs), timeout=60,
     )  # fmt: skip
     assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+
+
+BIG_BODY = 8_000_000
+"""The issue's unauthenticated chat body."""
+
+
+def read_http_answer(conn: ssl.SSLSocket) -> tuple[int, dict[str, object]]:
+    """Status and JSON body of one answer with a Content-Length (blocking reads, each bounded
+    by the socket's timeout)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        body += conn.recv(65536)
+    answer = json.loads(body)
+    assert isinstance(answer, dict)
+    return int(lines[0].split()[1]), answer
+
+
+def test_no_key_is_401_before_the_body_is_read(
+    url: str, certs: ClusterCerts, tiny_llama_dir: Path
+) -> None:
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {BIG_BODY}\r\n\r\n")  # fmt: skip
+    start = b'{"messages": [{"role": "user", "content": "' + b"sea " * 16_384
+    with (
+        socket.create_connection((host, int(port)), timeout=60) as raw,
+        trusting(certs).wrap_socket(raw, server_hostname=host) as conn,
+    ):
+        conn.sendall(head.encode() + start)  # the rest of the 8 MB is not sent (yet)
+        # Meanwhile another caller is served...
+        with oai(url, certs, KEYS["acme"]) as c:
+            done = c.chat.completions.create(
+                model=tiny_llama_dir.name,
+                messages=MESSAGES,
+                max_tokens=2,  # type: ignore[arg-type]
+            )
+            assert done.choices[0].finish_reason == "length"
+        # ...and this caller's 401 came from the headers: its body was never complete.
+        status, answer = read_http_answer(conn)
+    assert status == 401, answer
+    error = answer["error"]
+    assert isinstance(error, dict) and error["code"] == "invalid_api_key"
+
+
+def test_a_whole_unauthenticated_8mb_chat_is_401(url: str, certs: ClusterCerts) -> None:
+    content = "sea " * (BIG_BODY // 4)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer k-" + "4" * 30}):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers,
+                           verify=trusting(certs), timeout=120)  # fmt: skip
+        assert reply.status_code == 401, reply.text
+        assert reply.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_models_needs_a_key(url: str, certs: ClusterCerts, tiny_llama_dir: Path) -> None:

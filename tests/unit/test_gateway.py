@@ -13,7 +13,7 @@ import pytest
 from pdserve.client import InvalidRequest, Overloaded, ServerError, Unavailable
 from pdserve.errors import InvalidArgumentError, ModelLoadError
 from pdserve.gateway import FALLBACK_TEMPLATE, ChatTemplate
-from pdserve.gateway.app import _param_of
+from pdserve.gateway.body import param_of
 from pdserve.gateway.errors import from_client_error, openai_param
 from pdserve.gateway.generation import plan_jobs
 from pdserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -183,10 +183,10 @@ def test_client_errors_get_http_statuses() -> None:
 
 
 def test_validation_locations_become_params() -> None:
-    assert _param_of(("body", "messages", 0, "role")) == "messages[0].role"
-    assert _param_of(("body", "prompt", "list[int]", 0)) == "prompt"
-    assert _param_of(("body", "prompt", "str")) == "prompt"
-    assert _param_of(("body",)) is None
+    assert param_of(("body", "messages", 0, "role")) == "messages[0].role"
+    assert param_of(("body", "prompt", "list[int]", 0)) == "prompt"
+    assert param_of(("body", "prompt", "str")) == "prompt"
+    assert param_of(("body",)) is None
 
 
 def test_plan_jobs_numbers_choices_and_spreads_seeds() -> None:

@@ -7,16 +7,23 @@
     GET  /v1/models             the one model this cluster serves
     GET  /health                200 while the router's gRPC health check says SERVING, else 503
 
-The caller's ``Authorization: Bearer KEY`` travels with each router call of its request
-(``api_key_of``); a router with API keys refuses a missing or unknown one, which answers 401.
-``/v1/models`` asks the router (``GetModelInfo``) with the caller's key, so it is gated alike;
-``/health`` takes no key.
+A generation request goes through, in order: the caller's key (``Authorization: Bearer KEY``,
+``api_key_of``), which the router must admit (``Gateway.admit``; a 401 otherwise), from the
+headers alone; the body, read up to ``--max-body-bytes`` (``body.read_body``; a 413 otherwise);
+then its preparation and the router calls (``Gateway.completions``/``chat``). So nothing of a
+body is read, parsed, rendered or tokenized for a caller the router refuses, or past the size
+limit. The key also travels with each router call of the request; ``/v1/models`` asks the
+router (``GetModelInfo``) with the caller's key, so it is gated alike; ``/health`` takes no key.
 
-Every error is ``{"error": {"message", "type", "param", "code"}}``: a body that does not
-validate is a 400 naming the parameter (``messages[0].role``), and router errors take their
-status from ``errors.from_client_error``. A client that disconnects cancels its request in the
-cluster: a stream's generator is closed by Starlette, a unary answer is raced against the
-connection's ``http.disconnect`` (``endpoints.until_disconnect``).
+Every error is ``{"error": {"message", "type", "param", "code"}}``, a failure of the gateway
+itself included (500 ``server_error``): a body that does not validate is a 400 naming the
+parameter (``messages[0].role``), and router errors take their status from
+``errors.from_client_error``. An answer given before the whole body was read closes the
+connection when the rest may be large (413, or a 401 to a body without a length or over the
+limit); otherwise the rest is read and dropped, so the client sees the answer. A client that
+disconnects cancels its request in the cluster: a stream's generator is closed by Starlette, a
+unary answer is raced against the connection's ``http.disconnect``
+(``endpoints.until_disconnect``).
 """
 
 from __future__ import annotations
@@ -24,26 +31,24 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.gateway.body import BodyGone, read_body
 from pdserve.gateway.endpoints import ClientDisconnected, Gateway
 from pdserve.gateway.errors import (
     BAD_REQUEST,
     NOT_FOUND,
+    SERVER_ERROR,
     UNAVAILABLE,
     GatewayError,
     Status,
-    bad_request,
     unauthorized,
 )
-from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import ModelList
 from pdserve.security.auth import bearer
 from pdserve.telemetry.metrics import GatewayMetrics
@@ -52,25 +57,12 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 CLIENT_CLOSED = 499
 """Logged status of a request whose client went away (nobody reads the answer)."""
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
-
-
-def _param_of(loc: tuple[int | str, ...]) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``messages[0].role``; union member tags that
-    pydantic adds (``list[int]``, ``str``) end the path."""
-    path = ""
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in _TYPE_TAGS:
-            path += f".{part}" if path else part
-        else:
-            break
-    return path or None
-
 
 def _error_response(err: GatewayError) -> JSONResponse:
-    return JSONResponse(err.body().model_dump(mode="json"), status_code=err.status.http)
+    headers = {"connection": "close"} if err.close else None
+    return JSONResponse(
+        err.body().model_dump(mode="json"), status_code=err.status.http, headers=headers
+    )
 
 
 def _json(model: BaseModel) -> JSONResponse:
@@ -147,24 +139,33 @@ def create_app(
     async def _gateway_error(request: Request, err: GatewayError) -> JSONResponse:
         return _error_response(err)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        errors: list[Any] = list(err.errors())
-        first = errors[0] if errors else {}
-        loc = tuple(first.get("loc", ()))
-        message = str(first.get("msg", "invalid request"))
-        if first.get("type") in ("json_invalid", "model_attributes_type"):
-            return _error_response(bad_request(None, f"the body is not a JSON object: {message}"))
-        return _error_response(bad_request(_param_of(loc), message))
-
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         status = NOT_FOUND if err.status_code == 404 else Status(err.status_code, BAD_REQUEST.type)
         return _error_response(GatewayError(status, str(err.detail)))
 
     @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, err: ClientDisconnected) -> Response:
+    @app.exception_handler(BodyGone)
+    async def _gone(request: Request, err: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, err: Exception) -> JSONResponse:
+        # Starlette logs the traceback; the client gets OpenAI's shape, not plain text.
+        return _error_response(GatewayError(SERVER_ERROR, "the gateway failed on this request"))
+
+    async def admitted_body(request: Request) -> tuple[str | None, bytes]:
+        """The caller's key, once the router admits it, and then the body (see the module
+        docstring for the order)."""
+        try:
+            key = api_key_of(request)
+            await gateway.admit(key)
+        except GatewayError as err:
+            # The rest of the body is drained unless it may be large.
+            length = request.headers.get("content-length", "")
+            err.close = not (length.isdigit() and int(length) <= gateway.config.max_body_bytes)
+            raise
+        return key, await read_body(request, gateway.config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -177,18 +178,19 @@ def create_app(
         listing: ModelList = await gateway.models(api_key_of(request))
         return _json(listing)
 
+    # The handlers take the Request alone, so FastAPI reads no body before they run.
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        answer = await gateway.completions(
-            body, lambda: _disconnected(request), api_key_of(request)
-        )
+    async def completions(request: Request) -> Response:
+        key, raw = await admitted_body(request)
+        answer = await gateway.completions(raw, lambda: _disconnected(request), key)
         if isinstance(answer, BaseModel):
             return _json(answer)
         return StreamingResponse(answer, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        answer = await gateway.chat(body, lambda: _disconnected(request), api_key_of(request))
+    async def chat(request: Request) -> Response:
+        key, raw = await admitted_body(request)
+        answer = await gateway.chat(raw, lambda: _disconnected(request), key)
         if isinstance(answer, BaseModel):
             return _json(answer)
         return StreamingResponse(answer, media_type="text/event-stream")

@@ -1,13 +1,16 @@
 """What each OpenAI endpoint does, on top of the SDK's ``AsyncClient`` (no HTTP here).
 
-``Gateway.completions`` and ``Gateway.chat`` check the request, turn it into router requests
-(``generation``), and return either a whole response object or, for ``stream: true``, an
-async iterator of Server-Sent Events lines ending in ``data: [DONE]``. ``api_key`` is the
-HTTP caller's key, sent with each of the request's router calls (the router checks it and
-takes the tenant from it; the gateway holds no keys). Errors raise
-``GatewayError`` with the HTTP status and the OpenAI parameter at fault. A stream's first delta
-is awaited before the iterator is returned, so that a request the router refuses (400, 429,
-503) gets its HTTP status instead of a 200 stream holding an error.
+``Gateway.admit`` asks whether the router admits the caller's key (``callers``), before the
+body is read. ``Gateway.completions`` and ``Gateway.chat`` take the body's bytes, prepare them
+(``prepare``: parsed, checked, a chat prompt rendered and tokenized; on a worker thread for a
+large body, ``pool``), turn them into router requests (``generation``), and return either a
+whole response object or, for ``stream: true``, an async iterator of Server-Sent Events lines
+ending in ``data: [DONE]``. ``api_key`` is the HTTP caller's key, sent with each of the
+request's router calls (the router checks it and takes the tenant from it; the gateway holds
+no keys). Errors raise ``GatewayError`` with the HTTP status and the OpenAI parameter at
+fault. A stream's first delta is awaited before the iterator is returned, so that a request
+the router refuses (400, 429, 503) gets its HTTP status instead of a 200 stream holding an
+error.
 """
 
 from __future__ import annotations
@@ -23,18 +26,15 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pdserve.client import AsyncClient, Delta, PdServeClientError, RequestOptions
-from pdserve.errors import InvalidArgumentError
+from pdserve.client import AsyncClient, Delta, ModelInfo, PdServeClientError, RequestOptions
 from pdserve.gateway import render
+from pdserve.gateway.body import DEFAULT_MAX_BODY_BYTES
+from pdserve.gateway.callers import Callers
 from pdserve.gateway.chat import ChatTemplate
-from pdserve.gateway.errors import (
-    NOT_FOUND,
-    SERVER_ERROR,
-    GatewayError,
-    bad_request,
-    from_client_error,
-)
+from pdserve.gateway.errors import SERVER_ERROR, GatewayError, from_client_error
 from pdserve.gateway.generation import Job, generate_all, plan_jobs, stream_all
+from pdserve.gateway.pool import DEFAULT_THREADS, WorkPool
+from pdserve.gateway.prepare import Preparer
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.gateway.responses import (
     AssistantMessage,
@@ -101,6 +101,10 @@ class GatewayConfig:
     router_tls: TlsConfig | None = None
     """How to reach a TLS router (its CA; a client certificate for one that demands it);
     None: plaintext."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Larger request bodies are refused (413) without being read."""
+    parse_threads: int = DEFAULT_THREADS
+    """Worker threads that prepare large bodies (``pool``)."""
 
     @property
     def model_name(self) -> str:
@@ -121,9 +125,12 @@ class Gateway:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
-        self.limits = limits
         self.template = template
         self.created = int(time.time())
+        self.callers = Callers(client, config.timeout_s)
+        self.pool = WorkPool(config.parse_threads)
+        names = (config.model_name, str(config.model_dir))
+        self.preparer = Preparer(names, tokenizer, limits, template)
 
     @classmethod
     def load(cls, config: GatewayConfig) -> Gateway:
@@ -137,7 +144,12 @@ class Gateway:
         )
 
     async def close(self) -> None:
+        self.pool.close()
         await self.client.close()
+
+    async def admit(self, api_key: str | None) -> ModelInfo:
+        """The router's ``ModelInfo`` if it admits ``api_key``, else its refusal (401)."""
+        return await self.callers.admit(api_key)
 
     # -- /v1/models, /health -------------------------------------------------------------------
 
@@ -160,19 +172,7 @@ class Gateway:
         """The router's gRPC health check says SERVING."""
         return await self.client.health()
 
-    # -- shared checks -------------------------------------------------------------------------
-
-    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model and body.model not in (self.config.model_name, str(self.config.model_dir)):
-            raise GatewayError(
-                NOT_FOUND,
-                f"The model `{body.model}` does not exist; this server has "
-                f"`{self.config.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
-        for param, why in body.unsupported():
-            raise bad_request(param, why, code="unsupported")
+    # -- shared ---------------------------------------------------------------------------------
 
     @staticmethod
     def _options(body: SamplingFields, max_tokens: int | None) -> RequestOptions:
@@ -229,14 +229,14 @@ class Gateway:
     # -- /v1/completions -----------------------------------------------------------------------
 
     async def completions(
-        self, body: CompletionRequest, watch: Watch, api_key: str | None = None
+        self, raw: bytes, watch: Watch, api_key: str | None = None
     ) -> Completion | AsyncIterator[str]:
-        self._check(body)
-        prompts = body.prompts()
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise bad_request("prompt", "the prompt must not be empty")
+        """``raw``: the body's bytes (``body.read_body``), after ``admit``."""
+        router = self.callers.info
+        prepared = await self.pool.run(len(raw), lambda: self.preparer.completion(raw, router))
+        body = prepared.body
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = plan_jobs(prompts, body.n, self._options(body, body.max_tokens), rid)
+        jobs = plan_jobs(prepared.prompts, body.n, self._options(body, body.max_tokens), rid)
         if body.stream:
             first, deltas = await self._first(watch, jobs, "prompt", "max_tokens", api_key)
             return self._completion_events(body, rid, first, deltas)
@@ -307,30 +307,17 @@ class Gateway:
 
     # -- /v1/chat/completions ------------------------------------------------------------------
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        try:
-            text = self.template.render(
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                extra=body.chat_template_kwargs,
-            )
-        except InvalidArgumentError as err:
-            raise bad_request("messages", str(err).removeprefix("messages: ")) from err
-        ids = self.tokenizer.encode(text, add_bos=False)  # the template wrote any BOS
-        if not ids:
-            raise bad_request("messages", "the conversation renders to an empty prompt")
-        return ids
-
     async def chat(
-        self, body: ChatCompletionRequest, watch: Watch, api_key: str | None = None
+        self, raw: bytes, watch: Watch, api_key: str | None = None
     ) -> ChatCompletion | AsyncIterator[str]:
-        self._check(body)
-        ids = self._chat_prompt(body)
-        max_param, max_tokens = body.max_tokens_param()
-        if max_tokens is None and len(ids) < self.limits.max_model_len:
-            max_tokens = self.limits.max_model_len - len(ids)  # up to the context, as OpenAI
+        """``raw``: the body's bytes (``body.read_body``), after ``admit``."""
+        router = self.callers.info
+        prepared = await self.pool.run(len(raw), lambda: self.preparer.chat(raw, router))
+        body, max_param = prepared.body, prepared.max_tokens_param
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = plan_jobs([ids], body.n, self._options(body, max_tokens), rid)
+        jobs = plan_jobs(
+            [prepared.prompt_ids], body.n, self._options(body, prepared.max_tokens), rid
+        )
         top = body.top_logprobs or 0
         if body.stream:
             first, deltas = await self._first(watch, jobs, "messages", max_param, api_key)

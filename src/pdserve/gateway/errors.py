@@ -4,11 +4,14 @@ Every error the gateway answers is ``{"error": {"message", "type", "param", "cod
 The router's gRPC status decides the HTTP status (UNAUTHENTICATED: 401 ``invalid_api_key``,
 PERMISSION_DENIED: 403); an INVALID_ARGUMENT names the router's field
 (``sampling.max_tokens``, ``text``), which ``openai_param`` turns back into the parameter the
-caller sent (``max_tokens``, ``prompt`` or ``messages``).
+caller sent (``max_tokens``, ``prompt`` or ``messages``). RESOURCE_EXHAUSTED is a 429 (no room
+now: retry later), except gRPC's own "message larger than max", which says that the request is
+too large for the router ever to take: a 400 on the prompt, as retrying cannot help.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +34,8 @@ UNAUTHORIZED = Status(401, "invalid_request_error")
 ``invalid_api_key``)."""
 FORBIDDEN = Status(403, "permission_error")
 NOT_FOUND = Status(404, "not_found_error")
+TOO_LARGE = Status(413, "invalid_request_error")
+"""A body over ``--max-body-bytes``."""
 OVERLOADED = Status(429, "rate_limit_error")
 SERVER_ERROR = Status(500, "server_error")
 UNAVAILABLE = Status(503, "service_unavailable_error")
@@ -48,19 +53,30 @@ _BY_GRPC_CODE: dict[grpc.StatusCode, Status] = {
 }
 
 _PROMPT_FIELDS = ("text", "token_ids", "prompt")
+_TOO_LARGE_FOR_GRPC = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""``code`` of a 400 for a prompt longer than the model or the router takes (OpenAI's)."""
 
 
 class GatewayError(Exception):
     """A request the gateway answers with an OpenAI error body."""
 
     def __init__(
-        self, status: Status, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: Status,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.close = close
+        """Close the connection after the answer: the rest of the body is not to be read."""
 
     def body(self) -> ErrorResponse:
         detail = ErrorDetail(
@@ -117,6 +133,15 @@ def from_client_error(
     call that carried no key from one whose key was refused."""
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return unauthorized(api_key_sent)
+    too_large = _TOO_LARGE_FOR_GRPC.search(err.message)
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and too_large is not None:
+        size, limit = too_large.groups()
+        return bad_request(
+            prompt_param or None,
+            f"the request is {size} bytes on the wire; the router takes {limit} at most: "
+            "shorten the prompt",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
     status = _BY_GRPC_CODE.get(err.code, SERVER_ERROR)
     code = err.code.name.lower()
     if isinstance(err, InvalidRequest):

@@ -6,6 +6,10 @@ Fields follow OpenAI's Completions and Chat Completions APIs; ``top_k``, ``ignor
 OpenAI-compatible servers do. Parameters the engine cannot honour are refused with a 400 that
 names them (``unsupported()``) rather than silently dropped.
 
+Types are strict, as JSON has them: a boolean is not an integer (``max_tokens: true`` is
+refused, not taken as 1), a string is not a number, an integer is a number (``temperature:
+1``). A chat message's ``role`` is one of ``ROLES``.
+
 Values the router checks against the model (temperature range, ``max_tokens`` against the
 context length, token ids against the vocabulary) are left to it: its INVALID_ARGUMENT names
 the field, and ``errors.openai_param`` maps that name back to the OpenAI parameter.
@@ -13,19 +17,24 @@ the field, and ``errors.openai_param`` maps that name back to the OpenAI paramet
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16
 """Choices per prompt at most (``n``): each one is a request of its own in the cluster."""
+MAX_CHOICES = 128
+"""Choices per HTTP request at most (prompts of a batch times ``n``)."""
+Role = Literal["system", "user", "assistant"]
+"""Chat roles the gateway takes (it refuses tool calls, so there are no tool messages)."""
+ROLES: tuple[str, ...] = get_args(Role)
 MAX_LOGPROBS = 1
 """Only the sampled token's log-probability is known (the engine returns no alternatives), so
 ``logprobs``/``top_logprobs`` above 1 are refused."""
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -118,7 +127,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
 

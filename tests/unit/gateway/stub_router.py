@@ -1,0 +1,74 @@
+"""A router stand-in on a real gRPC socket, with the router's own API-key check.
+
+It serves the Router service as far as the gateway's unit tests need: ``GetModelInfo`` (the
+gateway's key check), and ``GenerateUnary``/``Generate`` answering one token ``ok`` (finish
+``length``) to any request. Keys are checked by the real ``AuthInterceptor`` over a real
+``ApiKeys``; ``max_receive_bytes`` sets gRPC's own bound on a request message, whose refusal
+("Received message larger than max") is RESOURCE_EXHAUSTED, as at the real router. Calls are
+counted per method.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.security.apikeys import ApiKeys
+from pdserve.security.auth import AuthInterceptor
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+KEY = "k-unit-test-0123456789"
+
+
+@dataclass
+class StubRouter(router_pb2_grpc.RouterServicer):
+    max_model_len: int
+    max_prompt_tokens: int
+    calls: Counter[str] = field(default_factory=Counter)
+    requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
+
+    async def GetModelInfo(self, request: Any, context: Any) -> router_pb2.ModelInfo:  # noqa: N802
+        self.calls["GetModelInfo"] += 1
+        return router_pb2.ModelInfo(
+            max_model_len=self.max_model_len, max_prompt_tokens=self.max_prompt_tokens,
+            tenant="t",
+        )  # fmt: skip
+
+    def _usage(self, request: router_pb2.GenerateRequest) -> common_pb2.Usage:
+        prompt = len(request.token_ids.ids) or len(request.text.split())
+        return common_pb2.Usage(prompt_tokens=prompt, completion_tokens=1)
+
+    async def GenerateUnary(self, request: Any, context: Any) -> router_pb2.GenerateResponse:  # noqa: N802
+        self.calls["GenerateUnary"] += 1
+        self.requests.append(request)
+        return router_pb2.GenerateResponse(
+            text="ok", token_ids=[7], logprobs=[-0.5], usage=self._usage(request),
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, request_id=request.request_id,
+        )  # fmt: skip
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        self.calls["Generate"] += 1
+        self.requests.append(request)
+        yield router_pb2.GenerateChunk(
+            text="ok", token_ids=[7], logprobs=[-0.5], usage=self._usage(request),
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, request_id=request.request_id,
+        )  # fmt: skip
+
+
+async def start_stub(
+    stub: StubRouter, *, keys: bool = True, max_receive_bytes: int = 4 * 1024 * 1024
+) -> tuple[grpc.aio.Server, str]:
+    """Serve ``stub`` on a free loopback port; (server, address)."""
+    interceptors = [AuthInterceptor(ApiKeys.parse({"keys": {KEY: "t"}}))] if keys else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", max_receive_bytes)],
+    )
+    router_pb2_grpc.add_RouterServicer_to_server(stub, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
