@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.bench.engine_bench import load_average, machine_info
+from pdserve.bench.serve.openai import sse_lines
 from pdserve.sim.flags import DEFAULT_PROFILE
 from pdserve.telemetry.breakdown import percentile
 from pdserve.telemetry.spans import ATTR_REQUEST_ID, ROUTER_MODE_DECISION, SCHEDULER_ASSIGN
@@ -167,7 +168,7 @@ async def stream_http(url: str, n: int, max_tokens: int) -> int:
                     "stream": True, "ignore_eos": True}  # fmt: skip
             got = 0
             async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp.aiter_text()):
                     if line.startswith("data: {"):
                         got += 1
             return got

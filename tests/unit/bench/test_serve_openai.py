@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.openai import OpenAITarget, sse_data
+from pdserve.bench.serve.openai import OpenAITarget, sse_data, sse_lines
 from pdserve.bench.serve.records import Status
 from pdserve.bench.serve.runner import run_point
 from pdserve.bench.serve.targets import RejectedError, TargetDownError, TargetError
@@ -105,3 +105,18 @@ def test_sse_data_joins_lines_and_skips_comments() -> None:
         return [d async for d in sse_data(lines())]
 
     assert asyncio.run(run()) == ['{"a":\n1}', "[DONE]"]
+
+
+def test_sse_lines_end_only_at_cr_lf_and_keep_unicode_separators() -> None:
+    # A token's text can hold U+2028, U+0085 or U+001C unescaped inside a JSON string: a
+    # generic line splitter cut such an event in two, and the client read it as corrupt.
+    chunks = ['data: {"t": "a\u2028b\x85c\x1cd"}\r', "\n\r\ndata: [DO", "NE]\r\n", "\n"]
+
+    async def feed() -> AsyncIterator[str]:
+        for c in chunks:
+            yield c
+
+    async def run() -> list[str]:
+        return [line async for line in sse_lines(feed())]
+
+    assert asyncio.run(run()) == ['data: {"t": "a\u2028b\x85c\x1cd"}', "", "data: [DONE]", ""]

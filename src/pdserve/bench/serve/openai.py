@@ -11,6 +11,7 @@ server that sends neither, an event with text counts as one token. HTTP 429 is a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,6 +21,25 @@ from pdserve.bench.serve.targets import Chunk, RejectedError, TargetDownError, T
 
 CONNECT_TIMEOUT_S = 10.0
 DONE = "[DONE]"
+
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream as SSE ends them: CR LF, CR or LF, nothing else. (A
+    generic line splitter also breaks at U+2028, U+0085, U+001C..., which JSON strings carry
+    unescaped: a token's text would cut its event in two.)"""
+    buf = ""
+    async for text in chunks:
+        buf += text
+        while (m := _EOL.search(buf)) is not None:
+            if m.group() == "\r" and m.end() == len(buf):
+                break  # maybe the first half of CR LF: wait for the next chunk
+            yield buf[: m.start()]
+            buf = buf[m.end() :]
+    if buf:
+        yield buf.removesuffix("\r")
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -118,7 +138,7 @@ class OpenAITarget:
                     raise TargetError(f"HTTP {resp.status_code}: {text}", admitted=False)
                 admitted = True
                 usage_seen = 0
-                async for data in sse_data(resp.aiter_lines()):
+                async for data in sse_data(sse_lines(resp.aiter_text())):
                     if data == DONE:
                         return
                     try:
