@@ -44,7 +44,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
+from pdserve import hostmem
 from pdserve.backends import BACKEND_NAMES, TORCH
+from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
@@ -125,6 +127,10 @@ class Cluster:
     host_lease: bool = True
     """The workers share this host's cores through a ``HostLease`` (one engine step at a
     time, decode steps first) instead of oversubscribing them (torch backend only)."""
+    kv_memory_fraction: float = 0.5
+    """Of this host's available memory at start, the share the workers' KV pools take
+    together, split evenly (``hostmem.kv_share``, at most the engine's default pool); a
+    ``worker_args`` with ``--kv-blocks`` or ``--kv-cache-bytes`` sizes the pools itself."""
     backend: str = TORCH
     """The workers' engine (``--backend``): torch or tensorrt-llm."""
     http_port: int | None = None
@@ -371,6 +377,7 @@ class Cluster:
             "--namespace", self.namespace, "--kvstore", kvstore.address,
             "--backend", self.backend,
             *(["--host-lease", str(self.log_dir / "host-lease")] if self.lease_cores else []),
+            *self._kv_budget_args(),
             *self.worker_args,
         ]  # fmt: skip
         prefills = (
@@ -446,6 +453,21 @@ class Cluster:
         security = self.security
         self._wait("health checks", self.services, lambda s: s.is_healthy(security), deadline)
         self._wait_heartbeats(deadline)
+
+    def _kv_budget_args(self) -> list[str]:
+        """``--kv-cache-bytes`` of each worker's share (``kv_memory_fraction``), unless the
+        worker args size the pool, the backend is not ours, or memory is unknown."""
+        sized = any(
+            a.split("=")[0] in ("--kv-blocks", "--kv-cache-bytes") for a in self.worker_args
+        )
+        available = hostmem.available_bytes()
+        if sized or self.backend != TORCH or available is None:
+            return []
+        workers = (0 if self.mode == "colocated" else self.num_prefill) + self.num_decode
+        share = hostmem.kv_share(
+            available, workers, self.kv_memory_fraction, EngineConfig().kv_cache_bytes
+        )
+        return ["--kv-cache-bytes", str(share)]
 
     def _add(
         self, name: str, module: str, args: list[str], role: str | None = None, http: bool = False

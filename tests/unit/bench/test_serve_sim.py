@@ -100,6 +100,7 @@ class FakeCluster:
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         FakeCluster.made.append({"model_dir": model_dir, **kwargs})
         self.router_address = f"127.0.0.1:{5000 + len(FakeCluster.made)}"
+        self.services: list[Any] = []  # no processes: describe() reports no memory
 
     def __enter__(self) -> FakeCluster:
         return self

@@ -163,7 +163,10 @@ def _describe(t: Target) -> str:
             extra += " + planner " + " ".join(c["planner_args"])
         backend = c.get("backend", "torch")
         kind = c["mode"] if backend == "torch" else f"{c['mode']} on {backend}"
-        return f"pdserve {kind} ({workers}{', ' + extra if extra else ''}) at {d['address']}"
+        rss = ", ".join(f"{n} {mb}" for n, mb in d.get("rss_mb", {}).items())
+        memory = f"\n  RSS MB: {rss}" if rss else ""
+        shape = f"{workers}{', ' + extra if extra else ''}"
+        return f"pdserve {kind} ({shape}) at {d['address']}{memory}"
     if d.get("kind") == "openai":
         return f"OpenAI-compatible {d['url']} (model {d['model']})"
     return f"pdserve router {d.get('address')}"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from pdserve import hostmem
 from pdserve.client import AsyncClient, Overloaded, PdServeClientError, RetryPolicy
 from pdserve.errors import PdServeError
 
@@ -194,6 +195,11 @@ class RouterTarget:
         out: dict[str, Any] = {"kind": "pdserve-router", "address": self.address}
         if self._spec is not None:
             out.update(kind="pdserve-cluster", cluster=self._spec.to_json())
+        if self._cluster is not None:
+            # Resident memory of each of its processes now (after the points run so far).
+            rss = {s.name: hostmem.rss_bytes(s.proc.pid) for s in self._cluster.services
+                   if s.proc is not None}  # fmt: skip
+            out["rss_mb"] = {name: round(b / 1e6) for name, b in rss.items() if b is not None}
         return out
 
     async def close(self) -> None:
