@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.client import InvalidRequest, PdServeClientError
+from pdserve.client import InvalidRequest, PdServeClientError, RequestTooLarge
 from pdserve.gateway.responses import ErrorDetail, ErrorResponse
 
 
@@ -134,7 +134,12 @@ def from_client_error(
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return unauthorized(api_key_sent)
     too_large = _TOO_LARGE_FOR_GRPC.search(err.message)
-    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and too_large is not None:
+    # gRPC's own refusal: RESOURCE_EXHAUSTED on the wire, which the SDK raises as
+    # RequestTooLarge (INVALID_ARGUMENT); either way the request, not the load, is wrong.
+    grpc_refused = (
+        isinstance(err, RequestTooLarge) or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    if grpc_refused and too_large is not None:
         size, limit = too_large.groups()
         return bad_request(
             prompt_param or None,
