@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.client import InvalidRequest, PdServeClientError
+from pdserve.client import InvalidRequest, PdServeClientError, RequestTooLarge
 from pdserve.gateway.responses import ErrorDetail, ErrorResponse
 
 
@@ -133,6 +133,10 @@ def from_client_error(
     call that carried no key from one whose key was refused."""
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return unauthorized(api_key_sent)
+    if isinstance(err, RequestTooLarge):  # the SDK's reading of gRPC's "larger than max"
+        return bad_request(
+            prompt_param or None, err.message.removeprefix("prompt: "), code=CONTEXT_LENGTH_EXCEEDED
+        )
     too_large = _TOO_LARGE_FOR_GRPC.search(err.message)
     if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and too_large is not None:
         size, limit = too_large.groups()
