@@ -271,3 +271,20 @@ def test_utility_routes(cluster: Cluster, oai: openai.OpenAI, grpc_client: Clien
     assert httpx.get(f"{url}/version").json() == {"version": __version__}
     metrics = httpx.get(f"{url}/metrics").text
     assert 'pdserve_http_requests_total{route="/tokenize",status="200"}' in metrics
+
+
+def test_a_request_id_in_use_is_a_409(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": "The sea", "max_tokens": 2000, "ignore_eos": True,
+            "request_id": "mine", "stream": True}  # fmt: skip
+    url = f"{cluster.http_url}/v1/completions"
+    with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()  # held: a dropped iterator closes the stream
+        first = next(line for line in lines if line)
+        assert '"id":"cmpl-mine"' in first
+        again = http.post(url, json={**body, "stream": False, "max_tokens": 2})
+        assert again.status_code == 409, again.text
+        error = again.json()["error"]
+        assert (error["param"], error["code"]) == ("request_id", "already_exists")
+        assert error["message"] == "request_id: 'cmpl-mine-0' is already in flight for this tenant"
+        assert [line for line in lines if line][-1] == "data: [DONE]"  # the first one went on
