@@ -7,6 +7,7 @@ routes (``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version``, ``/me
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,3 +289,29 @@ def test_a_request_id_in_use_is_a_409(cluster: Cluster) -> None:
         assert (error["param"], error["code"]) == ("request_id", "already_exists")
         assert error["message"] == "request_id: 'cmpl-mine-0' is already in flight for this tenant"
         assert [line for line in lines if line][-1] == "data: [DONE]"  # the first one went on
+
+
+def test_continuous_usage_stats(cluster: Cluster, grpc_client: Client) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (``pdserve bench serve``'s OpenAI
+    target asks for it): every chunk carries its choice's usage so far."""
+    prompt = "The sea was calm"
+    done = grpc_client.generate(prompt, max_tokens=6, temperature=0)
+    assert done.usage is not None
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in [
+        ("completions", {"prompt": prompt}),
+        ("chat/completions", {"messages": MESSAGES}),
+    ]:
+        body = {**body, "model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": options, "return_token_ids": True}  # fmt: skip
+        with httpx.stream("POST", f"{cluster.http_url}/v1/{path}", json=body) as reply:
+            events = [line.removeprefix("data: ") for line in reply.iter_lines() if line]
+        chunks = [json.loads(e) for e in events[:-1]]
+        counted = 0
+        for chunk in chunks[:-1]:  # the last: include_usage's, with no choices
+            for choice in chunk["choices"]:
+                counted += len(choice.get("token_ids") or [])
+            assert chunk["usage"]["completion_tokens"] == counted, chunk
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+        if path == "completions":
+            assert {c["usage"]["prompt_tokens"] for c in chunks} == {done.usage.prompt_tokens}

@@ -59,7 +59,7 @@ async def chat(
     name = served.config.model_name
     if body.stream:
         first, deltas = await calls.first(watch, jobs)
-        return _events(body, text, calls, name, rid, first, deltas)
+        return _events(body, text, calls, name, rid, first, deltas, len(prepared.prompt_ids))
     done = await calls.all(watch, jobs)
     choices = [
         ChatChoice(
@@ -91,6 +91,7 @@ async def _events(
     rid: str,
     first: tuple[int, Delta],
     deltas: AsyncGenerator[tuple[int, Delta], None],
+    prompt_tokens: int,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     tally = render.StreamTally(body.n)
@@ -108,13 +109,15 @@ async def _events(
             finish_reason=delta.finish_reason,
             token_ids=delta.token_ids if body.return_token_ids else None,
         )
-        return message([choice])
+        usage = tally.so_far(index, prompt_tokens) if body.continuous_usage() else None
+        return message([choice], usage)
 
     async with contextlib.aclosing(deltas):
         try:
             opening = ChatDelta(role="assistant", content="")
             for index in range(body.n):  # OpenAI opens each choice with the role
-                yield message([ChatChunkChoice(index=index, delta=opening)])
+                usage = tally.so_far(index, prompt_tokens) if body.continuous_usage() else None
+                yield message([ChatChunkChoice(index=index, delta=opening)], usage)
             yield chunk(*first)
             async for index, delta in deltas:
                 yield chunk(index, delta)

@@ -36,6 +36,8 @@ class _Choices:
     text: render.TokenTexts
     echoed: list[str]
     """Each prompt's text, for ``echo``."""
+    prompt_tokens: list[int]
+    """Each prompt's tokens, where the gateway tokenized it (0: the router did)."""
 
     @classmethod
     def of(cls, served: Served, prepared: PreparedCompletion) -> _Choices:
@@ -49,7 +51,8 @@ class _Choices:
                     else served.tokenizer.decode(prompt, body.skip_special_tokens)  # type: ignore[arg-type]
                 )  # fmt: skip
         as_ids = body.return_tokens_as_token_ids
-        return cls(body, render.TokenTexts(served.tokenizer, as_ids), echoed)
+        counts = [0 if isinstance(p, str) else len(p) for p in prepared.prompts]
+        return cls(body, render.TokenTexts(served.tokenizer, as_ids), echoed, counts)
 
     def echo_of(self, index: int) -> str:
         """The text ``echo`` puts before choice ``index``'s ("" without echo)."""
@@ -131,7 +134,10 @@ async def _events(
         start = tally.advance(index, echo + delta.text)
         choice = choices.choice(index, delta, echo=echo, offset=start, prompt=delta.prompt_logprobs)
         tally.add_final(index, delta)
-        return sse(Completion(id=rid, created=created, model=name, choices=[choice]))
+        usage = None
+        if body.continuous_usage():
+            usage = tally.so_far(index, choices.prompt_tokens[index // body.n])
+        return sse(Completion(id=rid, created=created, model=name, choices=[choice], usage=usage))
 
     async with contextlib.aclosing(deltas):
         try:

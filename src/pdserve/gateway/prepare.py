@@ -18,10 +18,11 @@ before anything is sent:
   pdserve does not do (``fields``).
 
 A text prompt of completions is tokenized by the router, which then checks its length in
-tokens, unless the request asks for ``add_special_tokens: false`` or
-``truncate_prompt_tokens``: then it is tokenized here; a chat prompt is rendered with the chat
-template and tokenized here. The request's fields become the SDK's keyword arguments
-(``RequestOptions``) here too, one to one (``logit_bias``'s string keys as token ids).
+tokens, unless the request asks for ``add_special_tokens: false``, ``truncate_prompt_tokens``
+or ``stream_options.continuous_usage_stats``: then it is tokenized here; a chat prompt is
+rendered with the chat template and tokenized here. The request's fields become the SDK's
+keyword arguments (``RequestOptions``) here too, one to one (``logit_bias``'s string keys as
+token ids).
 """
 
 from __future__ import annotations
@@ -238,7 +239,12 @@ class Preparer:
         if not texts or any(len(p) == 0 for p in texts):
             raise bad_request("prompt", "the prompt must not be empty")
         limits = self.request_limits(router)
-        here = not body.add_special_tokens or body.truncate_prompt_tokens is not None
+        # Tokenized here when the request needs its ids, or their number on every chunk.
+        here = (
+            not body.add_special_tokens
+            or body.truncate_prompt_tokens is not None
+            or (body.stream and body.continuous_usage())
+        )
         prompts: list[str | list[int]] = []
         for prompt in texts:
             if isinstance(prompt, str):

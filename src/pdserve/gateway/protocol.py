@@ -42,7 +42,7 @@ class StreamOptions(Body):
     include_usage: bool = False
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
     continuous_usage_stats: bool = False
-    """vLLM's: usage on every chunk (refused)."""
+    """vLLM's: every chunk carries its choice's usage so far."""
     include_obfuscation: bool = False
     """OpenAI's: random padding on each chunk (refused)."""
 
@@ -112,6 +112,9 @@ class SamplingFields(Body):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[int] | list[str] | list[list[int]]

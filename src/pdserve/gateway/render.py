@@ -162,6 +162,8 @@ class StreamTally:
     n: int
     offsets: dict[int, int] = field(default_factory=dict)
     usages: dict[int, ClientUsage] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    """Completion tokens of each choice so far."""
 
     def advance(self, index: int, text: str) -> int:
         """The offset where ``text`` starts in choice ``index``; moves past it."""
@@ -170,8 +172,17 @@ class StreamTally:
         return start
 
     def add_final(self, index: int, delta: Delta) -> None:
+        self.tokens[index] = self.tokens.get(index, 0) + len(delta.token_ids)
         if delta.usage is not None:
             self.usages[index] = delta.usage
+
+    def so_far(self, index: int, prompt_tokens: int) -> Usage:
+        """Choice ``index``'s usage up to its latest piece (vLLM's ``continuous_usage_stats``):
+        the final figures once its last piece is in."""
+        final = self.usages.get(index)
+        if final is not None:
+            return Usage.total([final], final.completion_tokens)
+        return Usage.total([ClientUsage(prompt_tokens, 0)], self.tokens.get(index, 0))
 
     def usage(self) -> Usage:
         indices = sorted(self.usages)

@@ -360,3 +360,24 @@ def test_the_utility_routes(tiny_llama_dir: Path) -> None:
                 assert reply.status_code == 401, (path, reply.text)
 
     run(test)
+
+
+def test_every_stream_option_is_honoured_or_refused(tiny_llama_dir: Path) -> None:
+    async def test() -> None:
+        async with harness(tiny_llama_dir) as h:
+            base = {"prompt": "hello there", "stream": True}
+            refused = {"stream_options": {"include_obfuscation": True}}
+            reply = await h.http.post(COMPLETIONS, json={**base, **refused}, headers=AUTH)
+            assert reply.json()["error"]["param"] == "stream_options.include_obfuscation"
+            for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+                body = {**base, "stream_options": options}
+                reply = await h.http.post(COMPLETIONS, json=body, headers=AUTH)
+                chunks = [json.loads(e) for e in _events(reply.text)[:-1]]
+                if "include_usage" in options:  # one more chunk, with the usage alone
+                    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]
+                else:  # the usage on every chunk (here: the stand-in's one)
+                    prompt = len(h.gateway.tokenizer.encode("hello there"))
+                    assert [c["usage"]["prompt_tokens"] for c in chunks] == [prompt]
+                    assert list(h.stub.requests[-1].token_ids.ids)  # tokenized to count
+
+    run(test)
