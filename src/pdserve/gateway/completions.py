@@ -45,11 +45,10 @@ class _Choices:
         echoed: list[str] = []
         if body.echo:  # the prompt as sent, unless only its (truncated) tokens went out
             for sent, prompt in zip(body.prompts(), prepared.prompts, strict=True):
-                whole = isinstance(sent, str) and body.truncate_prompt_tokens is None
-                echoed.append(
-                    sent if whole and isinstance(sent, str)
-                    else served.tokenizer.decode(prompt, body.skip_special_tokens)  # type: ignore[arg-type]
-                )  # fmt: skip
+                if isinstance(sent, str) and body.truncate_prompt_tokens is None:
+                    echoed.append(sent)
+                elif isinstance(prompt, list):
+                    echoed.append(served.tokenizer.decode(prompt, body.skip_special_tokens))
         as_ids = body.return_tokens_as_token_ids
         counts = [0 if isinstance(p, str) else len(p) for p in prepared.prompts]
         return cls(body, render.TokenTexts(served.tokenizer, as_ids), echoed, counts)
