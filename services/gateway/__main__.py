@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parse-threads", type=int, default=DEFAULT_THREADS,
         help="threads that parse large bodies, render chat templates and tokenize",
     )  # fmt: skip
+    p.add_argument(
+        "--allow-unknown-fields", action="store_true",
+        help="ignore request fields that neither OpenAI's nor vLLM's schema has (default: a "
+        "400 naming the field)",
+    )  # fmt: skip
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
@@ -97,6 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
         router_tls=tls.router,
         max_body_bytes=args.max_body_bytes,
         parse_threads=args.parse_threads,
+        allow_unknown_fields=args.allow_unknown_fields,
     )
     gateway = Gateway.load(config)
     metrics = GatewayMetrics()

@@ -76,6 +76,9 @@ def up_parser() -> argparse.ArgumentParser:
                    "given up (default: %(default)s)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra worker flag, repeatable: --worker-arg=--dtype=float32")  # fmt: skip
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                   help="extra HTTP gateway flag, repeatable: "
+                   "--gateway-arg=--allow-unknown-fields")  # fmt: skip
     p.add_argument(
         "--otlp-endpoint",
         metavar="URL",
@@ -118,7 +121,7 @@ def main_up(argv: Sequence[str]) -> int:
         host_lease=args.host_lease, backend=args.backend, supervise=args.restart,
         restart_policy=RestartPolicy(crash_loop_restarts=args.max_restarts),
         announce=lambda line: print(f"pdserve up: {line}", file=sys.stderr, flush=True),
-        http_port=None if args.no_http else args.http_port,
+        http_port=None if args.no_http else args.http_port, gateway_args=args.gateway_arg,
         tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
         # TensorRT-LLM compiles and loads each worker's engine at start: minutes, not seconds.
         startup_timeout_s=900.0 if args.backend == TENSORRT_LLM else 180.0,

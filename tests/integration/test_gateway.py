@@ -298,8 +298,15 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": ""}, "prompt", id="empty-prompt"),
     pytest.param({"max_tokens": "many"}, "max_tokens", id="not-an-int"),
     pytest.param({"n": 0}, "n", id="n"),
-    pytest.param({"logprobs": 5}, "logprobs", id="top-5-logprobs"),
-    pytest.param({"frequency_penalty": 0.5}, "frequency_penalty", id="penalty"),
+    pytest.param({"logprobs": 21}, "logprobs", id="top-21-logprobs"),
+    pytest.param({"frequency_penalty": 2.5}, "frequency_penalty", id="penalty"),
+    pytest.param({"logit_bias": {"3": 101}}, "logit_bias", id="bias-range"),
+    pytest.param({"logit_bias": {"x": 1}}, "logit_bias", id="bias-key"),
+    pytest.param({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids", id="allowed"),
+    pytest.param({"extra_body": {"min_tokens": 5}}, "min_tokens", id="min-tokens"),
+    pytest.param({"extra_body": {"use_beam_search": True}}, "use_beam_search", id="beams"),
+    pytest.param({"extra_body": {"guided_json": {}}}, "guided_json", id="guided"),
+    pytest.param({"extra_body": {"frobnicate": 1}}, "frobnicate", id="unknown-field"),
 ]
 
 

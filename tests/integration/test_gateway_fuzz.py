@@ -225,7 +225,7 @@ MESSAGE = st.one_of(
 )  # fmt: skip
 MESSAGES = st.one_of(st.lists(MESSAGE, max_size=4), WEIRD)
 EXTRA = st.dictionaries(TEXT, WEIRD, max_size=2)
-"""Unknown fields (ignored) or known ones with any value."""
+"""Unknown fields (refused by name) or known ones with any value."""
 
 
 @st.composite

@@ -153,7 +153,7 @@ LOOSE = [
      "max_completion_tokens"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}], "max_tokens": 2},
      "messages[0].role"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}],
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "function", "content": "x"}],
             "max_tokens": 2}, "messages[1].role"),
 ]  # fmt: skip
 
@@ -167,7 +167,8 @@ def test_loose_types_and_unknown_roles_are_400(
     error = assert_openai_error(reply.json(), "invalid_value")
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
     if param.endswith(".role"):
-        assert all(f"'{r}'" in error["message"] for r in ("system", "user", "assistant"))
+        assert all(f"'{r}'" in error["message"] for r in ("system", "user", "assistant", "tool",
+                                                           "developer"))  # fmt: skip
 
 
 OVERSIZE = [

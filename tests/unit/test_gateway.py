@@ -15,6 +15,7 @@ from pdserve.errors import InvalidArgumentError, ModelLoadError
 from pdserve.gateway import FALLBACK_TEMPLATE, ChatTemplate
 from pdserve.gateway.body import param_of
 from pdserve.gateway.errors import from_client_error, openai_param
+from pdserve.gateway.fields import refusals
 from pdserve.gateway.generation import plan_jobs
 from pdserve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.tokenizer import Tokenizer
@@ -120,17 +121,17 @@ def test_prompt_forms() -> None:
 
 def test_unsupported_parameters_are_named() -> None:
     body = CompletionRequest.model_validate(
-        {"prompt": "x", "logprobs": 3, "echo": True, "presence_penalty": 0.1, "best_of": 2}
+        {"prompt": "x", "logprobs": 21, "echo": True, "best_of": 2, "suffix": "y"}
     )
-    assert [p for p, _ in body.unsupported()] == ["presence_penalty", "logprobs", "echo", "best_of"]
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 1}).unsupported() == []
+    assert [p for p, _ in refusals(body)] == ["best_of", "logprobs", "suffix"]
+    assert refusals(CompletionRequest.model_validate({"prompt": "x", "logprobs": 20})) == []
     chat = ChatCompletionRequest.model_validate(
         {
             "messages": [{"role": "user", "content": [{"type": "image_url"}]}],
             "response_format": {"type": "json_object"},
         }
     )
-    assert [p for p, _ in chat.unsupported()] == ["response_format", "messages[0].content[0].type"]
+    assert [p for p, _ in refusals(chat)] == ["response_format", "messages[0].content[0].type"]
 
 
 def test_chat_max_tokens_spelling() -> None:

@@ -28,3 +28,11 @@ def test_secured_http_lines_trust_the_ca_and_send_the_key() -> None:
     assert '-H "Authorization: Bearer $PDSERVE_API_KEY"' in text
     no_keys = _http_lines("https://127.0.0.1:8123", "demo-small", Path("/tls/ca.pem"))
     assert "--cacert /tls/ca.pem" in no_keys and "Authorization" not in no_keys
+
+
+def test_gateway_args_repeat() -> None:
+    assert up_parser().parse_args([]).gateway_arg == []
+    args = up_parser().parse_args(
+        ["--gateway-arg=--allow-unknown-fields", "--gateway-arg=--parse-threads=4"]
+    )
+    assert args.gateway_arg == ["--allow-unknown-fields", "--parse-threads=4"]

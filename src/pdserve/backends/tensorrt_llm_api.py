@@ -250,6 +250,10 @@ def unsupported(params: SamplingParams) -> tuple[str, str] | None:
             "sampling.bad_words_token_ids",
             "tensorrt-llm takes bad words of one token only (bad_token_ids)",
         )
+    if params.logprobs:
+        return "sampling.logprobs", "the tensorrt-llm backend reports the sampled token's only"
+    if params.prompt_logprobs is not None:
+        return "sampling.prompt_logprobs", "the tensorrt-llm backend computes no prompt logprobs"
     if params.min_tokens and (params.stop_token_ids or params.stop):
         # TensorRT-LLM's min_tokens holds back the end token alone: its stop words still end
         # the request early.

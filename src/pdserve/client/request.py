@@ -57,6 +57,12 @@ class RequestOptions(TypedDict, total=False):
     allowed_token_ids: Sequence[int] | None
     bad_words: Sequence[str] | None
     bad_words_token_ids: Sequence[Sequence[int]] | None
+    logprobs: int | None
+    """The most likely alternatives to return at each output token (``Delta.top_logprobs``),
+    at most 20; the sampled token's logprob comes with every token anyway."""
+    prompt_logprobs: int | None
+    """Return each prompt token's logprob and rank with this many alternatives
+    (``Delta.prompt_logprobs`` on the first delta), at most 20."""
     request_id: str | None
     skip_special_tokens: bool
     """Default True."""
@@ -127,6 +133,12 @@ def _logits_controls(sampling: common_pb2.SamplingParams, options: RequestOption
         _in_range(t, _UINT32, "sampling.allowed_token_ids")
         for t in options.get("allowed_token_ids") or ()
     )
+    logprobs = options.get("logprobs")
+    if logprobs is not None:
+        sampling.logprobs = _in_range(logprobs, _UINT32, "sampling.logprobs")
+    prompt_logprobs = options.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = _in_range(prompt_logprobs, _UINT32, "sampling.prompt_logprobs")
     sampling.bad_words.extend(options.get("bad_words") or ())
     for word in options.get("bad_words_token_ids") or ():
         sampling.bad_words_token_ids.add(

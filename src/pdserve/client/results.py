@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.timing import Timing
 
 
@@ -43,6 +44,10 @@ class Delta:
     timing: Timing | None = None
     request_id: str = ""
     """Set on the first delta."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """The alternatives at each of ``token_ids`` (``logprobs=k`` asked for them), else empty."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the first delta, when ``prompt_logprobs=k`` asked for them."""
 
     @property
     def finished(self) -> bool:
@@ -60,6 +65,10 @@ class Completion:
     usage: Usage | None
     timing: Timing | None
     request_id: str = ""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """The alternatives at each of ``token_ids`` (``logprobs=k`` asked for them), else empty."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """``prompt_logprobs=k`` asked for them: the prompt's logprobs."""
 
 
 @dataclass(slots=True)
@@ -70,6 +79,8 @@ class CompletionBuilder:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     last: Delta | None = None
 
     def add(self, delta: Delta) -> None:
@@ -77,6 +88,8 @@ class CompletionBuilder:
         self.text_parts.append(delta.text)
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         self.last = delta
 
     @property
@@ -94,4 +107,6 @@ class CompletionBuilder:
             usage=last.usage if last else None,
             timing=last.timing if last else None,
             request_id=self.request_id,
+            top_logprobs=list(self.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs,
         )

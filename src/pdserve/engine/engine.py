@@ -154,6 +154,8 @@ class Engine:
             prompt_len=len(token_ids),
         )
         resumed = resumed_ids(generated, params, kv, vocab)
+        if resumed or kv is not None:  # prefilled elsewhere: its prompt logprobs went from there
+            params = params.without_prompt_logprobs()
         need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
             raise CapacityError(
@@ -328,12 +330,20 @@ class Engine:
                 self.abort(chunk.seq.request_id)
                 failures[chunk.seq.request_id] = why
             return self._finish_step(outputs, failures)
+        for rid, piece in result.prompt.items():
+            prompt = self._requests[rid].seq.prompt_logprobs
+            if prompt is not None:
+                prompt.extend(piece.logprobs, piece.ranks, piece.top)
         for seq in self.scheduler.update(sched, result.sampled):
             req = self._requests[seq.request_id]
             token, logprob = seq.token_ids[-1], seq.output_logprobs[-1]
             if req.text.add(token) and not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)  # a stop string hit
             out = self._output(req, [token], [logprob])
+            top = result.top.get(seq.request_id)
+            out.new_top_logprobs = [top] if top is not None else []
+            if seq.num_output_tokens == 1:
+                out.prompt_logprobs = seq.prompt_logprobs
             if result.logits is not None:
                 out.logits = result.logits[seq.request_id]
             outputs.append(out)
@@ -398,6 +408,8 @@ class Engine:
                 r = results[out.request_id]
                 r.token_ids += out.new_token_ids
                 r.logprobs += out.new_logprobs
+                r.top_logprobs += out.new_top_logprobs
+                r.prompt_logprobs = r.prompt_logprobs or out.prompt_logprobs
                 r.text += out.text
                 if out.finished:
                     assert out.finish_reason is not None

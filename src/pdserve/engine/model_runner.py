@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.faults import EngineFaults
+from pdserve.engine.logprobs import PromptRows
 from pdserve.engine.outputs import StepResult
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -136,9 +137,11 @@ class ModelRunner:
             ctx_lens.append(p + 1)
         spans: list[PrefillSpan] = []
         hooked: list[tuple[Sequence, int]] = []
+        prompt_rows = PromptRows()
         for chunk in out.prefills:
             seq, n = chunk.seq, chunk.num_tokens
             p0, start = seq.num_computed_tokens, len(ids)
+            prompt_rows.add(seq, start, n)
             ids.extend(seq.token_ids[p0 : p0 + n])
             pos.extend(range(p0, p0 + n))
             table = seq.block_table
@@ -193,8 +196,11 @@ class ModelRunner:
                 native_prefill=self.native.prefill,
             )
 
-        # Logits rows: every row when the step is decode only (no gather needed).
-        rows = None if len(sample_rows) == T else self._long(sample_rows)
+        # Logits rows: every row when the step is decode only (no gather needed); after the
+        # sampled rows, those whose logits give prompt logprobs.
+        S = len(sample_rows)
+        every = S == T and not prompt_rows.positions
+        rows = None if every else self._long(sample_rows + prompt_rows.positions)
         logits = self.model(
             flat[:T],
             flat[T : 2 * T],
@@ -204,8 +210,10 @@ class ModelRunner:
             after_layer=self._layer_hook_caller(hooked) if hooked else None,
             checkpoint=checkpoint,
         )
+        prompt = prompt_rows.split(logits[S:]) if prompt_rows.positions else {}
         if not sample_seqs:  # only non-final prompt chunks this step
-            return StepResult({})
+            return StepResult({}, prompt=prompt)
+        logits = logits[:S]
         if self.faults is not None:
             for i, s in enumerate(sample_seqs):
                 if self.faults.nan_logits(s):
@@ -220,6 +228,8 @@ class ModelRunner:
                 if i not in samples.failed
             },
             {sample_seqs[i].request_id: why for i, why in samples.failed.items()},
+            top={sample_seqs[i].request_id: top for i, top in samples.top.items()},
+            prompt=prompt,
         )
         if self.config.return_logits:
             result.logits = {s.request_id: logits[i].cpu() for i, s in enumerate(sample_seqs)}

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from pdserve.errors import PdServeError, RequestFailedError
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,11 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache or an imported KV payload."""
     logits: torch.Tensor | None = None
     """``[vocab]`` logits of the sampled step, only with ``EngineConfig.return_logits``."""
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """The alternatives at each new token (``SamplingParams.logprobs`` > 0), else empty."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the output of the request's first token, when ``SamplingParams.prompt_logprobs``
+    asked for them."""
 
 
 @dataclass(slots=True)
@@ -53,6 +59,8 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     num_cached_tokens: int = 0
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class StepFailedError(PdServeError):
@@ -109,3 +117,8 @@ class StepResult:
     request is in no other field. Its forward pass ran: its KV is as valid as any."""
     logits: dict[str, torch.Tensor] | None = None
     """request id -> ``[vocab]`` float32 logits, when the config asks for them."""
+    top: dict[str, TopLogprobs] = field(default_factory=dict)
+    """request id -> the alternatives at its sampled token, for requests that ask for them."""
+    prompt: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """request id -> the logprobs of the prompt positions this step computed (no
+    ``token_ids``), for requests that ask for them."""

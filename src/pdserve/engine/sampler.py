@@ -6,7 +6,9 @@ The rows of the requests that use a logits control this step (penalties, ``logit
 processed together before the arg-max or the draw, greedy rows included (as vLLM does). A
 batch in which no request uses one takes the plain path: no copy, no extra tensor op. The
 logprob reported is always the *raw* model distribution's (before the controls, temperature
-and filters), as the API reports it.
+and filters), as the API reports it; rows whose request asks for alternatives
+(``SamplingParams.logprobs``) also get the top tokens of that raw distribution, in one
+``topk`` over those rows (``engine.logprobs``).
 
 No sampling parameter that ``SamplingParams`` accepts makes a draw fail: temperatures below
 ``GREEDY_TEMPERATURE`` are greedy, and every filter keeps at least the most likely token, so
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.logits_processors import apply_controls, is_controlled, min_p_filter
+from pdserve.engine.logprobs import top_logprobs
 from pdserve.engine.sequence import Sequence
+from pdserve.logprobs import TopLogprobs
 
 _NEG_INF = float("-inf")
 
@@ -39,6 +43,9 @@ class Samples:
     controls, temperature and filtering), as the API reports it."""
     failed: dict[int, str]
     """Row -> why no token could be drawn; ``tokens[row]`` is meaningless for these rows."""
+    top: dict[int, TopLogprobs]
+    """Row -> the most likely tokens of the raw distribution, for the rows whose request asks
+    for alternatives (``SamplingParams.logprobs``)."""
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -104,4 +111,5 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
         # A NaN or +inf logit makes the row's log-softmax NaN: the arg-max is no token then.
         if not math.isfinite(lp) and i not in failed:
             failed[i] = "the model's logits are not finite"
-    return Samples(tokens.tolist(), chosen, failed)
+    top = top_logprobs(logprobs, [seq.params.logprobs for seq in seqs])
+    return Samples(tokens.tolist(), chosen, failed, top)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.logprobs import MAX_LOGPROBS
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this (0 included) select the arg-max token: dividing float32 logits by
@@ -114,6 +115,15 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """Token sequences never to generate: a one-token word is always masked; a longer one has
     its last token masked whenever the output ends with the word's other tokens."""
+    logprobs: int = 0
+    """Alternatives to report at each output token: its ``logprobs`` most likely tokens and
+    their log-probabilities, in [0, ``MAX_LOGPROBS``] (the sampled token's own log-probability
+    is always reported)."""
+    prompt_logprobs: int | None = None
+    """Report the log-probability of each prompt token (after the first) given the tokens
+    before it, with this many alternatives, in [0, ``MAX_LOGPROBS``]; None: none. Computed by
+    the engine that prefills the prompt (never from its prefix cache: the logits of every
+    prompt position are needed)."""
     stop_token_set: frozenset[int] = field(
         default=frozenset(), init=False, repr=False, compare=False
     )
@@ -145,6 +155,14 @@ class SamplingParams:
             raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         self._check_controls()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidArgumentError(
+                    name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+        if self.logprobs is None:
+            raise InvalidArgumentError("logprobs", "must be an integer, not None")
 
     def _check_controls(self) -> None:
         _in_range(self.presence_penalty, "presence_penalty", -PENALTY_RANGE, PENALTY_RANGE)
@@ -202,6 +220,13 @@ class SamplingParams:
         """These parameters for the first output token alone (a prefill's): ``max_tokens`` 1,
         and ``min_tokens`` still masking the stop tokens if it did."""
         return dataclasses.replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))
+
+    def without_prompt_logprobs(self) -> SamplingParams:
+        """These parameters for an engine that continues a request another one prefilled: the
+        prompt's logprobs came with the prefill's answer."""
+        if self.prompt_logprobs is None:
+            return self
+        return dataclasses.replace(self, prompt_logprobs=None)
 
     def after(self, drawn: int) -> SamplingParams:
         """These parameters for the rest of a request whose first ``drawn`` output tokens

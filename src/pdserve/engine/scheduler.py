@@ -122,7 +122,8 @@ class Scheduler:
             self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs
         ):
             seq = self._next_waiting()
-            bm.take_prefix(seq, bm.match_prefix(seq))
+            # A prompt whose logprobs are asked for needs the logits of every position.
+            bm.take_prefix(seq, [] if seq.wants_prompt_logprobs else bm.match_prefix(seq))
             pending = seq.num_pending_tokens
             n = min(pending, budget)
             if n < pending and not cfg.enable_chunked_prefill:

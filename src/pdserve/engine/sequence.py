@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,7 @@ class Sequence:
         "num_registered_blocks",
         "output_logprobs",
         "params",
+        "prompt_logprobs",
         "request_id",
         "seed",
         "status",
@@ -112,6 +114,11 @@ class Sequence:
         self.num_registered_blocks = 0
         """Leading blocks of ``block_table`` already published to the prefix cache."""
         self.output_logprobs: list[float] = []
+        self.prompt_logprobs: PromptLogprobs | None = (
+            PromptLogprobs(list(prompt_token_ids)) if params.prompt_logprobs is not None else None
+        )
+        """The prompt's logprobs so far (``params.prompt_logprobs``), filled in as its chunks
+        are computed."""
         self.generator: torch.Generator | None = None
         self.seed = 0
         """Sampling seed; output token ``i`` is drawn from a generator seeded by (seed, i), so
@@ -127,6 +134,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and some are still to compute: the prompt is computed
+        from its start, not taken from the prefix cache."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl.logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_pending_tokens(self) -> int:

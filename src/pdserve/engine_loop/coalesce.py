@@ -35,9 +35,12 @@ def merge_ready(
                 item,
                 new_token_ids=list(item.new_token_ids),
                 new_logprobs=list(item.new_logprobs),
+                new_top_logprobs=list(item.new_top_logprobs),
             )
         merged.new_token_ids += nxt.new_token_ids
         merged.new_logprobs += nxt.new_logprobs
+        merged.new_top_logprobs += nxt.new_top_logprobs
+        merged.prompt_logprobs = merged.prompt_logprobs or nxt.prompt_logprobs
         merged.text += nxt.text
         merged.finished, merged.finish_reason = nxt.finished, nxt.finish_reason
         merged.num_cached_tokens = nxt.num_cached_tokens

@@ -5,7 +5,14 @@
     POST /v1/completions        OpenAI Completions (stream: Server-Sent Events)
     POST /v1/chat/completions   OpenAI Chat Completions (the checkpoint's chat template)
     GET  /v1/models             the one model this cluster serves
+    GET  /v1/models/{model}     its card (404 for another id)
+    POST /tokenize              vLLM's: a prompt or a conversation -> token ids
+    POST /detokenize            vLLM's: token ids -> text
+    GET  /version               pdserve's version
+    GET  /metrics               the gateway's own metrics (Prometheus text)
     GET  /health                200 while the router's gRPC health check says SERVING, else 503
+
+Every route but ``/health`` takes the caller's key as a generation does.
 
 A generation request goes through, in order: the caller's key (``Authorization: Bearer KEY``,
 ``api_key_of``), which the router must admit (``Gateway.admit``; a 401 otherwise), from the
@@ -23,7 +30,7 @@ connection when the rest may be large (413, or a 401 to a body without a length 
 limit); otherwise the rest is read and dropped, so the client sees the answer. A client that
 disconnects cancels its request in the cluster: a stream's generator is closed by Starlette, a
 unary answer is raced against the connection's ``http.disconnect``
-(``endpoints.until_disconnect``).
+(``calls.until_disconnect``).
 """
 
 from __future__ import annotations
@@ -34,12 +41,16 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve import __version__
+from pdserve.client import ModelInfo
 from pdserve.gateway.body import BodyGone, read_body
-from pdserve.gateway.endpoints import ClientDisconnected, Gateway
+from pdserve.gateway.calls import ClientDisconnected
+from pdserve.gateway.endpoints import Gateway
 from pdserve.gateway.errors import (
     BAD_REQUEST,
     NOT_FOUND,
@@ -49,11 +60,14 @@ from pdserve.gateway.errors import (
     Status,
     unauthorized,
 )
-from pdserve.gateway.responses import ModelList
+from pdserve.gateway.responses import ModelList, VersionResponse
 from pdserve.security.auth import bearer
 from pdserve.telemetry.metrics import GatewayMetrics
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+          "/version", "/metrics", "/health")  # fmt: skip
+MODEL_ROUTE = "/v1/models/{model}"
+"""The metrics' label of ``GET /v1/models/ID`` (never the id itself)."""
 CLIENT_CLOSED = 499
 """Logged status of a request whose client went away (nobody reads the answer)."""
 
@@ -112,6 +126,8 @@ class _Metrics:
         finally:
             path = scope.get("path", "")
             route = path if path in ROUTES else "other"
+            if path.startswith("/v1/models/"):
+                route = MODEL_ROUTE
             self.metrics.observe_request(route, status, time.perf_counter() - start)
 
 
@@ -154,18 +170,18 @@ def create_app(
         # Starlette logs the traceback; the client gets OpenAI's shape, not plain text.
         return _error_response(GatewayError(SERVER_ERROR, "the gateway failed on this request"))
 
-    async def admitted_body(request: Request) -> tuple[str | None, bytes]:
-        """The caller's key, once the router admits it, and then the body (see the module
-        docstring for the order)."""
+    async def admitted_body(request: Request) -> tuple[str | None, ModelInfo, bytes]:
+        """The caller's key and the router's ``ModelInfo``, once the router admits the key,
+        and then the body (see the module docstring for the order)."""
         try:
             key = api_key_of(request)
-            await gateway.admit(key)
+            info = await gateway.admit(key)
         except GatewayError as err:
             # The rest of the body is drained unless it may be large.
             length = request.headers.get("content-length", "")
             err.close = not (length.isdigit() and int(length) <= gateway.config.max_body_bytes)
             raise
-        return key, await read_body(request, gateway.config.max_body_bytes)
+        return key, info, await read_body(request, gateway.config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -178,10 +194,36 @@ def create_app(
         listing: ModelList = await gateway.models(api_key_of(request))
         return _json(listing)
 
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        return _json(await gateway.model(model_id, api_key_of(request)))
+
+    @app.get("/version", response_model=None)
+    async def version(request: Request) -> JSONResponse:
+        await gateway.admit(api_key_of(request))
+        return _json(VersionResponse(version=__version__))
+
+    @app.get("/metrics", response_model=None)
+    async def metrics_route(request: Request) -> Response:
+        await gateway.admit(api_key_of(request))
+        if metrics is None:
+            raise GatewayError(NOT_FOUND, "this gateway keeps no metrics")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     # The handlers take the Request alone, so FastAPI reads no body before they run.
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(request: Request) -> JSONResponse:
+        _, info, raw = await admitted_body(request)
+        return _json(await gateway.tokenize(raw, info))
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(request: Request) -> JSONResponse:
+        _, _, raw = await admitted_body(request)
+        return _json(await gateway.detokenize(raw))
+
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        key, raw = await admitted_body(request)
+        key, _, raw = await admitted_body(request)
         answer = await gateway.completions(raw, lambda: _disconnected(request), key)
         if isinstance(answer, BaseModel):
             return _json(answer)
@@ -189,7 +231,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
-        key, raw = await admitted_body(request)
+        key, _, raw = await admitted_body(request)
         answer = await gateway.chat(raw, lambda: _disconnected(request), key)
         if isinstance(answer, BaseModel):
             return _json(answer)

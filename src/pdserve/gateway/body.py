@@ -244,11 +244,21 @@ def param_of(loc: tuple[int | str, ...]) -> str | None:
 
 def parse_body(raw: bytes, model: type[M], max_values: int) -> M:
     """``raw`` as a ``model`` request, or a 400 naming the parameter at fault."""
+    return validate(parse_object(raw, max_values), model)
+
+
+def parse_object(raw: bytes, max_values: int) -> dict[str, Any]:
+    """``raw`` as a JSON object whose strings are all Unicode text, or a 400."""
     value = parse_json(raw, max_values)
     if not isinstance(value, dict):
         raise _body_error(f"the body must be a JSON object, not {type(value).__name__}")
     if _SURROGATE_ESCAPE.search(raw):  # the only way to write one (raw ones are not UTF-8)
         check_strings(value)
+    return value
+
+
+def validate(value: dict[str, Any], model: type[M]) -> M:
+    """``value`` (``parse_object``'s) as a ``model`` request, or a 400 naming the parameter."""
     try:
         return model.model_validate(value)
     except ValidationError as err:

@@ -127,25 +127,55 @@ class ChatTemplate:
         messages: Sequence[ChatMessage],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        documents: Sequence[Mapping[str, str]] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text of a conversation; ``InvalidArgumentError`` on ``messages`` when the
-        template refuses it or fails on it."""
-        rendered = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in messages
-        ]
+        template refuses it or fails on it.
+
+        ``continue_final_message``: the text ends with the last message's content, open for
+        the model to continue it (what follows it in the template, an end-of-turn token, is
+        cut), as ``apply_chat_template`` does. ``documents`` and ``extra`` are passed to the
+        template as variables."""
+        rendered = [_message(m) for m in messages]
         variables = {
             **self.special_tokens,
             **(extra or {}),
             "messages": rendered,
             "add_generation_prompt": add_generation_prompt,
         }
+        if documents is not None:
+            variables["documents"] = [dict(d) for d in documents]
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except TemplateRaisedError as e:
             raise InvalidArgumentError("messages", str(e)) from e
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
             raise InvalidArgumentError(
                 "messages", f"the chat template ({self.origin}) failed: {e}"
             ) from e
+        return _open_ended(text, messages[-1].text()) if continue_final_message else text
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it: role and content, and the optional keys it has."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    for key in ("name", "tool_call_id", "tool_calls"):
+        value = getattr(m, key)
+        if value:
+            out[key] = value
+    return out
+
+
+def _open_ended(text: str, final: str) -> str:
+    """``text`` cut right after the last occurrence of the final message's content."""
+    stripped = final.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise InvalidArgumentError(
+            "continue_final_message", "the last message's content is not in the rendered chat"
+        )
+    whole = final.lstrip()
+    keep = len(whole) if text[at : at + len(whole)] == whole else len(stripped)
+    return text[: at + keep]

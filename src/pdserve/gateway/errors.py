@@ -34,6 +34,8 @@ UNAUTHORIZED = Status(401, "invalid_request_error")
 ``invalid_api_key``)."""
 FORBIDDEN = Status(403, "permission_error")
 NOT_FOUND = Status(404, "not_found_error")
+CONFLICT = Status(409, "invalid_request_error")
+"""A ``request_id`` that a request of the same caller still runs under."""
 TOO_LARGE = Status(413, "invalid_request_error")
 """A body over ``--max-body-bytes``."""
 OVERLOADED = Status(429, "rate_limit_error")
@@ -133,6 +135,10 @@ def from_client_error(
     call that carried no key from one whose key was refused."""
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return unauthorized(api_key_sent)
+    if isinstance(err, RequestTooLarge):  # the SDK's reading of gRPC's "larger than max"
+        return bad_request(
+            prompt_param or None, err.message.removeprefix("prompt: "), code=CONTEXT_LENGTH_EXCEEDED
+        )
     too_large = _TOO_LARGE_FOR_GRPC.search(err.message)
     # gRPC's own refusal: RESOURCE_EXHAUSTED on the wire, which the SDK raises as
     # RequestTooLarge (INVALID_ARGUMENT); either way the request, not the load, is wrong.
@@ -149,6 +155,9 @@ def from_client_error(
         )
     status = _BY_GRPC_CODE.get(err.code, SERVER_ERROR)
     code = err.code.name.lower()
+    if err.code == grpc.StatusCode.ALREADY_EXISTS:  # the one id a caller chooses
+        message = f"request_id: {err.message.removeprefix('request_id ')}"
+        return GatewayError(CONFLICT, message, param="request_id", code=code)
     if isinstance(err, InvalidRequest):
         param = openai_param(
             err.field, prompt_param=prompt_param, max_tokens_param=max_tokens_param

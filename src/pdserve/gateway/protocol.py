@@ -1,10 +1,11 @@
 """The OpenAI request bodies the gateway accepts, as pydantic models.
 
-Fields follow OpenAI's Completions and Chat Completions APIs; ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens`` and ``return_token_ids`` are vLLM's extensions
-(the ``openai`` client sends them through ``extra_body``). Unknown fields are ignored, as
-OpenAI-compatible servers do. Parameters the engine cannot honour are refused with a 400 that
-names them (``unsupported()``) rather than silently dropped.
+Every field of OpenAI's Completions and Chat Completions request schemas, and of vLLM's
+extensions to them (the ``openai`` client sends those in ``extra_body``), is declared here,
+so that each is either honoured or refused with a 400 naming it (``fields.refusals``); a
+field neither schema has is refused too, unless the gateway runs with
+``--allow-unknown-fields`` (``fields.unknown_fields``). ``docs/http-api.md`` lists what each
+field does.
 
 Types are strict, as JSON has them: a boolean is not an integer (``max_tokens: true`` is
 refused, not taken as 1), a string is not a number, an integer is a number (``temperature:
@@ -25,25 +26,29 @@ MAX_N = 16
 """Choices per prompt at most (``n``): each one is a request of its own in the cluster."""
 MAX_CHOICES = 128
 """Choices per HTTP request at most (prompts of a batch times ``n``)."""
-Role = Literal["system", "user", "assistant"]
-"""Chat roles the gateway takes (it refuses tool calls, so there are no tool messages)."""
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+"""Chat roles the gateway takes; the chat template renders each as it knows it."""
 ROLES: tuple[str, ...] = get_args(Role)
-MAX_LOGPROBS = 1
-"""Only the sampled token's log-probability is known (the engine returns no alternatives), so
-``logprobs``/``top_logprobs`` above 1 are refused."""
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Body(BaseModel):
+    """Every request object: strict JSON types; keys outside the schema are kept in
+    ``model_extra`` for ``fields.unknown_fields`` to refuse or let pass."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries its choice's usage so far."""
+    include_obfuscation: bool = False
+    """OpenAI's: random padding on each chunk (refused)."""
 
 
-class SamplingFields(_Body):
-    """Parameters both endpoints share."""
+class SamplingFields(Body):
+    """Parameters both endpoints share: OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
     temperature: float | None = None
@@ -53,17 +58,52 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    """Token ids as JSON object keys (strings), as OpenAI sends them."""
     user: str | None = None
-    # vLLM's extensions
+    """An identifier of the end user, for the caller's records: it changes nothing."""
+    # vLLM's sampling parameters
+    best_of: int | None = None
+    use_beam_search: bool = False
     top_k: int | None = None
-    ignore_eos: bool = False
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    """Keep the last this many prompt tokens."""
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    bad_words: list[str] | None = None
+    # vLLM's other extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    priority: int = 0
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """The id of the response (``cmpl-{request_id}``) and, with a choice suffix, of its
+    requests in the cluster."""
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool = False
+    """Tokens in logprobs as ``token_id:{id}``."""
     return_token_ids: bool = False
     """Add ``token_ids`` (the generated ids) to every choice."""
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -73,15 +113,8 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _unsupported(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        if self.presence_penalty:
-            out.append(("presence_penalty", "penalties are not supported; use 0"))
-        if self.frequency_penalty:
-            out.append(("frequency_penalty", "penalties are not supported; use 0"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit bias is not supported"))
-        return out
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -95,8 +128,11 @@ class CompletionRequest(SamplingFields):
     """Unset: the server's default (16, as OpenAI's)."""
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
+    # vLLM's
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
+    """Tokenize a text prompt with the model's BOS."""
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch: one text or token-id list each."""
@@ -107,33 +143,27 @@ class CompletionRequest(SamplingFields):
             return [[int(x) for x in p if isinstance(x, int)]]
         return [x if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(parameter, why) of each parameter set to something the gateway cannot do."""
-        out = self._unsupported()
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            out.append(("logprobs", f"at most {MAX_LOGPROBS}: only the sampled token's is known"))
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.best_of is not None and self.best_of != self.n:
-            out.append(("best_of", "best_of is not supported; use n"))
-        if self.suffix:
-            out.append(("suffix", "suffix (insertion) is not supported"))
-        return out
 
-
-class TextPart(_Body):
+class TextPart(Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    """A ``tool`` message's: the call it answers (the chat template renders it)."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """An ``assistant`` message's earlier calls (the chat template renders them)."""
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
 
     def text(self) -> str:
         """The content as one string (text parts joined); other part types are refused by
-        ``ChatCompletionRequest.unsupported``."""
+        ``fields.refusals``."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -152,37 +182,41 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-    # vLLM's extensions
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    metadata: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    prompt_cache_key: str | None = None
+    """A hint for OpenAI's cache routing: pdserve's prefix caches match prompts themselves,
+    so it changes nothing."""
+    reasoning_effort: Any = None
+    safety_identifier: str | None = None
+    """Like ``user``: for the caller's records, it changes nothing."""
+    service_tier: str | None = None
+    store: bool | None = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # vLLM's
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the last (assistant) message open-ended, for the model to continue it."""
+    add_special_tokens: bool = False
+    """Add the model's BOS before the chat template's text (which writes its own)."""
+    documents: list[dict[str, str]] | None = None
+    """Passed to the chat template as ``documents`` (retrieval-augmented templates)."""
+    chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template."""
+    mm_processor_kwargs: Any = None
+    include_reasoning: bool = True
+    """No reasoning parser runs: every token is content either way."""
 
     def max_tokens_param(self) -> tuple[str, int | None]:
         """(the parameter's name as the caller spelt it, its value)."""
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(parameter, why) of each parameter set to something the gateway cannot do."""
-        out = self._unsupported()
-        if self.top_logprobs is not None and self.top_logprobs > MAX_LOGPROBS:
-            out.append(
-                ("top_logprobs", f"at most {MAX_LOGPROBS}: only the sampled token's is known")
-            )
-        if self.tools:
-            out.append(("tools", "tool calls are not supported"))
-        if self.tool_choice not in (None, "none"):
-            out.append(("tool_choice", "tool calls are not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(("response_format", "only the text format is supported"))
-        for i, message in enumerate(self.messages):
-            if isinstance(message.content, list):
-                for j, part in enumerate(message.content):
-                    if part.type != "text":
-                        out.append(
-                            (f"messages[{i}].content[{j}].type", f"{part.type!r} parts are not "
-                             "supported; only text")
-                        )  # fmt: skip
-        return out

@@ -1,9 +1,9 @@
 """The OpenAI response bodies the gateway sends, as pydantic models (serialised with
 ``model_dump(mode="json")``).
 
-``token_ids`` (vLLM's ``return_token_ids``) and a chat delta's ``role``/``content`` are left out
-of the JSON when unset, as OpenAI leaves them out; every other field is always present, with
-``null`` where OpenAI sends ``null``.
+``token_ids`` (vLLM's ``return_token_ids``), ``prompt_logprobs`` (vLLM's), ``service_tier`` and
+a chat delta's ``role``/``content`` are left out of the JSON when unset, as OpenAI leaves them
+out; every other field is always present, with ``null`` where OpenAI sends ``null``.
 """
 
 from __future__ import annotations
@@ -50,13 +50,29 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy logprobs: ``top_logprobs`` holds the sampled token only."""
+    """OpenAI's legacy logprobs: per token its text, logprob, the ``logprobs`` most likely
+    tokens with the sampled one added (a dict of text -> logprob), and its offset. An echoed
+    prompt's first token has none: ``null`` in ``token_logprobs`` and ``top_logprobs``."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
-    """Offset of each token's text in the choice's text."""
+    """Offset of each token's text: the sum of the texts of the tokens before it."""
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    """1 + how many tokens the model found more likely there."""
+    decoded_token: str
+
+
+PromptLogprobList = list[dict[str, PromptTokenLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token, ``null`` for the first, then token id ->
+entry for the prompt's token and the alternatives asked for."""
 
 
 class CompletionChoice(BaseModel):
@@ -65,10 +81,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_ids")
+        return _drop_none(handler(self), "token_ids", "prompt_logprobs")
 
 
 class Completion(BaseModel):
@@ -121,6 +138,13 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: str | None = None
+    """``default`` when the request named a tier (``auto`` or ``default``)."""
+    prompt_logprobs: PromptLogprobList | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "service_tier", "prompt_logprobs")
 
 
 class ChatDelta(BaseModel):
@@ -151,6 +175,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "service_tier")
 
 
 # -- /v1/models, errors --------------------------------------------------------------------------
@@ -169,6 +198,32 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's ``POST /tokenize`` answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    """With ``return_token_strs``: each token's text."""
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "token_strs")
+
+
+class DetokenizeResponse(BaseModel):
+    """vLLM's ``POST /detokenize`` answer."""
+
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """``GET /version``: pdserve's version."""
+
+    version: str
 
 
 class ErrorDetail(BaseModel):

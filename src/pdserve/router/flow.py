@@ -78,6 +78,7 @@ from pdserve.rpc.convert import (
     sampling_to_proto,
     timing_from_proto,
 )
+from pdserve.rpc.convert.logprobs import chunk_logprobs, prefill_logprobs
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
     common_pb2,
@@ -225,6 +226,8 @@ class RequestFlow:
                     observed.chunk(chunk)
                 total.token_ids += chunk.token_ids
                 total.logprobs += chunk.logprobs
+                total.top_logprobs += chunk.top_logprobs
+                total.prompt_logprobs = total.prompt_logprobs or chunk.prompt_logprobs
                 total.text += chunk.text
                 total.finish_reason = chunk.finish_reason
                 total.usage = chunk.usage
@@ -301,7 +304,8 @@ class RequestFlow:
         run.cached_tokens = resp.num_cached_tokens
 
         finish = finish_reason_from_proto(resp.finish_reason, field="PrefillResponse.finish_reason")
-        first = run.chunk([resp.first_token_id], [resp.first_logprob], finish)
+        tops, prompt = prefill_logprobs(resp)
+        first = run.chunk([resp.first_token_id], [resp.first_logprob], finish, tops, prompt)
         yield first
         if first.finished:
             return
@@ -424,7 +428,8 @@ class RequestFlow:
                     absorb(msg)
                     run.finished_stream = stream  # the worker is done: read, don't cancel
                     self.housekeeper.wind_up(run, stream, self._track)
-                chunk = run.chunk(list(msg.token_ids), list(msg.logprobs), finish)
+                tops, prompt = chunk_logprobs(msg)
+                chunk = run.chunk(list(msg.token_ids), list(msg.logprobs), finish, tops, prompt)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
                 if chunk.finished:

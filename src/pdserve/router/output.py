@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.outputs import FinishReason
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.timing import Timing
 
 
@@ -29,6 +30,10 @@ class RouteChunk:
     finish_reason: FinishReason | None = None
     usage: RouteUsage | None = None
     timing: Timing | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """The alternatives at each of ``token_ids`` (``SamplingParams.logprobs`` > 0)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the first chunk, when ``SamplingParams.prompt_logprobs`` asked for them."""
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.outputs import FinishReason
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.router.output import RouteChunk, RouteUsage
 from pdserve.router.request import RouteRequest
 from pdserve.router.text import ResponseText
@@ -55,10 +56,16 @@ class RequestState:
     (``Housekeeper.wind_up``)."""
 
     def chunk(
-        self, tokens: list[int], logprobs: list[float], finish: FinishReason | None
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        finish: FinishReason | None,
+        tops: list[TopLogprobs] | None = None,
+        prompt: PromptLogprobs | None = None,
     ) -> RouteChunk:
-        """The chunk streaming new tokens; cut after a stop string, final when ``finish`` is
-        set (then with usage and timing)."""
+        """The chunk streaming new tokens (with their alternatives ``tops``, if asked, and the
+        prompt's logprobs on the first); cut after a stop string, final when ``finish`` is set
+        (then with usage and timing)."""
         kept = 0
         for token in tokens:
             kept += 1
@@ -74,6 +81,8 @@ class RequestState:
             logprobs=logprobs[:kept],
             text=self.text.take(final=finish is not None),
             finish_reason=finish,
+            top_logprobs=(tops or [])[:kept],
+            prompt_logprobs=prompt,
         )
         if chunk.token_ids:
             self.trace.token_sent()

@@ -17,7 +17,9 @@ export for hand-offs, imports, preemption. Per step it
    streams on any worker, through hand-offs, migration and retries. The hash picks among the
    tokens the request's masks leave (``allowed_token_ids``, bad words, ``min_tokens``'s stop
    tokens, a ``logit_bias`` of -100 out; a bias of +100 forces its token); the sim has no
-   distribution, so penalties, ``min_p`` and other biases change nothing.
+   distribution, so penalties, ``min_p`` and other biases change nothing. Its logprobs are
+   those of a point mass: 0 for the drawn token (its only alternative) and, for prompt
+   logprobs, 0 and rank 1 for each prompt token.
 
 A sequence's first decode checks that its KV slots hold its prompt's tokens: a block table
 or hand-off that lost or mixed up KV fails that request, as a wrong KV would make a real
@@ -40,6 +42,7 @@ from pdserve.engine.outputs import StepResult
 from pdserve.engine.sampling_params import LOGIT_BIAS_RANGE
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.sim.timing import TimingModel, step_of
 
 _MASK64 = (1 << 64) - 1
@@ -126,8 +129,11 @@ class SimRunner:
             if seq.request_id not in failed:
                 sampling.append(seq)
         hooked: list[tuple[Sequence, int]] = []
+        prompt: dict[str, PromptLogprobs] = {}
         for chunk in out.prefills:
             seq = chunk.seq
+            if seq.wants_prompt_logprobs:
+                prompt[seq.request_id] = _point_mass_prompt(seq, chunk.num_tokens)
             self._store(seq, seq.num_computed_tokens, chunk.num_tokens)
             if chunk.samples:
                 sampling.append(seq)
@@ -151,13 +157,16 @@ class SimRunner:
             start += waited
         self._wait_until(start + seconds)
         drawn: dict[str, tuple[int, float]] = {}
+        top: dict[str, TopLogprobs] = {}
         for s in sampling:
             token = self.token_for(s)
             if token is None:
                 failed[s.request_id] = "no token is left to sample: the logits controls mask all"
             else:
                 drawn[s.request_id] = (token, 0.0)
-        return StepResult(drawn, failed)
+                if s.params.logprobs:
+                    top[s.request_id] = TopLogprobs((token,), (0.0,))
+        return StepResult(drawn, failed, top=top, prompt=prompt)
 
     def token_for(self, seq: Sequence) -> int | None:
         """The token ``seq`` draws next (None: its masks leave none)."""
@@ -251,3 +260,14 @@ class SimRunner:
             raise ValueError(f"layer {layer} of the simulated KV is out of order")
         slots = self._slots(block_table, 0, n)
         self._kv[slots] = keys.reshape(-1).to(torch.int64).numpy()
+
+
+def _point_mass_prompt(seq: Sequence, num_tokens: int) -> PromptLogprobs:
+    """The sim's prompt logprobs for a chunk: each prompt token certain (see the module
+    docstring)."""
+    assert seq.prompt_logprobs is not None
+    done = len(seq.prompt_logprobs.logprobs)
+    end = min(seq.num_computed_tokens + num_tokens, seq.num_prompt_tokens - 1)
+    targets = seq.token_ids[done + 1 : end + 1]
+    top = [TopLogprobs((t,), (0.0,)) for t in targets] if seq.params.prompt_logprobs else []
+    return PromptLogprobs(logprobs=[0.0] * len(targets), ranks=[1] * len(targets), top=top)

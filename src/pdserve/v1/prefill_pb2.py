@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_host\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\"\xaf\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x08 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12,\n\x08transfer\x18\n \x01(\x0b\x32\x1a.pdserve.v1.TransferTiming2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_host\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\"\x99\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x08 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12,\n\x08transfer\x18\n \x01(\x0b\x32\x1a.pdserve.v1.TransferTiming\x12\x33\n\x12\x66irst_top_logprobs\x18\x0b \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x0c \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=66
   _globals['_PREFILLREQUEST']._serialized_end=278
   _globals['_PREFILLRESPONSE']._serialized_start=281
-  _globals['_PREFILLRESPONSE']._serialized_end=584
-  _globals['_PREFILL']._serialized_start=586
-  _globals['_PREFILL']._serialized_end=663
+  _globals['_PREFILLRESPONSE']._serialized_end=690
+  _globals['_PREFILL']._serialized_start=692
+  _globals['_PREFILL']._serialized_end=769
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., reservation_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_host: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "kv", "finish_reason", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "num_cached_tokens", "transfer")
+    __slots__ = ("first_token_id", "first_logprob", "kv", "finish_reason", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "num_cached_tokens", "transfer", "first_top_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class PrefillResponse(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     kv: _common_pb2.KVHandle
@@ -50,4 +52,6 @@ class PrefillResponse(_message.Message):
     transfer_bytes: int
     num_cached_tokens: int
     transfer: _common_pb2.TransferTiming
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferTiming, _Mapping]] = ...) -> None: ...
+    first_top_logprobs: _common_pb2.TopLogprobs
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferTiming, _Mapping]] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"M\n\tModelInfo\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\xd9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x05 \x01(\x08\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"\xcd\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xd0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t2\xe2\x01\n\x06Router\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"M\n\tModelInfo\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\xd9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x05 \x01(\x08\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"\xb1\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\"\xb4\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs2\xe2\x01\n\x06Router\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,9 +39,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=167
   _globals['_GENERATEREQUEST']._serialized_end=384
   _globals['_GENERATECHUNK']._serialized_start=387
-  _globals['_GENERATECHUNK']._serialized_end=592
-  _globals['_GENERATERESPONSE']._serialized_start=595
-  _globals['_GENERATERESPONSE']._serialized_end=803
-  _globals['_ROUTER']._serialized_start=806
-  _globals['_ROUTER']._serialized_end=1032
+  _globals['_GENERATECHUNK']._serialized_end=692
+  _globals['_GENERATERESPONSE']._serialized_start=695
+  _globals['_GENERATERESPONSE']._serialized_end=1003
+  _globals['_ROUTER']._serialized_start=1006
+  _globals['_ROUTER']._serialized_end=1232
 # @@protoc_insertion_point(module_scope)

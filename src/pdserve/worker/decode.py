@@ -219,6 +219,7 @@ class DecodeWorker:
     ) -> AsyncGenerator[DecodeDelta, None]:
         """The tokens after ``first_token`` (and after ``resumed``, the tokens a decode worker
         that died had streamed); the transport's copy is gone when this ends."""
+        params = params.without_prompt_logprobs()  # they went out with the prefill's answer
         if resumed:
             check_request(self.engine, request_id, prompt_ids, params)
             deltas = resume(

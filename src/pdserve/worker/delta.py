@@ -3,9 +3,10 @@ last one also says where the request's time went on this worker."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord
 
@@ -34,6 +35,10 @@ class DecodeDelta:
     """Set on the last delta only."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (``generate``, last delta only)."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """The alternatives at each token (``SamplingParams.logprobs`` > 0), else empty."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """``generate``'s first delta, when ``SamplingParams.prompt_logprobs`` asked for them."""
 
     @property
     def timing(self) -> Timing | None:
@@ -51,4 +56,6 @@ def delta_of(
         finish_reason=out.finish_reason if out.finished else None,
         finished=finished,
         num_cached_tokens=num_cached_tokens,
+        top_logprobs=list(out.new_top_logprobs),
+        prompt_logprobs=out.prompt_logprobs,
     )

@@ -44,6 +44,7 @@ from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.prefix import decode as decode_prefix
 from pdserve.prefix.decode_client import DecodePrefixClients
 from pdserve.prefix.store import PrefixReuse
@@ -99,6 +100,10 @@ class PrefillResult:
     """The sender's measurements; None when nothing was sent."""
     stamps: RequestTiming | None = None
     """The engine-thread stamps the figures were derived from (the stage spans)."""
+    first_top_logprobs: TopLogprobs | None = None
+    """The first token's alternatives (``SamplingParams.logprobs`` > 0)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """``SamplingParams.prompt_logprobs`` set: the prompt's logprobs."""
 
 
 @dataclass(slots=True)
@@ -297,6 +302,8 @@ class PrefillWorker:
                 num_cached_tokens=last.num_cached_tokens,
                 transfer=record,
                 stamps=timing,
+                first_top_logprobs=next(iter(last.new_top_logprobs), None),
+                prompt_logprobs=last.prompt_logprobs,
             )
         finally:
             if out is not None and not committed:
@@ -417,6 +424,8 @@ class PrefillWorker:
             num_cached_tokens=out.num_cached_tokens,
             transfer=done.record,
             stamps=done.timing,
+            first_top_logprobs=next(iter(out.new_top_logprobs), None),
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def _finish_reason(

@@ -103,6 +103,8 @@ def test_logits_controls_map_to_their_namesakes(fake_tensorrt_llm: Path) -> None
         ({"bad_words": ("hello",)}, "sampling.bad_words"),
         ({"min_tokens": 2, "stop_token_ids": (5,)}, "sampling.min_tokens"),
         ({"min_tokens": 2, "stop": ("x",)}, "sampling.min_tokens"),
+        ({"logprobs": 3}, "sampling.logprobs"),
+        ({"prompt_logprobs": 0}, "sampling.prompt_logprobs"),
     ],
 )
 def test_what_tensorrt_llm_cannot_express_is_refused_by_name(

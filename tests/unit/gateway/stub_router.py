@@ -1,8 +1,11 @@
 """A router stand-in on a real gRPC socket, with the router's own API-key check.
 
 It serves the Router service as far as the gateway's unit tests need: ``GetModelInfo`` (the
-gateway's key check), and ``GenerateUnary``/``Generate`` answering one token ``ok`` (finish
-``length``) to any request. Keys are checked by the real ``AuthInterceptor`` over a real
+gateway's key check), and ``GenerateUnary``/``Generate`` answering one token ``ok`` (id 7, logprob
+-0.5, finish ``length``) to any request: with ``sampling.logprobs = k`` its alternatives are
+ids 7, 8, ... (logprobs -0.5, -1.5, ...), with ``prompt_logprobs = k`` every prompt token after
+the first has logprob -2 and rank 2 and alternatives ids 20, 21, ... (a text prompt's ids are
+1 and then 100, 101, ... per word). Keys are checked by the real ``AuthInterceptor`` over a real
 ``ApiKeys``; ``max_receive_bytes`` sets gRPC's own bound on a request message, whose refusal
 ("Received message larger than max") is RESOURCE_EXHAUSTED, as at the real router. Calls are
 counted per method.
@@ -42,21 +45,39 @@ class StubRouter(router_pb2_grpc.RouterServicer):
         prompt = len(request.token_ids.ids) or len(request.text.split())
         return common_pb2.Usage(prompt_tokens=prompt, completion_tokens=1)
 
+    def _answer(self, request: router_pb2.GenerateRequest) -> dict[str, Any]:
+        sampling = request.sampling
+        k = sampling.logprobs
+        out: dict[str, Any] = {
+            "text": "ok", "token_ids": [7], "logprobs": [-0.5], "usage": self._usage(request),
+            "finish_reason": common_pb2.FINISH_REASON_LENGTH, "request_id": request.request_id,
+        }  # fmt: skip
+        if k:
+            out["top_logprobs"] = [_top(7, k, -0.5)]
+        if sampling.HasField("prompt_logprobs"):
+            ids = list(request.token_ids.ids) or [1, *range(100, 100 + len(request.text.split()))]
+            n, pk = len(ids) - 1, sampling.prompt_logprobs
+            out["prompt_logprobs"] = common_pb2.PromptLogprobs(
+                token_ids=ids, logprobs=[-2.0] * n, ranks=[2] * n,
+                top=[_top(20, pk, -1.0) for _ in range(n)] if pk else [],
+            )  # fmt: skip
+        return out
+
     async def GenerateUnary(self, request: Any, context: Any) -> router_pb2.GenerateResponse:  # noqa: N802
         self.calls["GenerateUnary"] += 1
         self.requests.append(request)
-        return router_pb2.GenerateResponse(
-            text="ok", token_ids=[7], logprobs=[-0.5], usage=self._usage(request),
-            finish_reason=common_pb2.FINISH_REASON_LENGTH, request_id=request.request_id,
-        )  # fmt: skip
+        return router_pb2.GenerateResponse(**self._answer(request))
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         self.calls["Generate"] += 1
         self.requests.append(request)
-        yield router_pb2.GenerateChunk(
-            text="ok", token_ids=[7], logprobs=[-0.5], usage=self._usage(request),
-            finish_reason=common_pb2.FINISH_REASON_LENGTH, request_id=request.request_id,
-        )  # fmt: skip
+        yield router_pb2.GenerateChunk(**self._answer(request))
+
+
+def _top(first: int, k: int, best: float) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(
+        token_ids=list(range(first, first + k)), logprobs=[best - i for i in range(k)]
+    )
 
 
 async def start_stub(

@@ -59,10 +59,10 @@ def test_integers_are_numbers() -> None:
 
 
 def test_a_role_is_one_of_the_known_ones() -> None:
-    assert ROLES == ("system", "user", "assistant")
+    assert ROLES == ("system", "user", "assistant", "tool", "developer")
     for role in ROLES:
         ChatCompletionRequest.model_validate({"messages": [{"role": role, "content": "x"}]})
-    for role in ("robot", "tool", "developer", "", "USER", 1, None):
+    for role in ("robot", "function", "", "USER", 1, None):
         messages = [{"role": "user", "content": "x"}, {"role": role, "content": "y"}]
         with pytest.raises(ValidationError) as err:
             ChatCompletionRequest.model_validate({"messages": messages})

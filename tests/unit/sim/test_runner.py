@@ -289,3 +289,19 @@ def test_the_hash_draws_among_what_the_masks_leave(tiny_llama_dir: Path) -> None
 
 def vars_of(params: SamplingParams) -> dict[str, object]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+def test_logprobs_are_a_point_mass(tiny_llama_dir: Path) -> None:
+    p = prompts(9, [40])[0]
+    asked = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, prompt_logprobs=2)
+    # 16-token steps: the prompt's logprobs come in three chunks.
+    (r,) = sim_engine(tiny_llama_dir, max_num_batched_tokens=16, max_num_seqs=1).generate(
+        [p], asked
+    )
+    assert [(t.token_ids, t.logprobs) for t in r.top_logprobs] == [
+        ((token,), (0.0,)) for token in r.token_ids
+    ]
+    pl = r.prompt_logprobs
+    assert pl is not None and pl.token_ids == p
+    assert pl.logprobs == [0.0] * 39 and pl.ranks == [1] * 39
+    assert [t.token_ids for t in pl.top] == [(t,) for t in p[1:]]

@@ -10,7 +10,8 @@ here. ``kv``: the KV handle and the hand-off's measurements. ``worker``: the Pre
 and Mixed services' answers. ``prefix``: the decode worker's cached-prefix query
 (``Decode.CachedPrefix``). ``router``: the Router service's answers; ``client``: the same as
 the SDK reads them. ``scheduler``: the Scheduler service's requests and answers. ``kvstore``:
-the KV store's answers (its chunks have their own codec, ``kvstore.wire``). All but ``common``
+the KV store's answers (its chunks have their own codec, ``kvstore.wire``). ``logprobs``: the
+top and prompt logprobs every layer carries. All but ``common``
 name the domain types of their layers and are imported by module, so that a layer importing
 this package does not pull in the others.
 """

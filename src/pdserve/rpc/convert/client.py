@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pdserve.client.results import Completion, Delta, ModelInfo, Usage
 from pdserve.rpc.convert.common import finish_reason_name, timing_from_proto
+from pdserve.rpc.convert.logprobs import prompt_from_proto, tops_from_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -25,6 +26,10 @@ def delta_from_proto(msg: router_pb2.GenerateChunk) -> Delta:
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
         timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
         request_id=msg.request_id,
+        top_logprobs=tops_from_proto(msg.top_logprobs),
+        prompt_logprobs=(
+            prompt_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None
+        ),
     )
 
 
@@ -38,6 +43,10 @@ def completion_from_proto(msg: router_pb2.GenerateResponse) -> Completion:
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
         timing=timing_from_proto(msg.timing) if msg.HasField("timing") else None,
         request_id=msg.request_id,
+        top_logprobs=tops_from_proto(msg.top_logprobs),
+        prompt_logprobs=(
+            prompt_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None
+        ),
     )
 
 

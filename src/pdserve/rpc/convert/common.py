@@ -88,6 +88,8 @@ def sampling_from_proto(msg: pb.SamplingParams, *, field: str = "sampling") -> S
             bad_words_token_ids=tuple(
                 tuple(int(t) for t in w.ids) for w in msg.bad_words_token_ids
             ),
+            logprobs=int(msg.logprobs),
+            prompt_logprobs=(int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None),
         )
     except InvalidArgumentError as e:
         raise _prefixed(e, field) from e
@@ -112,9 +114,12 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         allowed_token_ids=list(params.allowed_token_ids),
         bad_words=list(params.bad_words),
         bad_words_token_ids=[pb.TokenIds(ids=w) for w in params.bad_words_token_ids],
+        logprobs=int(params.logprobs),
     )
     if params.seed is not None:
         msg.seed = int(params.seed)
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = int(params.prompt_logprobs)
     return msg
 
 

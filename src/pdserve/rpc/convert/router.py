@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.router.output import RouteChunk, RouteUsage
 from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto, usage_to_proto
+from pdserve.rpc.convert.logprobs import prompt_to_proto, tops_to_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 
@@ -28,6 +29,10 @@ def generate_chunk(chunk: RouteChunk, *, first: bool) -> router_pb2.GenerateChun
         usage=usage_of(chunk.usage),
         timing=timing_to_proto(chunk.timing) if chunk.timing is not None else None,
         request_id=chunk.request_id if first else "",
+        top_logprobs=tops_to_proto(chunk.top_logprobs),
+        prompt_logprobs=(
+            prompt_to_proto(chunk.prompt_logprobs) if chunk.prompt_logprobs is not None else None
+        ),
     )
 
 
@@ -41,4 +46,8 @@ def generate_response(total: RouteChunk) -> router_pb2.GenerateResponse:
         usage=usage_of(total.usage),
         timing=timing_to_proto(total.timing) if total.timing is not None else None,
         request_id=total.request_id,
+        top_logprobs=tops_to_proto(total.top_logprobs),
+        prompt_logprobs=(
+            prompt_to_proto(total.prompt_logprobs) if total.prompt_logprobs is not None else None
+        ),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto
 from pdserve.rpc.convert.kv import handle_to_proto, transfer_to_proto
+from pdserve.rpc.convert.logprobs import prompt_to_proto, top_to_proto, tops_to_proto
 from pdserve.v1 import decode_pb2, prefill_pb2
 from pdserve.worker.delta import DecodeDelta
 from pdserve.worker.prefill import PrefillResult
@@ -27,6 +28,10 @@ def prefill_response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
         response.kv.CopyFrom(handle_to_proto(result.kv))
     if result.transfer is not None:
         response.transfer.CopyFrom(transfer_to_proto(result.transfer))
+    if result.first_top_logprobs is not None:
+        response.first_top_logprobs.CopyFrom(top_to_proto(result.first_top_logprobs))
+    if result.prompt_logprobs is not None:
+        response.prompt_logprobs.CopyFrom(prompt_to_proto(result.prompt_logprobs))
     return response
 
 
@@ -37,7 +42,10 @@ def chunk_to_proto(delta: DecodeDelta) -> decode_pb2.DecodeChunk:
         logprobs=delta.logprobs,
         finish_reason=finish_reason_to_proto(delta.finish_reason),
         num_cached_tokens=delta.num_cached_tokens,
+        top_logprobs=tops_to_proto(delta.top_logprobs),
     )
+    if delta.prompt_logprobs is not None:
+        chunk.prompt_logprobs.CopyFrom(prompt_to_proto(delta.prompt_logprobs))
     if delta.finished is not None:
         chunk.timing.CopyFrom(timing_to_proto(delta.finished.timing))
         if delta.finished.transfer is not None:
