@@ -140,12 +140,7 @@ def from_client_error(
             prompt_param or None, err.message.removeprefix("prompt: "), code=CONTEXT_LENGTH_EXCEEDED
         )
     too_large = _TOO_LARGE_FOR_GRPC.search(err.message)
-    # gRPC's own refusal: RESOURCE_EXHAUSTED on the wire, which the SDK raises as
-    # RequestTooLarge (INVALID_ARGUMENT); either way the request, not the load, is wrong.
-    grpc_refused = (
-        isinstance(err, RequestTooLarge) or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    )
-    if grpc_refused and too_large is not None:
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and too_large is not None:
         size, limit = too_large.groups()
         return bad_request(
             prompt_param or None,
