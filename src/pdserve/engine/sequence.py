@@ -18,6 +18,8 @@ from pdserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.guided import GuideState
+
 
 class LayerHook(Protocol):
     """Called once per layer when a prefill's KV of that layer is complete.
@@ -65,6 +67,7 @@ class Sequence:
         "cache_salt",
         "enqueued_at",
         "generator",
+        "guide",
         "hold_kv",
         "layer_hook",
         "num_cached_tokens",
@@ -116,6 +119,8 @@ class Sequence:
         self.seed = 0
         """Sampling seed; output token ``i`` is drawn from a generator seeded by (seed, i), so
         the draw does not depend on batch, preemption or which engine samples it."""
+        self.guide: GuideState | None = None
+        """The grammar matcher of a structured-output request, past every output token."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
