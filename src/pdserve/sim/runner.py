@@ -13,11 +13,13 @@ export for hand-offs, imports, preemption. Per step it
    layer, so a layer-wise transfer starts mid-step as it does on a device, or when the
    engine shares its device through a gate that lets other engines in between layers);
 4. samples deterministic tokens: a hash of the prompt, the output position and the request's
-   seed, never an EOS id, so every stream runs to ``max_tokens`` and equal requests give equal
-   streams on any worker, through hand-offs, migration and retries. The hash picks among the
-   tokens the request's masks leave (``allowed_token_ids``, bad words, ``min_tokens``'s stop
-   tokens, a ``logit_bias`` of -100 out; a bias of +100 forces its token); the sim has no
-   distribution, so penalties, ``min_p`` and other biases change nothing.
+   seed, never an EOS id unless the masks leave nothing else (below), so every stream runs to
+   ``max_tokens`` (or to the end of its guide's grammar) and equal requests give equal streams
+   on any worker, through hand-offs, migration and retries. The hash picks among the tokens
+   the request's masks leave (a structured-output guide's grammar, ``allowed_token_ids``, bad
+   words, ``min_tokens``'s stop tokens, a ``logit_bias`` of -100 out; a bias of +100 forces
+   its token); the sim has no distribution, so penalties, ``min_p`` and other biases change
+   nothing.
 
 A sequence's first decode checks that its KV slots hold its prompt's tokens: a block table
 or hand-off that lost or mixed up KV fails that request, as a wrong KV would make a real
@@ -154,7 +156,9 @@ class SimRunner:
         for s in sampling:
             token = self.token_for(s)
             if token is None:
-                failed[s.request_id] = "no token is left to sample: the logits controls mask all"
+                failed[s.request_id] = (
+                    "no token is left to sample: the logits controls (or the guide) mask all"
+                )
             else:
                 drawn[s.request_id] = (token, 0.0)
         return StepResult(drawn, failed)
@@ -170,9 +174,13 @@ class SimRunner:
 
     def _choices(self, seq: Sequence) -> np.ndarray:
         """The token ids ``seq``'s masks leave this step, ascending; EOS only when the allowed
-        ids leave nothing else."""
+        ids (or the guide's grammar) leave nothing else."""
         p = seq.params
         choices = self._tokens
+        if seq.guide is not None:  # the grammar's mask, as on a real engine
+            allowed = seq.guide.allowed_tokens()
+            kept = np.intersect1d(choices, allowed, assume_unique=True)
+            choices = kept if len(kept) else allowed
         if p.allowed_token_ids:
             allowed = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
             kept = np.intersect1d(choices, allowed, assume_unique=True)
