@@ -177,12 +177,13 @@ class SimRunner:
         ids (or the guide's grammar) leave nothing else."""
         p = seq.params
         choices = self._tokens
-        if seq.guide is not None:  # the grammar's mask, as on a real engine
-            allowed = seq.guide.allowed_tokens()
-            kept = np.intersect1d(choices, allowed, assume_unique=True)
-            choices = kept if len(kept) else allowed
+        # The hard masks (the grammar's, as on a real engine; the allowed ids), EOS included:
+        # the hash prefers what they leave without it.
+        allowed = seq.guide.allowed_tokens() if seq.guide is not None else None
         if p.allowed_token_ids:
-            allowed = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
+        if allowed is not None:
             kept = np.intersect1d(choices, allowed, assume_unique=True)
             choices = kept if len(kept) else allowed
         forbidden = banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids)
