@@ -208,5 +208,6 @@ def test_bench_guided_cli_on_tiny_checkpoint(
     for name in ("typical", "bounded"):
         assert doc["compile"][name]["cold_ms"] > doc["compile"][name]["cached_ms"]
         assert doc["mask"][name]["steps"] > 0 and doc["decode"][name]["step_ms"] > 0
+        assert doc["sampler"][name]["step_ms"] > 0
     assert doc["decode"]["unguided"]["vs_unguided"] == 1.0
     assert "typical" in capsys.readouterr().out

@@ -6,11 +6,16 @@ One run, on the demo checkpoint (``--preset small``: a 32000-token vocabulary) o
    description, once per worker), then each schema cold (a cache miss: parsed and compiled
    for the vocabulary) and cached (the engine's LRU);
 2. **mask**: the sampler's batched pass at ``--batch`` rows, every row guided: one bitmask
-   filled by the rows' matchers, applied once to ``[batch, vocab]`` float32 logits; each step
+   filled by the rows' matchers, applied once to ``[batch, vocab]`` float32 logits (and the
+   fills alone, the rest being the application); each step
    then advances every matcher by a token drawn from its masked row (a random walk through the
    grammar, so the matchers visit the states real outputs visit);
-3. **decode**: the engine's decode step at ``--batch`` requests, all guided against none,
-   side by side, interleaved, over the first ``--steps`` decode steps (every request still
+3. **sampler**: the sampler alone at ``--batch`` rows of random logits, none guided against
+   all guided, interleaved step by step (what structured output adds to a step, free of the
+   forward pass's noise);
+4. **decode**: the engine's decode step at ``--batch`` requests, all guided against none: one
+   engine per kind, stepped in turn (so the machine's other load falls on each alike), over
+   the first ``--steps`` decode steps of each of ``--rounds`` rounds (every request still
    running: each valid instance of the schemas is longer).
 
 Two schemas: ``typical`` (strings, an integer, an enum, a boolean, an array: no length bounds)
@@ -34,7 +39,8 @@ import torch
 from pdserve.bench.engine_bench import load_average, machine_info, wait_for_quiet
 from pdserve.engine.engine import Engine
 from pdserve.engine.guide import Guide
-from pdserve.engine.guided import Guides, mask_guided
+from pdserve.engine.guided import Guides, load_xgrammar, mask_guided
+from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
@@ -103,13 +109,20 @@ def mask_cost(engine: Engine, batch: int, steps: int, seed: int = 0) -> dict[str
             seq.guide = engine.guides.start(guide, [], "guide")
             seqs.append(seq)
         times: list[float] = []
+        fills: list[float] = []
+        scratch = load_xgrammar("guide").allocate_token_bitmask(batch, vocab)
         for _ in range(steps):
             if any(s.guide is None or s.guide.matcher.is_terminated() for s in seqs):
                 break  # measured at the full batch only
             logits = torch.randn(batch, vocab, generator=gen)
             t0 = time.perf_counter()
+            for i, s in enumerate(seqs):  # the fills alone (mask_guided's first part)
+                assert s.guide is not None
+                s.guide.matcher.fill_next_token_bitmask(scratch, i)
+            t1 = time.perf_counter()
             mask_guided(logits, seqs)
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t1)
+            fills.append(t1 - t0)
             tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten()
             for s, t in zip(seqs, tokens.tolist(), strict=True):
                 assert s.guide is not None
@@ -118,49 +131,95 @@ def mask_cost(engine: Engine, batch: int, steps: int, seed: int = 0) -> dict[str
         out[name] = {
             "steps": len(times),
             "step_ms": _ms(step),
+            "fill_ms": _ms(statistics.mean(fills)),
             "per_row_us": round(step / batch * 1e6, 1),
             "worst_step_ms": _ms(max(times)),
         }
     return out
 
 
-def _decode_steps(engine: Engine, batch: int, steps: int, guide: Guide | None, seed: int) -> float:
-    """Mean seconds of the first ``steps`` decode steps of ``batch`` requests."""
+def _guided_seqs(engine: Engine, batch: int, guide: Guide | None) -> list[Sequence]:
+    """``batch`` sequences as the engine makes them (seeds, generators, matchers)."""
     for i in range(batch):
-        params = SamplingParams(
-            temperature=1.0, seed=seed + i, max_tokens=steps + 2, ignore_eos=True, guide=guide
-        )
-        engine.add_request(f"b{seed}-{i}", "describe a user account", params)
-    times: list[float] = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        shape = engine.last_step
-        if shape.prefill_tokens == 0 and shape.decodes == batch and len(times) < steps:
-            times.append(time.perf_counter() - t0)
-    if len(times) < steps:
-        raise RuntimeError(f"only {len(times)} decode steps at batch {batch} were measured")
-    return statistics.mean(times)
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=64, guide=guide)
+        engine.add_request(f"s{i}", "describe a user account", params)
+    seqs = list(engine.scheduler.waiting)
+    for i in range(batch):
+        engine.abort(f"s{i}")
+    return seqs
 
 
-def decode_cost(engine: Engine, batch: int, steps: int, rounds: int) -> dict[str, Any]:
-    """Decode step time at ``batch``: none guided against all guided (each schema),
-    interleaved over ``rounds``; means in ms and the guided/plain ratio of their medians."""
+def sampler_cost(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
+    """The sampler alone (``sample``) at ``batch`` rows of random logits, no row guided
+    against every row guided, interleaved step by step; medians in ms. The guided rows'
+    matchers advance by what was drawn."""
     kinds: dict[str, Guide | None] = {"unguided": None}
     kinds.update({name: Guide.json_schema(s) for name, s in SCHEMAS.items()})
-    samples: dict[str, list[float]] = {k: [] for k in kinds}
-    for guide in kinds.values():  # warm-up, not measured: first allocations, caches
-        _decode_steps(engine, batch, steps, guide, seed=10**6)
-    for r in range(rounds):
-        for kind, guide in kinds.items():
-            samples[kind].append(_decode_steps(engine, batch, steps, guide, seed=1000 * r))
-    plain = statistics.median(samples["unguided"])
+    seqs = {kind: _guided_seqs(engine, batch, guide) for kind, guide in kinds.items()}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        logits = torch.randn(batch, engine.model_config.vocab_size, generator=gen)
+        for kind, rows in seqs.items():
+            if any(s.guide is not None and s.guide.matcher.is_terminated() for s in rows):
+                continue
+            t0 = time.perf_counter()
+            out = sample(logits.clone(), rows)
+            times[kind].append(time.perf_counter() - t0)
+            for s, token in zip(rows, out.tokens, strict=True):
+                if s.guide is not None:
+                    s.guide.advance(token)
+    plain = statistics.median(times["unguided"])
     return {
         kind: {
             "step_ms": _ms(statistics.median(values)),
+            "added_ms": _ms(statistics.median(values) - plain),
+        }
+        for kind, values in times.items()
+    }
+
+
+def decode_cost(model: Path, batch: int, steps: int, rounds: int, threads: int) -> dict[str, Any]:
+    """The engine's decode step at ``batch`` requests, none guided against all guided (each
+    schema): one engine per kind, stepped in turn, so that the machine's other load falls on
+    every kind alike; medians in ms over the steps that decode the whole batch, and their
+    ratio to the unguided one's. A first round warms every engine up, unmeasured."""
+    kinds: dict[str, Guide | None] = {"unguided": None}
+    kinds.update({name: Guide.json_schema(s) for name, s in SCHEMAS.items()})
+    engines = {
+        kind: Engine.from_pretrained(
+            model, dtype="float32", max_num_seqs=batch, num_threads=threads,
+            kv_cache_bytes=64 * 1024 * 1024,
+        )
+        for kind in kinds
+    }  # fmt: skip
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(rounds + 1):
+        for kind, engine in engines.items():
+            for i in range(batch):
+                params = SamplingParams(
+                    temperature=1.0, seed=1000 * r + i, max_tokens=steps + 2,
+                    ignore_eos=True, guide=kinds[kind],
+                )  # fmt: skip
+                engine.add_request(f"r{r}-{i}", "describe a user account", params)
+        while any(e.has_unfinished() for e in engines.values()):
+            for kind, engine in engines.items():
+                if not engine.has_unfinished():
+                    continue
+                t0 = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - t0
+                shape = engine.last_step
+                if r > 0 and shape.prefill_tokens == 0 and shape.decodes == batch:
+                    times[kind].append(elapsed)
+    plain = statistics.median(times["unguided"])
+    return {
+        kind: {
+            "steps": len(values),
+            "step_ms": _ms(statistics.median(values)),
             "vs_unguided": round(statistics.median(values) / plain, 3),
         }
-        for kind, values in samples.items()
+        for kind, values in times.items()
     }
 
 
@@ -180,7 +239,8 @@ def run(model: Path, *, batch: int, steps: int, rounds: int, threads: int) -> di
         "batch": batch,
         "compile": compiled,
         "mask": mask_cost(engine, batch, steps=64),
-        "decode": decode_cost(engine, batch, steps, rounds),
+        "sampler": sampler_cost(engine, batch, steps=64),
+        "decode": decode_cost(model, batch, steps, rounds, threads),
     }
     report["machine"]["load_1min_end"] = load_average()
     return report
@@ -188,23 +248,28 @@ def run(model: Path, *, batch: int, steps: int, rounds: int, threads: int) -> di
 
 def _print(report: dict[str, Any]) -> None:
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch {m['torch']}")
-    print(f"load (1 min): {m['load_1min_start']} at start, {m['load_1min_end']} at end")
+    print(f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs ({', '.join(m['isa'])}), "
+          f"torch {m['torch']}")  # fmt: skip
+    print(f"load (1 min): {m['load_1min_start']:.2f} at start, {m['load_1min_end']:.2f} at end")
     print(f"model: {report['model']} (vocabulary {report['vocab_size']})")
     c = report["compile"]
     print(f"first guide of an engine (import + vocabulary): {c['first_guide_ms']:.0f} ms")
     b = report["batch"]
-    print(f"{'schema':<10} {'compile cold':>13} {'cached':>9} {'mask/step @' + str(b):>15} "
-          f"{'per row':>9} {'decode step':>12} {'vs plain':>9}")  # fmt: skip
-    d = report["decode"]
-    print(f"{'unguided':<10} {'':>13} {'':>9} {'':>15} {'':>9} "
-          f"{d['unguided']['step_ms']:>9.2f} ms {1.0:>9.2f}")  # fmt: skip
+    head = ("schema", "compile cold", "cached", f"mask (fill) @{b}", "per row",
+            f"sampler @{b}", "decode step", "vs plain")  # fmt: skip
+    print(f"{head[0]:<10}{head[1]:>14}{head[2]:>10}{head[3]:>18}{head[4]:>10}{head[5]:>13}"
+          f"{head[6]:>13}{head[7]:>10}")  # fmt: skip
+    sp, d = report["sampler"], report["decode"]
+    plain_sampler, plain_step = sp["unguided"]["step_ms"], d["unguided"]["step_ms"]
+    print(f"{'unguided':<10}{'':>14}{'':>10}{'':>18}{'':>10}"
+          f"{plain_sampler:>10.2f} ms{plain_step:>10.2f} ms{1.0:>10.2f}")  # fmt: skip
     for name in SCHEMAS:
         mk = report["mask"][name]
         print(
-            f"{name:<10} {c[name]['cold_ms']:>10.2f} ms {c[name]['cached_ms'] * 1e3:>6.1f} us "
-            f"{mk['step_ms']:>12.3f} ms {mk['per_row_us']:>6.1f} us "
-            f"{d[name]['step_ms']:>9.2f} ms {d[name]['vs_unguided']:>9.2f}"
+            f"{name:<10}{c[name]['cold_ms']:>11.2f} ms{c[name]['cached_ms'] * 1e3:>7.1f} us"
+            f"{mk['step_ms']:>7.2f} ({mk['fill_ms']:.2f}) ms{mk['per_row_us']:>7.1f} us"
+            f"{sp[name]['step_ms']:>10.2f} ms"
+            f"{d[name]['step_ms']:>10.2f} ms{d[name]['vs_unguided']:>10.2f}"
         )
 
 
