@@ -148,6 +148,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="characters of the bad words given as text plus token ids of those given as ids",
     )
+    g.add_argument(
+        "--max-guide-chars",
+        type=int,
+        default=32768,
+        help="characters of a structured-output guide (a JSON schema, regex, grammar or choices)",
+    )
+    g.add_argument("--max-guided-choices", type=int, default=1024, help="strings of guided_choice")
     g.add_argument("--max-request-id-chars", type=int, default=256)
     g.add_argument("--max-tenant-chars", type=int, default=256)
     g.add_argument("--tokenize-threads", type=int, default=2,
@@ -168,6 +175,8 @@ def request_limits(args: argparse.Namespace, model: ModelLimits) -> RequestLimit
             max_allowed_token_ids=args.max_allowed_token_ids,
             max_bad_words=args.max_bad_words,
             max_bad_words_chars=args.max_bad_words_chars,
+            max_guide_chars=args.max_guide_chars,
+            max_guided_choices=args.max_guided_choices,
             max_request_id_chars=args.max_request_id_chars,
             max_tenant_chars=args.max_tenant_chars,
         )

@@ -111,3 +111,10 @@ class RequestFailedError(PdServeError):
     raised, logits that were not finite). The engine and its other requests carry on."""
 
     grpc_code = "INTERNAL"
+
+
+class FeatureUnavailableError(PdServeError):
+    """The request needs what this deployment lacks: an optional package that is not
+    installed (the message names the extra that brings it)."""
+
+    grpc_code = "FAILED_PRECONDITION"

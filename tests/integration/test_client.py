@@ -8,6 +8,7 @@ and cancellation are checked exactly, without workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -251,6 +252,24 @@ def test_logits_controls_travel_under_their_names(fake: tuple[FakeRouter, str]) 
     assert (plain.min_tokens, plain.min_p, len(plain.logit_bias)) == (0, 0.0, 0)
 
 
+def test_guides_travel_under_their_vllm_names(fake: tuple[FakeRouter, str]) -> None:
+    servicer, address = fake
+    schema = {"type": "object", "properties": {"é": {"type": "integer"}}}
+    with Client(address) as client:
+        client.generate("hi", guided_json=schema)
+        client.generate("hi", guided_json='{"type": "string"}')
+        client.generate("hi", guided_json_object=True)
+        client.generate("hi", guided_regex="[a-z]+")
+        client.generate("hi", guided_choice=["yes", "no"])
+        client.generate("hi", guided_grammar='root ::= "x"')
+        client.generate("hi", guided_json_object=False, guided_json=None)
+    by_dict, by_text, obj, regex, choice, grammar, plain = (r.sampling for r in servicer.requests)
+    assert json.loads(by_dict.guided_json) == schema and by_text.guided_json == '{"type": "string"}'
+    assert obj.guided_json_object and regex.guided_regex == "[a-z]+"
+    assert list(choice.guided_choice) == ["yes", "no"] and grammar.guided_grammar == 'root ::= "x"'
+    assert not [f for f, _ in plain.ListFields() if f.name.startswith("guided_")]
+
+
 def test_every_call_has_the_default_deadline_unless_told_otherwise(
     fake: tuple[FakeRouter, str],
 ) -> None:
@@ -375,6 +394,9 @@ def test_client_side_checks_send_nothing(fake: tuple[FakeRouter, str]) -> None:
             ({"logit_bias": {-1: 1.0}}, "sampling.logit_bias"),
             ({"allowed_token_ids": [2**32]}, "sampling.allowed_token_ids"),
             ({"bad_words_token_ids": [[1], [True]]}, "sampling.bad_words_token_ids"),
+            ({"guided_json": {"a": object()}}, "sampling.guided_json"),  # not JSON
+            ({"guided_choice": "yes"}, "sampling.guided_choice"),  # one string, not a list
+            ({"guided_regex": "a", "guided_choice": ["a"]}, "sampling.guided_choice"),
         ]:
             with pytest.raises(InvalidRequest) as info:
                 client.generate("hi", **kwargs)  # type: ignore[arg-type]

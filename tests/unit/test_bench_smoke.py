@@ -189,3 +189,25 @@ def test_attention_workload_cases() -> None:
     assert w.token_budget() == 100 + 2 * 32 + 1
     with pytest.raises(InvalidArgumentError, match="decode_tokens"):
         AttentionWorkload(decode_tokens=1)
+
+
+def test_bench_guided_cli_on_tiny_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pdserve bench guided`` measures compiles, the batched mask and decode steps."""
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "guided.json"
+    argv = [
+        "bench", "guided", "--model", str(tiny_llama_dir), "--batch", "3", "--steps", "2",
+        "--rounds", "1", "--threads", "1", "--max-load", "1000", "--wait-s", "0",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["batch"] == 3 and doc["compile"]["first_guide_ms"] > 0
+    for name in ("typical", "bounded"):
+        assert doc["compile"][name]["cold_ms"] > doc["compile"][name]["cached_ms"]
+        assert doc["mask"][name]["steps"] > 0 and doc["decode"][name]["step_ms"] > 0
+        assert doc["sampler"][name]["step_ms"] > 0
+    assert doc["decode"]["unguided"]["vs_unguided"] == 1.0
+    assert "typical" in capsys.readouterr().out

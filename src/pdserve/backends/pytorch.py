@@ -4,6 +4,11 @@ A thin adapter: every call maps onto one ``AsyncEngine`` call, so a worker on th
 behaves exactly as one driving the ``AsyncEngine`` directly. It supports every feature:
 KV leaves and enters as ``KVPayload`` bytes (pdserve's transports), layer hooks during the
 prefill, and the prefix cache; it has no native KV transfer.
+
+A structured-output request's guide is compiled (or found in the engine's cache) on a thread
+of the event loop's executor before the request reaches the engine, so that neither the
+engine thread nor the event loop waits for a compile, and a guide that does not compile is
+refused before admission, naming its request field (``sampling.guided_json``).
 """
 
 from __future__ import annotations
@@ -99,6 +104,28 @@ class TorchBackend:
         if not self.engine.running:
             self.engine.start()
 
+    async def compile_guide(self, params: SamplingParams) -> None:
+        """Compile ``params``' guide into the engine's cache, off the engine thread;
+        ``InvalidArgumentError`` naming its field under ``sampling.`` when it does not."""
+        if params.guide is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.guides.compile, params.guide
+            )
+        except InvalidArgumentError as err:
+            message = str(err).removeprefix(f"{err.field}: ")
+            raise InvalidArgumentError(f"sampling.{err.field}", message) from None
+
+    async def _compiled(
+        self, params: SamplingParams, stream: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``stream`` (not started yet) once ``params``' guide is compiled."""
+        async with aclosing(stream):
+            await self.compile_guide(params)
+            async for output in stream:
+                yield output
+
     def generate(
         self,
         request_id: str,
@@ -111,7 +138,7 @@ class TorchBackend:
         coalesce: bool = False,
         generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
-        return self.engine.generate(
+        stream = self.engine.generate(
             request_id,
             prompt_ids,
             params,
@@ -121,6 +148,7 @@ class TorchBackend:
             coalesce=coalesce,
             generated=generated,
         )
+        return stream if params.guide is None else self._compiled(params, stream)
 
     async def prefill(
         self,
@@ -136,6 +164,7 @@ class TorchBackend:
     ) -> Prefilled:
         if handoff is Handoff.NATIVE:
             raise InvalidArgumentError("transport", NO_NATIVE)
+        await self.compile_guide(params)
         last: RequestOutput | None = None
         stream = self.engine.generate(
             request_id,
@@ -166,6 +195,23 @@ class TorchBackend:
         tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        stream = self._decode(
+            request_id, prompt_ids, params, first_token, kv, cache_salt, tag, timing, coalesce
+        )
+        return stream if params.guide is None else self._compiled(params, stream)
+
+    def _decode(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        first_token: tuple[int, float],
+        kv: KVPayload | NativeKV | None,
+        cache_salt: str,
+        tag: str,
+        timing: RequestTiming | None,
+        coalesce: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
         if isinstance(kv, NativeKV):
             return refuse(InvalidArgumentError("kv.native", NO_NATIVE))

@@ -3,8 +3,8 @@ translations between its objects and pdserve's.
 
 The surface used, all of it documented LLM API: ``tensorrt_llm.LLM`` (constructor,
 ``generate_async``, ``get_stats_async``, ``shutdown``), ``tensorrt_llm.SamplingParams``,
-and ``tensorrt_llm.llmapi.DisaggregatedParams``, ``KvCacheConfig`` and
-``CacheTransceiverConfig``; on the outputs, ``RequestOutput.outputs``/``finished``/
+and ``tensorrt_llm.llmapi.DisaggregatedParams``, ``GuidedDecodingParams``, ``KvCacheConfig``
+and ``CacheTransceiverConfig``; on the outputs, ``RequestOutput.outputs``/``finished``/
 ``aresult()``/``abort()`` and ``CompletionOutput.token_ids``/``logprobs``/``finish_reason``/
 ``disaggregated_params``. Nothing here imports ``tensorrt_llm`` at module level.
 """
@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pdserve.backends.base import TENSORRT_LLM, NativeKV
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.engine.outputs import FinishReason
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
     InvalidArgumentError,
     KVTransferError,
@@ -36,6 +33,8 @@ DEFAULT_BLOCK_SIZE = 32
 
 TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI")
 """The communication backends of TensorRT-LLM's cache transceiver (``CacheTransceiverConfig``)."""
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")
+"""TensorRT-LLM's grammar backends (``LLM(guided_decoding_backend=...)``)."""
 
 MISSING = (
     "the tensorrt-llm backend needs the tensorrt_llm package, which NVIDIA publishes on its "
@@ -56,6 +55,7 @@ class LLMApi:
     LLM: Any
     SamplingParams: Any
     DisaggregatedParams: Any
+    GuidedDecodingParams: Any
     KvCacheConfig: Any
     CacheTransceiverConfig: Any
 
@@ -71,6 +71,7 @@ def load_api() -> LLMApi:
         LLM=tensorrt_llm.LLM,
         SamplingParams=tensorrt_llm.SamplingParams,
         DisaggregatedParams=llmapi.DisaggregatedParams,
+        GuidedDecodingParams=llmapi.GuidedDecodingParams,
         KvCacheConfig=llmapi.KvCacheConfig,
         CacheTransceiverConfig=llmapi.CacheTransceiverConfig,
     )
@@ -108,6 +109,8 @@ class TensorRTLLMConfig:
     """``CacheTransceiverConfig.max_tokens_in_buffer``."""
     stats_interval_s: float = 0.5
     """How often the engine's iteration statistics (capacity) are read."""
+    guided_decoding_backend: str = "xgrammar"
+    """``LLM(guided_decoding_backend=...)``: the grammar library of structured output."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -127,6 +130,10 @@ class TensorRTLLMConfig:
             raise InvalidArgumentError("transceiver", f"must be one of {TRANSCEIVER_BACKENDS}")
         if not self.stats_interval_s > 0:
             raise InvalidArgumentError("stats_interval_s", "must be > 0")
+        if self.guided_decoding_backend not in GUIDED_DECODING_BACKENDS:
+            raise InvalidArgumentError(
+                "guided_decoding_backend", f"must be one of {GUIDED_DECODING_BACKENDS}"
+            )
 
     def llm_kwargs(self, api: LLMApi, model_dir: Path) -> dict[str, Any]:
         """The keyword arguments of ``tensorrt_llm.LLM``."""
@@ -146,6 +153,7 @@ class TensorRTLLMConfig:
             "kv_cache_config": api.KvCacheConfig(**kv),
             "cache_transceiver_config": api.CacheTransceiverConfig(**transceiver),
             "enable_iter_perf_stats": True,  # capacity comes from the iteration statistics
+            "guided_decoding_backend": self.guided_decoding_backend,
         }
         limits = {
             "max_seq_len": self.max_model_len,
@@ -192,99 +200,7 @@ def read_shape(model_dir: str | Path) -> CheckpointShape:
         raise ModelLoadError(f"{path} is missing the key {err.args[0]!r}") from None
 
 
-# -- requests -----------------------------------------------------------------------------
-def sampling_params(
-    api: LLMApi,
-    params: SamplingParams,
-    *,
-    prompt_len: int,
-    vocab_size: int,
-    max_tokens: int | None = None,
-) -> Any:
-    """TensorRT-LLM's sampling parameters for ``params`` (``max_tokens`` overrides its own).
-
-    Greedy is ``top_k=1`` (TensorRT-LLM's own spelling of it); one logprob per token is asked
-    for, the sampled token's. The logits controls map to their namesakes (``logit_bias`` to
-    ``embedding_bias``, one-token bad words to ``bad_token_ids``); ``prompt_ignore_length``
-    keeps the prompt's ``prompt_len`` tokens out of the presence and frequency penalties, which
-    count the output only in pdserve. What TensorRT-LLM cannot honour is refused
-    (``InvalidArgumentError`` naming the field): see ``unsupported``.
-    """
-    why = unsupported(params)
-    if why is not None:
-        raise InvalidArgumentError(*why)
-    kwargs: dict[str, Any] = {
-        "max_tokens": params.max_tokens if max_tokens is None else max_tokens,
-        "ignore_eos": params.ignore_eos,
-        "logprobs": 1,
-    }
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.seed is not None:
-        kwargs["seed"] = params.seed
-    if params.greedy:
-        kwargs["top_k"] = 1
-    else:
-        kwargs["temperature"] = params.temperature
-        if params.top_k:
-            kwargs["top_k"] = params.top_k
-        if params.top_p < 1.0:
-            kwargs["top_p"] = params.top_p
-        if params.min_p:
-            kwargs["min_p"] = params.min_p
-    kwargs.update(_controls(params, prompt_len, vocab_size))
-    return api.SamplingParams(**kwargs)
-
-
-def unsupported(params: SamplingParams) -> tuple[str, str] | None:
-    """(field, why) of a control TensorRT-LLM's ``SamplingParams`` cannot express; None when
-    it can express them all."""
-    if params.allowed_token_ids:
-        return "sampling.allowed_token_ids", "tensorrt-llm has no allowed-token list"
-    if params.bad_words:
-        return "sampling.bad_words", "give the words as token ids (the router tokenizes them)"
-    if any(len(w) > 1 for w in params.bad_words_token_ids):
-        return (
-            "sampling.bad_words_token_ids",
-            "tensorrt-llm takes bad words of one token only (bad_token_ids)",
-        )
-    if params.logprobs:
-        return "sampling.logprobs", "the tensorrt-llm backend reports the sampled token's only"
-    if params.prompt_logprobs is not None:
-        return "sampling.prompt_logprobs", "the tensorrt-llm backend computes no prompt logprobs"
-    if params.min_tokens and (params.stop_token_ids or params.stop):
-        # TensorRT-LLM's min_tokens holds back the end token alone: its stop words still end
-        # the request early.
-        return (
-            "sampling.min_tokens",
-            "tensorrt-llm applies min_tokens to the end-of-sequence token only, not to "
-            "stop_token_ids or stop strings",
-        )
-    return None
-
-
-def _controls(params: SamplingParams, prompt_len: int, vocab_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if params.presence_penalty or params.frequency_penalty:
-        out["presence_penalty"] = params.presence_penalty
-        out["frequency_penalty"] = params.frequency_penalty
-        out["prompt_ignore_length"] = prompt_len
-    if params.repetition_penalty != 1.0:
-        out["repetition_penalty"] = params.repetition_penalty
-    if params.min_tokens:
-        out["min_tokens"] = params.min_tokens
-    if params.bad_words_token_ids:
-        out["bad_token_ids"] = [w[0] for w in params.bad_words_token_ids]
-    if params.logit_bias:
-        bias = torch.zeros(vocab_size, dtype=torch.float32)
-        for token, value in params.logit_bias.items():
-            bias[token] = value
-        out["embedding_bias"] = bias
-    return out
-
-
+# -- hand-offs ---------------------------------------------------------------------------
 def generation_params(api: LLMApi, kv: NativeKV) -> Any:
     """The disaggregated parameters of the generation-only request that continues ``kv``."""
     return api.DisaggregatedParams(

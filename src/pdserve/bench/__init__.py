@@ -26,6 +26,9 @@ SUBCOMMANDS: dict[str, Command] = {
     "faults": Command(
         "pdserve.bench.faults.cli", "main", "each kind of process killed under load: what was lost"
     ),
+    "guided": Command(
+        "pdserve.bench.guided_bench", "main", "structured output: compile, mask and step cost"
+    ),
     "overhead": Command(
         "pdserve.bench.overhead", "main", "latency the service path adds over the engine alone"
     ),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack, cast
+from typing import Any, TypedDict, Unpack, cast
 
 import grpc
 
@@ -38,6 +39,12 @@ class RequestOptions(TypedDict, total=False):
     Unset (or ``None``) sampling parameters take the server's defaults (temperature 1,
     max_tokens 16); ``temperature=0`` is greedy. The logits controls carry vLLM's names and
     meanings (``docs/sampling.md``); ``bad_words`` are tokenized by the router.
+
+    Structured output takes one of vLLM's ``guided_*`` keywords: ``guided_json`` (a JSON
+    schema, as a dict or its JSON text), ``guided_json_object=True`` (any JSON object:
+    OpenAI's ``response_format`` ``json_object``), ``guided_regex``, ``guided_choice`` (a list
+    of strings) or ``guided_grammar`` (EBNF); the workers compile it and refuse one that does
+    not compile, naming its field (``sampling.guided_regex``).
     """
 
     max_tokens: int | None
@@ -63,6 +70,11 @@ class RequestOptions(TypedDict, total=False):
     prompt_logprobs: int | None
     """Return each prompt token's logprob and rank with this many alternatives
     (``Delta.prompt_logprobs`` on the first delta), at most 20."""
+    guided_json: Mapping[str, Any] | str | None
+    guided_json_object: bool
+    guided_regex: str | None
+    guided_choice: Sequence[str] | None
+    guided_grammar: str | None
     request_id: str | None
     skip_special_tokens: bool
     """Default True."""
@@ -99,6 +111,7 @@ def build_request(
     if top_p is not None:
         sampling.top_p = float(top_p)
     _logits_controls(sampling, options)
+    _guide(sampling, options)
     request = router_pb2.GenerateRequest(
         sampling=sampling, skip_special_tokens=options.get("skip_special_tokens", True)
     )
@@ -144,6 +157,39 @@ def _logits_controls(sampling: common_pb2.SamplingParams, options: RequestOption
         sampling.bad_words_token_ids.add(
             ids=[_in_range(t, _UINT32, "sampling.bad_words_token_ids") for t in word]
         )
+
+
+_GUIDES = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guide(sampling: common_pb2.SamplingParams, options: RequestOptions) -> None:
+    """The structured-output keyword of ``options``, if any, into ``sampling``: one at most,
+    ``guided_json`` as JSON text, ``guided_choice`` as a list (not one string)."""
+    given = [name for name in _GUIDES if options.get(name)]
+    if len(given) > 1:
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sampling.{given[1]}: only one of {', '.join(_GUIDES)} may be set; got {given[0]} too",
+        )
+    schema = options.get("guided_json")
+    if isinstance(schema, Mapping):
+        try:
+            schema = json.dumps(schema, ensure_ascii=False)
+        except (TypeError, ValueError) as err:
+            raise InvalidRequest(
+                grpc.StatusCode.INVALID_ARGUMENT, f"sampling.guided_json: is not JSON: {err}"
+            ) from None
+    choices = options.get("guided_choice") or ()
+    if isinstance(choices, str):
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.guided_choice: must be a list of strings, not one string",
+        )
+    sampling.guided_json = schema or ""
+    sampling.guided_json_object = bool(options.get("guided_json_object"))
+    sampling.guided_regex = options.get("guided_regex") or ""
+    sampling.guided_choice.extend(choices)
+    sampling.guided_grammar = options.get("guided_grammar") or ""
 
 
 def metadata(tenant: str | None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:

@@ -56,6 +56,9 @@ class EngineConfig:
     prefill, decode over the paged blocks in place) where they are built and fit the model;
     False keeps torch's ``scaled_dot_product_attention`` (for A/B runs and tests). Ignored on
     CUDA, which always uses torch's."""
+    guide_cache_bytes: int = 64 * 1024 * 1024
+    """Compiled structured-output grammars kept for reuse (``engine.guided``), in bytes of
+    the grammar library's own measure; the least recently used go first."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "auto"):
@@ -84,6 +87,10 @@ class EngineConfig:
         if not self.aging_tokens_per_s > 0:
             raise InvalidArgumentError(
                 "aging_tokens_per_s", f"must be > 0, got {self.aging_tokens_per_s}"
+            )
+        if self.guide_cache_bytes < 0:
+            raise InvalidArgumentError(
+                "guide_cache_bytes", f"must be >= 0, got {self.guide_cache_bytes}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", f"must be >= 2, got {self.max_model_len}")

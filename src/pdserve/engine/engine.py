@@ -32,6 +32,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
+from pdserve.engine.guided import Guides
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.logits_processors import tokenize_bad_words
 from pdserve.engine.outputs import (
@@ -94,6 +95,8 @@ class Engine:
             built.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager, max_model_len=self.max_model_len)
+        self.guides = Guides(self.tokenizer, mc.vocab_size, cache_bytes=config.guide_cache_bytes)
+        """Compiles structured-output guides (thread-safe: compile ahead off this thread)."""
         self.gate: ComputeGate = UNGATED
         """Brackets each step's compute (sharing the device with other engines); set it
         before the first step."""
@@ -179,6 +182,10 @@ class Engine:
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             seq.generator = torch.Generator(device=self.runner.device)
+        if params.guide is not None:  # its matcher replays what was drawn elsewhere
+            first = [first_token[0]] if kv is not None and first_token is not None else []
+            field = "generated" if resumed else "first_token"
+            seq.guide = self.guides.start(params.guide, resumed or first, field)
         req = _Request(seq, TextStream(self.tokenizer, params.stop, params.min_tokens))
         if resumed:
             self._resume(req, resumed)
@@ -337,8 +344,9 @@ class Engine:
         for seq in self.scheduler.update(sched, result.sampled):
             req = self._requests[seq.request_id]
             token, logprob = seq.token_ids[-1], seq.output_logprobs[-1]
-            if req.text.add(token) and not seq.status.finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)  # a stop string hit
+            ended = seq.guide is not None and seq.guide.advance(token)  # the grammar is done
+            if (req.text.add(token) or ended) and not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)  # or a stop string
             out = self._output(req, [token], [logprob])
             top = result.top.get(seq.request_id)
             out.new_top_logprobs = [top] if top is not None else []

@@ -36,9 +36,10 @@ _NEG_INF = float("-inf")
 
 
 def is_controlled(seq: Seq) -> bool:
-    """``seq``'s logits are changed before this step's token is chosen."""
+    """``seq``'s logits are changed before this step's token is chosen (a guided sequence's by
+    its grammar's mask, ``engine.guided``)."""
     p = seq.params
-    return p.has_logits_controls or seq.num_output_tokens < p.min_tokens
+    return p.has_logits_controls or seq.guide is not None or seq.num_output_tokens < p.min_tokens
 
 
 def apply_controls(logits: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:

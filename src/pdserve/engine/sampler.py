@@ -2,7 +2,8 @@
 per-request seeded RNG.
 
 The rows of the requests that use a logits control this step (penalties, ``logit_bias``,
-``allowed_token_ids``, bad words, ``min_tokens``: ``logits_processors``) are copied out and
+``allowed_token_ids``, bad words, ``min_tokens``: ``logits_processors``; a structured-output
+guide: ``guided``, whose one batched bitmask goes first) are copied out and
 processed together before the arg-max or the draw, greedy rows included (as vLLM does). A
 batch in which no request uses one takes the plain path: no copy, no extra tensor op. The
 logprob reported is always the *raw* model distribution's (before the controls, temperature
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.guided import mask_guided
 from pdserve.engine.logits_processors import apply_controls, is_controlled, min_p_filter
 from pdserve.engine.logprobs import top_logprobs
 from pdserve.engine.sequence import Sequence
@@ -92,13 +94,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
     processed: dict[int, torch.Tensor] = {}  # row -> its logits after the controls
     controlled = [i for i, seq in enumerate(seqs) if is_controlled(seq)]
     if controlled:
-        rows = apply_controls(logits[controlled], [seqs[i] for i in controlled])  # a copy
+        cseqs = [seqs[i] for i in controlled]
+        # A copy; the grammars' masks first (as vLLM applies them), then the controls.
+        rows = apply_controls(mask_guided(logits[controlled], cseqs), cseqs)
         best = rows.max(dim=-1)
         tokens[controlled] = best.indices
         for j, i in enumerate(controlled):
             processed[i] = rows[j]
         for j in torch.nonzero(best.values == _NEG_INF).flatten().tolist():
-            failed[controlled[j]] = "no token is left to sample: the logits controls mask all"
+            failed[controlled[j]] = (
+                "no token is left to sample: the logits controls (or the guide) mask all"
+            )
     for i, seq in enumerate(seqs):
         if seq.params.greedy or i in failed:
             continue

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pdserve.engine.guide import Guide
 from pdserve.errors import InvalidArgumentError
 from pdserve.logprobs import MAX_LOGPROBS
 
@@ -124,6 +125,9 @@ class SamplingParams:
     before it, with this many alternatives, in [0, ``MAX_LOGPROBS``]; None: none. Computed by
     the engine that prefills the prompt (never from its prefix cache: the logits of every
     prompt position are needed)."""
+    guide: Guide | None = None
+    """Structured output: what the output must be (a JSON schema, a regex, ...); the engine
+    masks every token that would leave it (``engine.guided``). None: free text."""
     stop_token_set: frozenset[int] = field(
         default=frozenset(), init=False, repr=False, compare=False
     )
@@ -198,6 +202,8 @@ class SamplingParams:
         if any(not w for w in sequences):
             raise InvalidArgumentError("bad_words_token_ids", "every word needs a token id")
         object.__setattr__(self, "bad_words_token_ids", sequences)
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise InvalidArgumentError("guide", f"must be a Guide, got {self.guide!r}")
         controls = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or bias or allowed or sequences

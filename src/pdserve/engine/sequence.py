@@ -19,6 +19,8 @@ from pdserve.logprobs import PromptLogprobs
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.guided import GuideState
+
 
 class LayerHook(Protocol):
     """Called once per layer when a prefill's KV of that layer is complete.
@@ -66,6 +68,7 @@ class Sequence:
         "cache_salt",
         "enqueued_at",
         "generator",
+        "guide",
         "hold_kv",
         "layer_hook",
         "num_cached_tokens",
@@ -123,6 +126,8 @@ class Sequence:
         self.seed = 0
         """Sampling seed; output token ``i`` is drawn from a generator seeded by (seed, i), so
         the draw does not depend on batch, preemption or which engine samples it."""
+        self.guide: GuideState | None = None
+        """The grammar matcher of a structured-output request, past every output token."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

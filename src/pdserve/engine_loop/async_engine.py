@@ -44,6 +44,7 @@ from pdserve.engine.block_manager import BlockEvents
 from pdserve.engine.engine import Engine
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
+from pdserve.engine.guided import Guides
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.max_num_batched_tokens: int = engine.config.max_num_batched_tokens
+        self.guides: Guides = engine.guides  # thread-safe: compile guides ahead, off the thread
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # Guards "accepting" together with the put, so that no command lands in the queue
         # after the engine thread's final drain (its sender would wait forever).

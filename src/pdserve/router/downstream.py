@@ -3,16 +3,22 @@
 A failed downstream call must reach the client with the same status code (a worker that is
 gone is UNAVAILABLE, a full cluster is RESOURCE_EXHAUSTED) but with a message that says which
 step and which worker failed, so that the caller does not see an anonymous INTERNAL.
+
+A worker that refuses one of the request's sampling parameters (a structured-output guide
+that does not compile: only the worker's grammar library can tell) names it by the path the
+caller sent it under (``sampling.guided_regex``, the same in the worker's request and the
+router's): that refusal reaches the caller as its own INVALID_ARGUMENT naming that field.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
 from grpc.aio import AioRpcError
 
-from pdserve.errors import PdServeError
+from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.v1 import common_pb2, prefill_pb2
 
 
@@ -34,10 +40,16 @@ class DownstreamError(PdServeError):
         self.grpc_code = code.name
 
 
+_SAMPLING_FIELD = re.compile(r"^(sampling\.[a-z_]+): (.*)$", re.DOTALL)
+
+
 def downstream_error(step: str, err: AioRpcError) -> PdServeError:
     """The caller-facing error for ``err``, raised by the call named ``step``."""
     code = err.code()
     details = err.details() or "no details"
+    refused = _SAMPLING_FIELD.match(details) if code is grpc.StatusCode.INVALID_ARGUMENT else None
+    if refused is not None:
+        return InvalidArgumentError(refused.group(1), f"{refused.group(2)} (refused by {step})")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"deadline exceeded during {step}: {details}")
     if code is grpc.StatusCode.UNAVAILABLE:

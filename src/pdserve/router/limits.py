@@ -3,8 +3,9 @@
 Every field whose size a client chooses has a limit (``RequestLimits``, set by the router's
 flags): the prompt (token ids, or text in UTF-8 bytes), the stop strings (how many, and their
 characters together), the stop token ids, the logit bias entries, the allowed token ids, the
-bad words (how many, and their characters and token ids together), the request id and the
-tenant. A request over one is
+bad words (how many, and their characters and token ids together), a structured-output guide
+(the characters of its schema, regex or grammar; or how many choices, and their characters
+together), the request id and the tenant. A request over one is
 INVALID_ARGUMENT naming the field. ``check_message`` checks a ``GenerateRequest`` by counts
 alone, before any repeated field is copied into Python objects.
 
@@ -63,6 +64,10 @@ class RequestLimits:
     """Bad words, as text and as token ids together."""
     max_bad_words_chars: int = 4096
     """Characters of the bad words given as text plus token ids of those given as ids."""
+    max_guide_chars: int = 32768
+    """Characters of a guide: its JSON schema, regex or grammar, or all its choices."""
+    max_guided_choices: int = 1024
+    """Strings of ``guided_choice``."""
     max_request_id_chars: int = 256
     max_tenant_chars: int = 256
 
@@ -70,7 +75,8 @@ class RequestLimits:
         for name in (
             "max_prompt_tokens", "max_prompt_bytes", "max_stop_strings", "max_stop_chars",
             "max_stop_token_ids", "max_logit_bias", "max_allowed_token_ids", "max_bad_words",
-            "max_bad_words_chars", "max_request_id_chars", "max_tenant_chars",
+            "max_bad_words_chars", "max_guide_chars", "max_guided_choices",
+            "max_request_id_chars", "max_tenant_chars",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -105,9 +111,11 @@ class RequestLimits:
             + 2 * _FRAMING * self.max_bad_words
             + max(_UTF8_CHAR_BYTES, _UINT32_BYTES) * self.max_bad_words_chars
         )
+        # One guide: its text, or its choices with their framing.
+        guide = _UTF8_CHAR_BYTES * self.max_guide_chars + _FRAMING * self.max_guided_choices
         names = _UTF8_CHAR_BYTES * (self.max_request_id_chars + self.max_tenant_chars)
         total = (
-            prompt + stops + stop_ids + controls + names
+            prompt + stops + stop_ids + controls + guide + names
             + 3 * _FRAMING + _SCALARS_BYTES + _SLACK_BYTES
         )  # fmt: skip
         return -(-total // 1024) * 1024
@@ -192,6 +200,21 @@ class RequestLimits:
                 f"{self.max_bad_words_chars} in all",
             )
 
+    def check_guide(self, field: str, chars: int) -> None:
+        """A guide's characters (``field``: its GenerateRequest field): its text's, or all
+        its choices' (their count first: ``check_choice_count``)."""
+        if chars > self.max_guide_chars:
+            raise InvalidArgumentError(
+                field, f"{chars} characters; this router takes {self.max_guide_chars} in a guide"
+            )
+
+    def check_choice_count(self, count: int) -> None:
+        if count > self.max_guided_choices:
+            raise InvalidArgumentError(
+                "sampling.guided_choice",
+                f"{count} choices; this router takes {self.max_guided_choices}",
+            )
+
     def check_name(self, value: str, field: str) -> str:
         """A request id or tenant: bounded, printable, no spaces (they end up in Redis keys)."""
         limit = self.max_tenant_chars if field == "tenant" else self.max_request_id_chars
@@ -218,6 +241,10 @@ def check_message(
         limits.check_stop_count(len(s.stop))  # before the strings are copied out
         limits.check_stops(s.stop)
         limits.check_controls(len(s.logit_bias), len(s.allowed_token_ids))
+        for name in ("guided_json", "guided_regex", "guided_grammar"):
+            limits.check_guide(f"sampling.{name}", len(getattr(s, name)))
+        limits.check_choice_count(len(s.guided_choice))  # before the strings are copied out
+        limits.check_guide("sampling.guided_choice", sum(len(c) for c in s.guided_choice))
         limits.check_bad_word_count(len(s.bad_words) + len(s.bad_words_token_ids))
         limits.check_bad_words(s.bad_words, [w.ids for w in s.bad_words_token_ids])
     if request.HasField("request_id"):

@@ -98,6 +98,9 @@ def _check(
     limits.check_stop_token_ids(len(params.stop_token_ids))
     limits.check_controls(len(params.logit_bias), len(params.allowed_token_ids))
     limits.check_bad_words(params.bad_words, params.bad_words_token_ids)
+    if params.guide is not None:  # compiled by the workers (docs/sampling.md)
+        limits.check_choice_count(len(params.guide.choices))
+        limits.check_guide(f"sampling.{params.guide.kind.field}", params.guide.size)
     if request_id is None:
         request_id = uuid.uuid4().hex
     elif not request_id:

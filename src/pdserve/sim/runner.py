@@ -13,13 +13,14 @@ export for hand-offs, imports, preemption. Per step it
    layer, so a layer-wise transfer starts mid-step as it does on a device, or when the
    engine shares its device through a gate that lets other engines in between layers);
 4. samples deterministic tokens: a hash of the prompt, the output position and the request's
-   seed, never an EOS id, so every stream runs to ``max_tokens`` and equal requests give equal
-   streams on any worker, through hand-offs, migration and retries. The hash picks among the
-   tokens the request's masks leave (``allowed_token_ids``, bad words, ``min_tokens``'s stop
-   tokens, a ``logit_bias`` of -100 out; a bias of +100 forces its token); the sim has no
-   distribution, so penalties, ``min_p`` and other biases change nothing. Its logprobs are
-   those of a point mass: 0 for the drawn token (its only alternative) and, for prompt
-   logprobs, 0 and rank 1 for each prompt token.
+   seed, never an EOS id unless the masks leave nothing else (below), so every stream runs to
+   ``max_tokens`` (or to the end of its guide's grammar) and equal requests give equal streams
+   on any worker, through hand-offs, migration and retries. The hash picks among the tokens
+   the request's masks leave (a structured-output guide's grammar, ``allowed_token_ids``, bad
+   words, ``min_tokens``'s stop tokens, a ``logit_bias`` of -100 out; a bias of +100 forces
+   its token); the sim has no distribution, so penalties, ``min_p`` and other biases change
+   nothing. Its logprobs are those of a point mass: 0 for the drawn token (its only
+   alternative) and, for prompt logprobs, 0 and rank 1 for each prompt token.
 
 A sequence's first decode checks that its KV slots hold its prompt's tokens: a block table
 or hand-off that lost or mixed up KV fails that request, as a wrong KV would make a real
@@ -161,7 +162,9 @@ class SimRunner:
         for s in sampling:
             token = self.token_for(s)
             if token is None:
-                failed[s.request_id] = "no token is left to sample: the logits controls mask all"
+                failed[s.request_id] = (
+                    "no token is left to sample: the logits controls (or the guide) mask all"
+                )
             else:
                 drawn[s.request_id] = (token, 0.0)
                 if s.params.logprobs:
@@ -179,11 +182,16 @@ class SimRunner:
 
     def _choices(self, seq: Sequence) -> np.ndarray:
         """The token ids ``seq``'s masks leave this step, ascending; EOS only when the allowed
-        ids leave nothing else."""
+        ids (or the guide's grammar) leave nothing else."""
         p = seq.params
         choices = self._tokens
+        # The hard masks (the grammar's, as on a real engine; the allowed ids), EOS included:
+        # the hash prefers what they leave without it.
+        allowed = seq.guide.allowed_tokens() if seq.guide is not None else None
         if p.allowed_token_ids:
-            allowed = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            allowed = ids if allowed is None else np.intersect1d(allowed, ids, assume_unique=True)
+        if allowed is not None:
             kept = np.intersect1d(choices, allowed, assume_unique=True)
             choices = kept if len(kept) else allowed
         forbidden = banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.guide import Guide
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams as PdSamplingParams
@@ -37,6 +38,7 @@ from tensorrt_llm._fake_params import (
     REQUEST_TYPES,
     CacheTransceiverConfig,
     DisaggregatedParams,
+    GuidedDecodingParams,
     KvCacheConfig,
     SamplingParams,
 )
@@ -136,6 +138,7 @@ class LLM:
         kv_cache_config: KvCacheConfig | None = None,
         cache_transceiver_config: CacheTransceiverConfig | None = None,
         enable_iter_perf_stats: bool = False,
+        guided_decoding_backend: str | None = None,
     ) -> None:
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"the stand-in computes in float32 or bfloat16, not {dtype!r}")
@@ -155,6 +158,7 @@ class LLM:
         self.kv_cache_config = kv
         self.cache_transceiver_config = cache_transceiver_config
         self.enable_iter_perf_stats = enable_iter_perf_stats
+        self.guided_decoding_backend = guided_decoding_backend
         self._engine = AsyncEngine(Engine.from_pretrained(model, **config))
         self._engine.start()
         self._steps_reported = 0
@@ -182,6 +186,8 @@ class LLM:
         request_id = (os.getpid() << 24) + next(_ids)  # unique across processes sharing the dir
         out = RequestOutput(request_id, [int(t) for t in inputs], streaming)
         sp = sampling_params or SamplingParams()
+        if sp.guided_decoding is not None and self.guided_decoding_backend is None:
+            raise ValueError("guided decoding needs an LLM built with guided_decoding_backend")
         task = loop.create_task(self._drive(out, sp, kind, disaggregated_params))
         out._task = task
         self._tasks.add(task)
@@ -353,4 +359,21 @@ def _pdserve_params(sp: SamplingParams, prompt_len: int) -> PdSamplingParams:
         frequency_penalty=sp.frequency_penalty or 0.0,
         bad_words_token_ids=tuple((t,) for t in sp.bad_token_ids or ()),
         logit_bias=bias,
+        guide=_guide(sp.guided_decoding),
     )
+
+
+def _guide(g: GuidedDecodingParams | None) -> Guide | None:
+    """pdserve's guide of TensorRT-LLM's guided decoding parameters (its engine enforces it
+    the way TensorRT-LLM's grammar backend does: the same library)."""
+    if g is None:
+        return None
+    if g.structural_tag:
+        raise NotImplementedError("the stand-in has no structural tags")
+    if g.json is not None:
+        return Guide.json_schema(g.json)
+    if g.regex is not None:
+        return Guide.regex(g.regex)
+    if g.grammar is not None:
+        return Guide.grammar(g.grammar)
+    return Guide.json_object() if g.json_object else None

@@ -10,6 +10,20 @@ REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
 TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI")
 
 
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json, self.regex, self.grammar, self.json_object, self.structural_tag]
+        if sum(bool(g) for g in given) > 1:
+            raise ValueError("Only one guide can be used for a request")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     max_tokens: int = 32
@@ -34,6 +48,7 @@ class SamplingParams:
     bad_token_ids: list[int] | None = None
     embedding_bias: Any = None
     """A float32 tensor ``[vocab_size]`` (TensorRT-LLM's documented type)."""
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -28,7 +28,7 @@ from pdserve.backends import (
     NativeKV,
     Prefilled,
 )
-from pdserve.backends.tensorrt_llm_api import unsupported
+from pdserve.backends.tensorrt_llm_sampling import unsupported
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams

@@ -25,9 +25,10 @@ from pdserve.backends.tensorrt_llm_api import (
     native_of,
     new_logprobs,
     read_shape,
-    sampling_params,
     unavailable,
 )
+from pdserve.backends.tensorrt_llm_sampling import sampling_params
+from pdserve.engine.guide import JSON_OBJECT_SCHEMA, Guide
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
@@ -129,6 +130,32 @@ def test_what_tensorrt_llm_cannot_express_is_refused_by_name(
             assert e.value.field == field
 
     run(body)
+
+
+def test_guides_map_to_guided_decoding_params(fake_tensorrt_llm: Path) -> None:
+    """A schema, a regex and a grammar map to their namesakes; a choice to the grammar of its
+    strings; a JSON object to the schema of any object (as pdserve's own engine reads it)."""
+    api = load_api()
+    cases = [
+        (Guide.json_schema('{"type": "integer"}'), {"json": '{"type": "integer"}'}),
+        (Guide.json_object(), {"json": JSON_OBJECT_SCHEMA}),
+        (Guide.regex("[a-z]+"), {"regex": "[a-z]+"}),
+        (Guide.choice(["yes", 'a "b"']), {"grammar": 'root ::= "yes" | "a \\"b\\""'}),
+        (Guide.grammar('root ::= "x"'), {"grammar": 'root ::= "x"'}),
+    ]
+    for guide, fields in cases:
+        sp = _sp(api, SamplingParams(temperature=0.0, guide=guide))
+        assert sp.guided_decoding == api.GuidedDecodingParams(**fields), guide
+    assert _sp(api, SamplingParams()).guided_decoding is None
+    # The syntax is checked before TensorRT-LLM compiles it (it would fail the request later).
+    with pytest.raises(InvalidArgumentError) as err:
+        _sp(api, SamplingParams(guide=Guide.regex("([")))
+    assert err.value.field == "sampling.guided_regex"
+    kwargs = TensorRTLLMConfig().llm_kwargs(api, Path("/model"))
+    assert kwargs["guided_decoding_backend"] == "xgrammar"
+    with pytest.raises(InvalidArgumentError) as err:
+        TensorRTLLMConfig(guided_decoding_backend="outlines")
+    assert err.value.field == "guided_decoding_backend"
 
 
 def test_controls_reach_the_engine(fake_tensorrt_llm: Path, tiny_llama_dir: Path) -> None:

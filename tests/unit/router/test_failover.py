@@ -116,6 +116,25 @@ def test_a_refusal_is_not_retried(tokenizer: Tokenizer) -> None:
     assert fakes.decode_calls == 1 and fakes.assigned == ["res-0"]
 
 
+def test_a_worker_refusing_a_sampling_field_names_it_to_the_caller(tokenizer: Tokenizer) -> None:
+    """Only the worker's grammar library can tell that a guide does not compile: its refusal
+    reaches the caller as INVALID_ARGUMENT naming the request's field, once (no retry)."""
+    why = "sampling.guided_regex: Regex parsing error at position 3: Unclosed '['"
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        with pytest.raises(InvalidArgumentError) as info:
+            await _collect(flow, _request(tokenizer))
+        assert info.value.field == "sampling.guided_regex"
+        assert str(info.value).startswith(f"{why} (refused by Prefill")
+
+    def configure(f: Fakes) -> None:
+        f.prefill_refusal = (grpc.StatusCode.INVALID_ARGUMENT, why)
+
+    fakes = run_with_fakes(tokenizer, configure, body)
+    assert fakes.assigned == ["res-0"] and fakes.decode_calls == 0
+    assert fakes.released == [("res-0", False)]
+
+
 def test_bounds_are_checked() -> None:
     with pytest.raises(InvalidArgumentError) as info:
         FlowConfig(prefill_attempts=0)

@@ -71,6 +71,8 @@ class Fakes(
     """The first this many full Release calls fail with UNAVAILABLE (a scheduler restarting)."""
     prefill_failures: int = 0
     """The first this many Prefill calls fail with UNAVAILABLE (a worker that died)."""
+    prefill_refusal: tuple[grpc.StatusCode, str] | None = None
+    """Every Prefill call fails with this status and details (a worker refusing the request)."""
     decode_dies_after: int | None = None
     """The first Decode call streams this many tokens, then fails with UNAVAILABLE."""
     assign_requests: list[scheduler_pb2.AssignRequest] = field(default_factory=list)
@@ -107,6 +109,8 @@ class Fakes(
         if self.prefill_failures > 0:
             self.prefill_failures -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker went away")
+        if self.prefill_refusal is not None:
+            await context.abort(*self.prefill_refusal)
         resp = prefill_pb2.PrefillResponse(
             first_token_id=FIRST, first_logprob=-1.0, finish_reason=self.prefill_finish,  # type: ignore[arg-type]
             queue_ms=1.0, compute_ms=2.0, transfer_ms=3.0, transfer_bytes=100,

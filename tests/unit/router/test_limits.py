@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.guide import Guide
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.router import ModelLimits, RequestLimits, RequestPreparer, prepare_request
@@ -21,7 +22,8 @@ from services.router.__main__ import parse_args, request_limits, server_options
 LIMITS = RequestLimits(
     max_prompt_tokens=50, max_prompt_bytes=300, max_stop_strings=3, max_stop_chars=20,
     max_stop_token_ids=4, max_logit_bias=3, max_allowed_token_ids=5, max_bad_words=2,
-    max_bad_words_chars=6, max_request_id_chars=10, max_tenant_chars=8,
+    max_bad_words_chars=6, max_guide_chars=12, max_guided_choices=4, max_request_id_chars=10,
+    max_tenant_chars=8,
 )  # fmt: skip
 
 
@@ -50,6 +52,11 @@ OVER_A_LIMIT: list[tuple[dict[str, object], str]] = [
         {"text": "hi", "bad_words_token_ids": [[1, 2, 3, 4], [5, 6, 7]]},
         "sampling.bad_words_token_ids",
     ),
+    ({"text": "hi", "guided_json": '{"type": "str"}'}, "sampling.guided_json"),
+    ({"text": "hi", "guided_regex": "[a-z]{1,10000}"}, "sampling.guided_regex"),
+    ({"text": "hi", "guided_grammar": 'root ::= "abc"'}, "sampling.guided_grammar"),
+    ({"text": "hi", "guided_choice": ["abcdefg", "hijklm"]}, "sampling.guided_choice"),
+    ({"text": "hi", "guided_choice": ["a"] * 5}, "sampling.guided_choice"),
     ({"text": "hi", "request_id": "r" * 11}, "request_id"),
     ({"text": "hi", "tenant": "t" * 9}, "tenant"),
 ]
@@ -67,6 +74,10 @@ def _message(case: dict[str, object]) -> tuple[router_pb2.GenerateRequest, str]:
                 common_pb2.TokenIds(ids=w)
                 for w in case.get("bad_words_token_ids", [])  # type: ignore[attr-defined]
             ],
+            guided_json=case.get("guided_json", ""),  # type: ignore[arg-type]
+            guided_regex=case.get("guided_regex", ""),  # type: ignore[arg-type]
+            guided_choice=case.get("guided_choice", []),  # type: ignore[arg-type]
+            guided_grammar=case.get("guided_grammar", ""),  # type: ignore[arg-type]
         )
     )
     if "text" in case:
@@ -89,6 +100,12 @@ def test_each_limit_names_its_field(
         allowed_token_ids=tuple(case.get("allowed_token_ids", ())),  # type: ignore[arg-type]
         bad_words=tuple(case.get("bad_words", ())),  # type: ignore[arg-type]
         bad_words_token_ids=tuple(map(tuple, case.get("bad_words_token_ids", ()))),  # type: ignore[call-overload]
+        guide=Guide.from_fields(
+            guided_json=case.get("guided_json", ""),  # type: ignore[arg-type]
+            guided_regex=case.get("guided_regex", ""),  # type: ignore[arg-type]
+            guided_choice=case.get("guided_choice", ()),  # type: ignore[arg-type]
+            guided_grammar=case.get("guided_grammar", ""),  # type: ignore[arg-type]
+        ),
     )
     with pytest.raises(InvalidArgumentError) as info:
         prepare_request(
@@ -144,6 +161,9 @@ def test_a_request_within_every_limit_fits_the_message_bound() -> None:
                 common_pb2.TokenIds(ids=[2**32 - 1] * (limits.max_bad_words_chars // n_words))
                 for n_words in [limits.max_bad_words] for _ in range(n_words)
             ],
+            # The widest guide: its characters spread over as many choices as it may have.
+            guided_choice=[widest * (limits.max_guide_chars // limits.max_guided_choices)]
+            * limits.max_guided_choices,
         )  # fmt: skip
         common = {
             "sampling": sampling,
@@ -183,9 +203,10 @@ def test_limits_come_from_the_flags(model: ModelLimits) -> None:
     assert default == RequestLimits.for_model(model.max_model_len)
     assert default.max_prompt_tokens == model.max_model_len
     args = parse_args(["--scheduler", "x:1", "--model", "m", "--max-stop-strings", "2",
-                       "--max-prompt-bytes", "999"])  # fmt: skip
+                       "--max-prompt-bytes", "999", "--max-guide-chars", "77"])  # fmt: skip
     limits = request_limits(args, model)
     assert (limits.max_stop_strings, limits.max_prompt_bytes) == (2, 999)
+    assert limits.max_guide_chars == 77
     assert dict(server_options(limits))["grpc.max_receive_message_length"] == (
         limits.receive_bytes()
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.guide import Guide
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
@@ -39,6 +40,28 @@ def test_sampling_round_trip_keeps_every_field() -> None:
     back = convert.sampling_from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
     assert back == params
     assert back.seed == 123 and back.stop == ("\n\n", "END")
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [
+        Guide.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        Guide.json_object(),
+        Guide.regex("[a-z]+"),
+        Guide.choice(["yes", "no", "peut-être"]),
+        Guide.grammar('root ::= "x" | "y"'),
+    ],
+)
+def test_each_guide_travels_under_its_vllm_field(guide: Guide) -> None:
+    msg = convert.sampling_to_proto(SamplingParams(guide=guide))
+    assert [f.name for f, _ in msg.ListFields() if f.name.startswith("guided_")] == [
+        guide.kind.field
+    ]
+    back = convert.sampling_from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
+    assert back.guide == guide
+    assert convert.sampling_to_proto(SamplingParams()).ListFields() == (
+        convert.sampling_to_proto(SamplingParams(guide=None)).ListFields()
+    )
 
 
 def test_explicit_zero_temperature_is_greedy_not_default() -> None:
@@ -83,6 +106,12 @@ def test_seed_absent_stays_none() -> None:
             pb.SamplingParams(bad_words_token_ids=[pb.TokenIds(ids=[])]),
             "sampling.bad_words_token_ids",
         ),
+        (pb.SamplingParams(guided_json="{"), "sampling.guided_json"),  # not JSON
+        (pb.SamplingParams(guided_json="[1, 2]"), "sampling.guided_json"),  # not a schema
+        (pb.SamplingParams(guided_choice=["a", ""]), "sampling.guided_choice"),
+        # Two guides: the second is named.
+        (pb.SamplingParams(guided_json="{}", guided_regex="a"), "sampling.guided_regex"),
+        (pb.SamplingParams(guided_json_object=True, guided_grammar="x"), "sampling.guided_grammar"),
     ],
 )
 def test_invalid_sampling_names_the_field(msg: pb.SamplingParams, field: str) -> None:

@@ -18,7 +18,8 @@ import torch
 
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.engine import Engine
-from pdserve.engine.outputs import StepFailedError
+from pdserve.engine.guide import Guide
+from pdserve.engine.outputs import FinishReason, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.sim.backend import SimOptions, sim_compute, stand_in_payload
 from pdserve.sim.runner import SimRunner, prompt_digest, sim_token
@@ -280,6 +281,27 @@ def test_the_hash_draws_among_what_the_masks_leave(tiny_llama_dir: Path) -> None
         bad_words_token_ids=((5,), (6,)), logit_bias={7: -100.0},
     )  # fmt: skip
     engine.add_request("dead", p, dead)
+    with pytest.raises(StepFailedError) as failed:
+        while engine.has_unfinished():
+            engine.step()
+    assert "mask" in str(failed.value.failures["dead"])
+    engine.check_no_leaks()
+
+
+def test_the_hash_stays_in_the_guides_grammar(tiny_llama_dir: Path) -> None:
+    """A guided request draws only what its grammar allows, EOS where it is complete (which
+    ends it); allowed ids the grammar refuses leave nothing, and the request fails alone."""
+    pytest.importorskip("xgrammar")
+    engine = sim_engine(tiny_llama_dir)
+    p = prompts(13, [7])[0]
+    choice = Guide.choice(["yes", "no", "maybe so"])
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=16, guide=choice)
+        out = engine.generate([p], params)[0]
+        assert out.text in ("yes", "no", "maybe so") and out.finish_reason is FinishReason.STOP
+        assert out.token_ids[-1] in engine.tokenizer.eos_token_ids
+    digits = engine.tokenizer.encode("7", add_bos=False)
+    engine.add_request("dead", p, SamplingParams(guide=choice, allowed_token_ids=tuple(digits)))
     with pytest.raises(StepFailedError) as failed:
         while engine.has_unfinished():
             engine.step()

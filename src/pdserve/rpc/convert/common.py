@@ -13,6 +13,7 @@ from typing import cast
 
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
+from pdserve.engine.guide import Guide, GuideKind
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
@@ -90,6 +91,13 @@ def sampling_from_proto(msg: pb.SamplingParams, *, field: str = "sampling") -> S
             ),
             logprobs=int(msg.logprobs),
             prompt_logprobs=(int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None),
+            guide=Guide.from_fields(
+                guided_json=msg.guided_json,
+                guided_json_object=msg.guided_json_object,
+                guided_regex=msg.guided_regex,
+                guided_choice=msg.guided_choice,
+                guided_grammar=msg.guided_grammar,
+            ),
         )
     except InvalidArgumentError as e:
         raise _prefixed(e, field) from e
@@ -120,7 +128,23 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = int(params.seed)
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = int(params.prompt_logprobs)
+    _guide_to_proto(params.guide, msg)
     return msg
+
+
+def _guide_to_proto(guide: Guide | None, msg: pb.SamplingParams) -> None:
+    if guide is None:
+        return
+    if guide.kind is GuideKind.JSON:
+        msg.guided_json = guide.spec
+    elif guide.kind is GuideKind.JSON_OBJECT:
+        msg.guided_json_object = True
+    elif guide.kind is GuideKind.REGEX:
+        msg.guided_regex = guide.spec
+    elif guide.kind is GuideKind.CHOICE:
+        msg.guided_choice.extend(guide.choices)
+    else:
+        msg.guided_grammar = guide.spec
 
 
 def check_sampling_against(

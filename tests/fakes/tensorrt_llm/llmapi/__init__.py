@@ -4,6 +4,7 @@ from tensorrt_llm._fake_llm import LLM, CompletionOutput, Logprob, RequestOutput
 from tensorrt_llm._fake_params import (
     CacheTransceiverConfig,
     DisaggregatedParams,
+    GuidedDecodingParams,
     KvCacheConfig,
     SamplingParams,
 )
@@ -13,6 +14,7 @@ __all__ = [
     "CacheTransceiverConfig",
     "CompletionOutput",
     "DisaggregatedParams",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "Logprob",
     "RequestOutput",
