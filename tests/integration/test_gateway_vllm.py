@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,32 @@ def test_continuous_usage_stats(cluster: Cluster, grpc_client: Client) -> None:
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
         if path == "completions":
             assert {c["usage"]["prompt_tokens"] for c in chunks} == {done.usage.prompt_tokens}
+
+
+def test_structured_output_through_the_openai_client(oai: openai.OpenAI) -> None:
+    """OpenAI's response_format json_schema (chat) and vLLM's guided_* (completions) reach
+    the engine's grammar: every sampled answer is valid, and ends because it is complete."""
+    import jsonschema
+
+    from tests.unit.engine.test_guided import CHOICES, REGEX, SCHEMA
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for seed in range(4):
+        chat = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}],
+            response_format=fmt, max_tokens=400, temperature=1.0, seed=seed,  # type: ignore[arg-type]
+        )  # fmt: skip
+        choice = chat.choices[0]
+        assert choice.finish_reason == "stop", choice
+        # strict=False: xgrammar 0.2.8's JSON strings admit raw control characters other
+        # than CR and LF (JSON escapes them); docs/sampling.md says so.
+        jsonschema.validate(json.loads(choice.message.content or "", strict=False), SCHEMA)
+        for extra, ok in (({"guided_choice": list(CHOICES)}, lambda t: t in CHOICES),
+                          ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t))):  # fmt: skip
+            done = oai.completions.create(model=MODEL, prompt="Pick:", max_tokens=200,
+                                          temperature=1.0, seed=seed, extra_body=extra)  # fmt: skip
+            assert done.choices[0].finish_reason == "stop" and ok(done.choices[0].text), extra
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                               extra_body={"guided_regex": "(["})  # fmt: skip
+    assert "guided_regex" in str(err.value)

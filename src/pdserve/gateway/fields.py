@@ -68,9 +68,11 @@ def _nonempty(name: str) -> Callable[[Any], bool]:
 
 
 _GUIDED = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+    "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
+    "structured_outputs",
 )  # fmt: skip
+"""vLLM's guided-decoding fields pdserve does not take (guided_json, guided_regex,
+guided_choice and guided_grammar it honours: ``prepare._guided``)."""
 
 SHARED: tuple[Refusal, ...] = (
     Refusal("best_of", lambda b: b.best_of is not None and b.best_of > 1,
@@ -89,9 +91,6 @@ SHARED: tuple[Refusal, ...] = (
     Refusal("prompt_logprobs",
             lambda b: b.prompt_logprobs is not None and b.prompt_logprobs > MAX_LOGPROBS,
             f"at most {MAX_LOGPROBS}"),
-    Refusal("response_format",
-            lambda b: b.response_format is not None and b.response_format.get("type") != "text",
-            f"formats other than text {NOT_YET}"),
     *(Refusal(name, _set(name), f"guided decoding {NOT_YET}") for name in _GUIDED),
     Refusal("priority", lambda b: b.priority != 0, "priority scheduling is not supported"),
     Refusal("logits_processors", _set("logits_processors"),

@@ -28,7 +28,7 @@ token ids).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pydantic import BaseModel
 
@@ -132,7 +132,39 @@ def request_options(
         bad_words=body.bad_words,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        **_guided(body),
     )
+
+
+def _guided(body: SamplingFields) -> RequestOptions:
+    """vLLM's ``guided_*`` fields and OpenAI's ``response_format`` as the SDK's ``guided_*``
+    keywords (at most one kind; ``json_schema``'s ``schema`` is a ``guided_json``)."""
+    out: dict[str, Any] = {}  # the keys are RequestOptions' guided_* ones
+    for name, types in (("guided_json", (dict, str)), ("guided_regex", str),
+                        ("guided_choice", list), ("guided_grammar", str)):  # fmt: skip
+        value = getattr(body, name)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (name == "guided_choice" and not all(
+                isinstance(c, str) for c in value)):  # fmt: skip
+            raise bad_request(name, f"has the wrong type ({type(value).__name__})")
+        out[name] = value
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        kind = fmt.get("type")
+        if kind == "json_object":
+            out["guided_json_object"] = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema", "must be a JSON object")
+            out["guided_json"] = schema
+        else:
+            raise bad_request("response_format.type", "must be text, json_object or json_schema")
+    if len(out) > 1:
+        raise bad_request(next(iter(out)), f"give one kind of guide, not {', '.join(out)}")
+    return cast(RequestOptions, out)
 
 
 def _refusal(err: InvalidArgumentError, code: str = "invalid_value") -> GatewayError:

@@ -101,11 +101,14 @@ SHARED: dict[str, tuple[Any, dict[str, Any], Check | str]] = {
     "spaces_between_special_tokens": (False, {}, REFUSED),
     "allowed_token_ids": ([5, 6], {}, sent("allowed_token_ids", [5, 6])),
     "bad_words": (["sea"], {}, sent("bad_words", ["sea"])),
-    "response_format": ({"type": "json_object"}, {}, REFUSED),
-    **{name: ({"type": "object"} if name == "guided_json" else "x", {}, REFUSED)
-       for name in ("guided_json", "guided_regex", "guided_grammar", "guided_decoding_backend",
-                    "guided_whitespace_pattern", "structural_tag")},
-    "guided_choice": (["a", "b"], {}, REFUSED),
+    "response_format": ({"type": "json_object"}, {}, sent("guided_json_object", True)),
+    "guided_json": ({"type": "object"}, {},
+                    lambda _, r: json.loads(r.sampling.guided_json) == {"type": "object"}),
+    "guided_regex": ("[ab]+", {}, sent("guided_regex", "[ab]+")),
+    "guided_grammar": ('root ::= "a"', {}, sent("guided_grammar", 'root ::= "a"')),
+    "guided_choice": (["a", "b"], {}, lambda _, r: list(r.sampling.guided_choice) == ["a", "b"]),
+    **{name: ("x", {}, REFUSED)
+       for name in ("guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")},
     "structured_outputs": ({"json": {}}, {}, REFUSED),
     "priority": (1, {}, REFUSED),
     "request_id": ("abc", {}, lambda r, req: r["id"].endswith("-abc")
