@@ -95,11 +95,14 @@ BAD: list[tuple[dict[str, object], str]] = [
     ({"guided_choice": ["yes", ""]}, "sampling.guided_choice"),
     ({"guided_json": "{}", "guided_regex": "a"}, "sampling.guided_regex"),  # refused by the SDK
     ({"guided_grammar": "x" * 40000}, "sampling.guided_grammar"),  # --max-guide-chars
+    ({"guided_json": '{"items": ' * 129 + "{}" + "}" * 129}, "sampling.guided_json"),  # depth
     # Refused by the prefill worker's compile, passed through by the router.
     ({"guided_regex": "(["}, "sampling.guided_regex"),
     ({"guided_regex": r"(a)\1"}, "sampling.guided_regex"),
     ({"guided_grammar": 'root ::= "a" |'}, "sampling.guided_grammar"),
     ({"guided_json": {"type": "nonsense"}}, "sampling.guided_json"),
+    # Crashes xgrammar's compiler: its probe process takes the crash, not the worker.
+    ({"guided_grammar": "root ::= root {2}"}, "sampling.guided_grammar"),
 ]
 
 

@@ -20,6 +20,9 @@ from pdserve.errors import InvalidArgumentError
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """The schema a ``json_object`` guide compiles to: any JSON object (OpenAI's JSON mode makes
 the model write an object, not any JSON value)."""
+MAX_SCHEMA_DEPTH = 128
+"""Objects and arrays nested in a ``guided_json`` schema at most: its compile time grows
+steeply with the depth (seconds at a few hundred levels), and real schemas stay far below."""
 
 
 class GuideKind(StrEnum):
@@ -87,6 +90,12 @@ class Guide:
                 schema = json.loads(self.spec)
             except ValueError as err:
                 raise InvalidArgumentError(name, f"is not JSON: {err}") from None
+            except RecursionError:  # nested beyond Python's own limit
+                schema = None
+            if schema is None or _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise InvalidArgumentError(
+                    name, f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep"
+                )
             if not isinstance(schema, dict | bool):
                 raise InvalidArgumentError(
                     name, f"must be a JSON schema (an object), got {type(schema).__name__}"
@@ -99,7 +108,7 @@ class Guide:
         if isinstance(schema, Mapping):
             try:
                 schema = json.dumps(schema, ensure_ascii=False)
-            except (TypeError, ValueError) as err:
+            except (TypeError, ValueError, RecursionError) as err:
                 raise InvalidArgumentError("guided_json", f"is not JSON: {err}") from None
         return cls(GuideKind.JSON, schema)
 
@@ -174,3 +183,18 @@ class Guide:
         if self.kind is not GuideKind.CHOICE:
             raise ValueError(f"a {self.kind} guide is not a choice")
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
+
+
+def _depth(value: object) -> int:
+    """How deeply objects and arrays nest in parsed JSON ``value`` (0 for a scalar); without
+    recursion, so any depth Python parsed is measured."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest

@@ -3,8 +3,9 @@
 * ``Guides`` (one per engine, thread-safe): imports xgrammar on the first guided request (it
   takes seconds; an engine that never sees one never pays), describes the engine's vocabulary
   to it (special tokens as empty, so they never appear inside guided text; the end-of-sequence
-  ids as the grammar's stop tokens), compiles each ``Guide`` once and keeps the compiled
-  grammars in an LRU bounded in bytes (``EngineConfig.guide_cache_bytes``), keyed by the guide.
+  ids as the grammar's stop tokens), compiles each ``Guide`` once (after its child process,
+  ``guide_probe``, compiled it unharmed) and keeps the compiled grammars in an LRU bounded in
+  bytes (``EngineConfig.guide_cache_bytes``), keyed by the guide.
 * ``GuideState`` (one per guided sequence): its grammar matcher, which has accepted every output
   token the sequence holds, wherever it was drawn: a hand-off's first token and a migrated
   request's tokens are replayed into it before its first step (``Guides.start``); a preempted
@@ -17,7 +18,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pdserve.engine.guide import JSON_OBJECT_SCHEMA, Guide, GuideKind
+from pdserve.engine.guide import Guide, GuideKind
+from pdserve.engine.guide_probe import GuideProbe, compile_message, compile_with
 from pdserve.errors import FeatureUnavailableError, InvalidArgumentError
 from pdserve.tokenizer import Tokenizer
 
@@ -36,16 +37,6 @@ if TYPE_CHECKING:
 
 EXTRA = "structured"
 """The optional dependency set (``pip install 'pdserve[structured]'``) that brings xgrammar."""
-JSON_WHITESPACE = 20
-"""Whitespace characters JSON output may hold between two of its elements: enough for
-pretty-printing (a newline and the indent of a few levels), few enough that a model which
-favours whitespace cannot spend its whole ``max_tokens`` on it (unbounded, a greedy one loops
-there for ever)."""
-
-# xgrammar's errors come from its C++ core as "[12:00:00] /path/file.cc:123: <message>", some
-# with a "Check failed: (...) is false: " in front of the message.
-_CORE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
-_MAX_MESSAGE_CHARS = 400
 
 
 def load_xgrammar(field: str) -> ModuleType:
@@ -61,12 +52,6 @@ def load_xgrammar(field: str) -> ModuleType:
     return xgrammar
 
 
-def compile_message(err: BaseException) -> str:
-    """xgrammar's error text without its source location, on one line, bounded."""
-    text = " ".join(_CORE_PREFIX.sub("", str(err)).split())
-    return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
-
-
 def check_syntax(guide: Guide, *, prefix: str = "") -> None:
     """Parse ``guide`` into a grammar without a vocabulary (a tenth of a millisecond, for an
     engine that compiles it itself: TensorRT-LLM); ``InvalidArgumentError`` naming
@@ -80,7 +65,7 @@ def check_syntax(guide: Guide, *, prefix: str = "") -> None:
             xgr.Grammar.from_regex(guide.spec)
         elif guide.kind in (GuideKind.CHOICE, GuideKind.GRAMMAR):
             xgr.Grammar.from_ebnf(guide.ebnf() if guide.kind is GuideKind.CHOICE else guide.spec)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:  # parse errors, an unreadable message about one
         raise InvalidArgumentError(field, compile_message(err)) from None
 
 
@@ -115,12 +100,21 @@ class GuideState:
 class Guides:
     """Compiles guides for one engine's vocabulary and caches them (thread-safe)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        *,
+        cache_bytes: int,
+        probe: GuideProbe | None = None,
+    ) -> None:
         """``vocab_size``: the model's (the width of its logits, which may differ from the
-        tokenizer's)."""
+        tokenizer's). ``probe``: where each new guide is tried first (default: a
+        ``GuideProbe`` of its own)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_bytes = cache_bytes
+        self.probe = probe or GuideProbe()
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: OrderedDict[Guide, Any] = OrderedDict()
@@ -130,8 +124,10 @@ class Guides:
 
     def compile(self, guide: Guide) -> Any:
         """``guide`` compiled (an ``xgrammar.CompiledGrammar``), from the cache when it was
-        compiled before. ``InvalidArgumentError`` naming the guide's field when it does not
-        compile (a regex or grammar the library cannot parse, a schema feature it lacks);
+        compiled before. A new guide is tried in the probe's process first: one that
+        crashes or hangs the compiler must not take this process with it.
+        ``InvalidArgumentError`` naming the guide's field when it does not compile (a regex
+        or grammar the library cannot parse, a schema feature it lacks, a crash);
         ``FeatureUnavailableError`` without xgrammar or an end-of-sequence token. The compile
         runs outside the lock: two threads may compile one guide at once, never wait for
         each other's."""
@@ -140,10 +136,14 @@ class Guides:
             if found is not None:
                 self._cache.move_to_end(guide)
                 return found
+        if self._compiler is None:  # the first guide: the child loads while this process does
+            self.probe.start()
         compiler = self._compiler_for(guide.kind.field)
+        self.probe.check(guide)
         try:
-            compiled = _compile(compiler, guide)
-        except RuntimeError as err:  # the C++ core's parse and conversion errors
+            compiled = compile_with(compiler, guide)
+        except (RuntimeError, ValueError) as err:  # the C++ core's parse and conversion
+            # errors (a ValueError: its message, cut inside a character, did not decode)
             raise InvalidArgumentError(guide.kind.field, compile_message(err)) from None
         with self._lock:
             self.compiles += 1
@@ -191,18 +191,6 @@ class Guides:
             if self._compiler is None:  # our own cache (keyed by guide, bounded), not its
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             return self._compiler
-
-
-def _compile(compiler: Any, guide: Guide) -> Any:
-    kind = guide.kind
-    if kind in (GuideKind.JSON, GuideKind.JSON_OBJECT):
-        schema = guide.spec if kind is GuideKind.JSON else JSON_OBJECT_SCHEMA
-        return compiler.compile_json_schema(schema, max_whitespace_cnt=JSON_WHITESPACE)
-    if kind is GuideKind.REGEX:
-        return compiler.compile_regex(guide.spec)
-    if kind is GuideKind.CHOICE:
-        return compiler.compile_grammar(guide.ebnf())
-    return compiler.compile_grammar(guide.spec)
 
 
 def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:

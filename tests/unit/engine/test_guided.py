@@ -16,7 +16,8 @@ import pytest
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.guide import Guide
-from pdserve.engine.guided import JSON_WHITESPACE, Guides
+from pdserve.engine.guide_probe import JSON_WHITESPACE, GuideProbe
+from pdserve.engine.guided import Guides
 from pdserve.engine.outputs import FinishReason, GenerationResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import FeatureUnavailableError, InvalidArgumentError
@@ -128,11 +129,11 @@ def test_another_engine_continues_the_grammar_after_a_hand_off(
     undisturbed run token for token, so the output is the same valid instance."""
     guide = Guide.json_schema(SCHEMA)
     prompt = engine.tokenizer.encode(PROMPT)
+    decode = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
     for seed in range(4):
         params = sampled(guide, seed)
         whole = engine.generate(prompt, params)[0]
         assert_valid(whole)
-        decode = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
         engine.add_request("p", prompt, params.first_token_only(), hold_kv=True)
         first = None
         while engine.has_unfinished():
@@ -199,6 +200,40 @@ def test_a_guide_that_does_not_compile_is_refused_by_field(
     assert err.value.field == field
     assert "/" not in str(err.value).split(":", 1)[0]  # no C++ source path in front
     engine.check_no_leaks()
+
+
+def test_a_guide_that_crashes_the_compiler_is_refused_and_the_engine_goes_on(
+    engine: Engine,
+) -> None:
+    """xgrammar 0.2.8's compiler ends its process on this grammar (a segmentation fault): the
+    probe's child process takes the crash, the guide is refused, and the next guide gets a
+    new child."""
+    probe = engine.guides.probe
+    engine.guides.compile(Guide.regex("[0-9]"))  # the probe runs
+    started = probe.started
+    crash = SamplingParams(guide=Guide.grammar("root ::= root {2}"))
+    with pytest.raises(InvalidArgumentError, match="crashes the grammar library") as err:
+        engine.add_request("crash", PROMPT, crash)
+    assert err.value.field == "guided_grammar"
+    fine = engine.generate(PROMPT, sampled(Guide.grammar('root ::= "ok" | "fine"'), 0, 8))[0]
+    assert fine.text in ("ok", "fine") and probe.started == started + 1
+    engine.check_no_leaks()
+
+
+def test_a_guide_the_probe_takes_too_long_over_is_refused() -> None:
+    probe = GuideProbe()
+    try:
+        probe.check(Guide.regex("[a-z]+"))  # started and answered
+        probe.timeout_s = 1e-9
+        with pytest.raises(InvalidArgumentError, match="did not compile within") as err:
+            probe.check(Guide.json_schema(SCHEMA))
+        assert err.value.field == "guided_json"
+        probe.timeout_s = 30.0
+        with pytest.raises(InvalidArgumentError, match="Unclosed") as err:
+            probe.check(Guide.regex("(["))  # its own refusals come with xgrammar's message
+        assert err.value.field == "guided_regex" and probe.started == 2
+    finally:
+        probe.close()
 
 
 def test_compiled_guides_are_cached_and_bounded(tiny_llama_dir: Path) -> None:

@@ -108,6 +108,11 @@ def test_seed_absent_stays_none() -> None:
         ),
         (pb.SamplingParams(guided_json="{"), "sampling.guided_json"),  # not JSON
         (pb.SamplingParams(guided_json="[1, 2]"), "sampling.guided_json"),  # not a schema
+        (pb.SamplingParams(guided_json="[" * 5000), "sampling.guided_json"),  # beyond Python's
+        (  # deeper than MAX_SCHEMA_DEPTH: its compile would take seconds
+            pb.SamplingParams(guided_json='{"items": ' * 129 + "{}" + "}" * 129),
+            "sampling.guided_json",
+        ),
         (pb.SamplingParams(guided_choice=["a", ""]), "sampling.guided_choice"),
         # Two guides: the second is named.
         (pb.SamplingParams(guided_json="{}", guided_regex="a"), "sampling.guided_regex"),
