@@ -65,10 +65,22 @@ _SCALARS: dict[int, Strategy] = {
 def _value(field: FieldDescriptor, depth: int, overrides: Mapping[str, Strategy]) -> Strategy:
     if field.name in overrides:
         return overrides[field.name]
+    if _is_map(field):  # a dict: its entries' key and value fields
+        entry = field.message_type.fields_by_name
+        return st.dictionaries(
+            _value(entry["key"], depth, overrides),
+            _value(entry["value"], depth, overrides),
+            max_size=MAX_REPEATED,
+        )
     if field.type == _F.TYPE_MESSAGE:
-        return _message(field.message_type, depth + 1, overrides)
-    one = _SCALARS[field.type]
+        one = _message(field.message_type, depth + 1, overrides)
+    else:
+        one = _SCALARS[field.type]
     return st.lists(one, max_size=MAX_REPEATED) if _repeated(field) else one
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == _F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
 
 
 def _repeated(field: FieldDescriptor) -> bool:
@@ -91,7 +103,14 @@ def _message(
             if value is None:
                 continue
             field = descriptor.fields_by_name[name]
-            if field.type == _F.TYPE_MESSAGE:
+            if _is_map(field):
+                entries = getattr(msg, name)
+                for key, item in value.items():
+                    if isinstance(item, Message):
+                        entries[key].CopyFrom(item)
+                    else:
+                        entries[key] = item
+            elif field.type == _F.TYPE_MESSAGE:
                 if _repeated(field):
                     getattr(msg, name).extend(value)
                 else:

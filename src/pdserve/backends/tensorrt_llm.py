@@ -12,11 +12,8 @@ lazily: nothing touches ``tensorrt_llm`` until a backend is built.
   KV from the context instance itself. Its outputs are cumulative from the context phase's
   first token, which the backend leaves out (the prefill worker already streamed it).
   Without a handle (recompute) the prompt and the first token are run as one request.
-* structured output: the guide maps onto TensorRT-LLM's ``GuidedDecodingParams``
-  (``tensorrt_llm_sampling``); across a ``native`` hand-off TensorRT-LLM starts the
-  generation-only request's grammar matcher and advances it by the first token itself. A
-  guided request continued from tokens drawn elsewhere (recompute, migration) is refused:
-  they would join its prompt, and its grammar would start over.
+* structured output: ``GuidedDecodingParams`` (``tensorrt_llm_sampling``), which TensorRT-LLM
+  carries across its ``native`` hand-off itself; continued from tokens drawn elsewhere, refused.
 
 TensorRT-LLM's LLM API has no call that reads or writes KV blocks, so pdserve's own
 transports (store, direct, shm: ``KVPayload`` bytes) cannot carry its KV: ``Handoff.HOLD``,
@@ -66,7 +63,7 @@ from pdserve.backends.tensorrt_llm_api import (
     read_shape,
 )
 from pdserve.backends.tensorrt_llm_requests import LiveRequests, finished_at_first
-from pdserve.backends.tensorrt_llm_sampling import sampling_params
+from pdserve.backends.tensorrt_llm_sampling import continued_guide, sampling_params
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.outputs import FinishReason, RequestOutput
@@ -284,14 +281,8 @@ class TensorRTLLMBackend:
     ) -> AsyncGenerator[RequestOutput, None]:
         """A request whose first ``done`` output tokens (the end of ``tokens``) were drawn
         elsewhere: one request on all of ``tokens`` for the rest of ``max_tokens``."""
-        if params.guide is not None:  # its grammar would start over at the drawn tokens
-            return refuse(
-                InvalidArgumentError(
-                    f"sampling.{params.guide.kind.field}",
-                    "tensorrt-llm cannot continue a guided request from tokens drawn "
-                    "elsewhere (a recompute hand-off or a migration): use the native transport",
-                )
-            )
+        if params.guide is not None:
+            return refuse(continued_guide(params.guide))
         if params.max_tokens <= done:
             return finished_at_first(request_id, len(tokens) - done)
         rest = params.after(done)

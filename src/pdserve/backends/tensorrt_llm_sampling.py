@@ -128,3 +128,14 @@ def _controls(params: SamplingParams, prompt_len: int, vocab_size: int) -> dict[
             bias[token] = value
         out["embedding_bias"] = bias
     return out
+
+
+def continued_guide(guide: Guide) -> InvalidArgumentError:
+    """The refusal of a guided request continued from tokens drawn elsewhere (a recompute
+    hand-off, a migration): they would join the prompt of a new TensorRT-LLM request, whose
+    grammar would start over at them."""
+    return InvalidArgumentError(
+        f"sampling.{guide.kind.field}",
+        "tensorrt-llm cannot continue a guided request from tokens drawn elsewhere (a "
+        "recompute hand-off or a migration): use the native transport",
+    )
