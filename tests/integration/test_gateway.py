@@ -305,7 +305,12 @@ BAD_COMPLETIONS = [
     pytest.param({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids", id="allowed"),
     pytest.param({"extra_body": {"min_tokens": 5}}, "min_tokens", id="min-tokens"),
     pytest.param({"extra_body": {"use_beam_search": True}}, "use_beam_search", id="beams"),
-    pytest.param({"extra_body": {"guided_json": {}}}, "guided_json", id="guided"),
+    pytest.param(
+        {"extra_body": {"guided_whitespace_pattern": " "}},
+        "guided_whitespace_pattern",
+        id="guided-whitespace",
+    ),
+    pytest.param({"extra_body": {"guided_regex": "(["}}, "guided_regex", id="guided-regex"),
     pytest.param({"extra_body": {"frobnicate": 1}}, "frobnicate", id="unknown-field"),
 ]
 
