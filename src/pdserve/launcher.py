@@ -326,11 +326,15 @@ class Cluster:
         return self
 
     @property
+    def num_workers(self) -> int:
+        """Workers ``start`` runs: prefill ones (none when colocated) and decode or mixed ones."""
+        return (0 if self.mode == "colocated" else self.num_prefill) + self.num_decode
+
+    @property
     def num_services(self) -> int:
         """Services ``start`` runs (the embedded Redis aside): what a fixed
         ``metrics_base_port`` needs consecutive free ports for. ``_start`` checks it."""
-        prefills = 0 if self.mode == "colocated" else self.num_prefill
-        workers = prefills + self.num_decode
+        workers = self.num_workers
         gateway = self.http_port is not None
         return 1 + self.num_schedulers + workers + int(self.planner) + self.num_routers + gateway
 
@@ -463,7 +467,7 @@ class Cluster:
         available = hostmem.available_bytes()
         if sized or self.backend != TORCH or available is None:
             return []
-        workers = (0 if self.mode == "colocated" else self.num_prefill) + self.num_decode
+        workers = self.num_workers
         share = hostmem.kv_share(
             available, workers, self.kv_memory_fraction, EngineConfig().kv_cache_bytes
         )

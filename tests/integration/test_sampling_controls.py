@@ -22,7 +22,6 @@ from pdserve.client import Client, InvalidRequest
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import Cluster
-from pdserve.models.demo import init_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +30,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog and the cat"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(tmp_path_factory.mktemp("controls_model"), "tiny", dtype="float32")
+def model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir  # the session's tiny checkpoint (float32, seed 0)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.guide import Guide
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import Cluster
-from pdserve.models.demo import init_checkpoint
 from tests.unit.engine.test_guided import CHOICES, GRAMMAR, GRAMMAR_TEXT, REGEX, SCHEMA
 
 pytestmark = pytest.mark.integration
@@ -34,8 +33,8 @@ PROMPT = "tell me about a person"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(tmp_path_factory.mktemp("guided_model"), "tiny", dtype="float32")
+def model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir  # the session's tiny checkpoint (float32, seed 0)
 
 
 @pytest.fixture(scope="module")
