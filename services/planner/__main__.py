@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -20,6 +19,7 @@ from pdserve.rpc.server import build_server, run_service, serve_until_signal, wr
 from pdserve.scheduling import KeySpace, connect
 from pdserve.scheduling.planner import Bounds, PlannerConfig, Profile
 from pdserve.scheduling.planner_loop import Pass, PlannerLoop
+from pdserve.tasks import cancel_and_wait
 from pdserve.telemetry.metrics import PlannerMetrics
 from pdserve.telemetry.service import MetricsEndpoint, ServiceTelemetry, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PLANNER
@@ -102,9 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             await serve_until_signal(server, health, args.grace_s)
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
     finally:
         await redis.aclose()
         telemetry.close()

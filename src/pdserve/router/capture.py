@@ -58,6 +58,7 @@ from pdserve.router.state import RequestState
 from pdserve.router.telemetry import ObservedRequest
 from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.prefix_index import PromptBlocks
+from pdserve.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -360,8 +361,6 @@ async def capturing(capture: Capture, *, flush_s: float = 2.0) -> AsyncIterator[
         yield capture
     finally:
         capture.close()
-        poll.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poll
+        await cancel_and_wait(poll)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(writer, flush_s)  # cancels it when the time is up

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.keys import KeySpace
+from pdserve.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,4 @@ async def following(follower: RolloutFollower) -> AsyncIterator[RolloutFollower]
     try:
         yield follower
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)  # its pub/sub read may swallow one cancel

@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.scheduling.keys import KeySpace, text
+from pdserve.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,4 @@ async def following(index: PrefixIndex, redis: Redis, keys: KeySpace) -> AsyncIt
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from redis.exceptions import RedisError
 
 from pdserve.scheduling.scheduler import ClusterScheduler
+from pdserve.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,7 @@ async def kept_fresh(
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 async def _refresh_every(

@@ -24,7 +24,6 @@ The caller closes the engine (and its own clients) afterwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +44,7 @@ from pdserve.rpc.server import (
     write_port_file,
 )
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
+from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.decode_stubs import DecodeStubs
@@ -312,8 +312,7 @@ async def run_worker(
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         await server.stop(None)  # no-op after a graceful stop; ends the server on errors
         if heartbeat is not None:
             await heartbeat.stop()
