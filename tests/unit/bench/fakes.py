@@ -9,7 +9,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pdserve.bench.serve.features import PLAIN
 from pdserve.bench.serve.targets import Chunk, RejectedError, TargetDownError
+
+GRAMMAR_ENDS_AFTER = 3
+"""Tokens of an answer to a request with ``response_format``: its grammar ends the answer."""
 
 
 class FakeTarget:
@@ -17,6 +21,8 @@ class FakeTarget:
     ``floor(k * (1 - goodput(r)))`` of its first ``k`` requests, so a point of ``n`` requests
     has goodput exactly ``1 - floor(n * (1 - goodput(r))) / n``. Each answer token is the
     prompt's length (mod 1000), so a conversation's history can be checked."""
+
+    features = PLAIN
 
     def __init__(
         self,
@@ -63,7 +69,8 @@ class FakeTarget:
 
 class FakeOpenAI(ThreadingHTTPServer):
     """``mode``: ``token_ids`` (vLLM with return_token_ids), ``usage`` (running usage only),
-    ``plain`` (text only), ``429``, ``500``, ``no-done``, ``error-event``."""
+    ``plain`` (text only), ``429``, ``500``, ``no-done``, ``error-event``. A request with
+    ``response_format`` ends after ``GRAMMAR_ENDS_AFTER`` tokens, as a grammar would end it."""
 
     daemon_threads = True
     mode = "token_ids"
@@ -106,6 +113,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
         self.wfile.write(b": keep-alive comment\n\n")
         n, sent = body["max_tokens"], 0
+        if "response_format" in body:
+            n = min(n, GRAMMAR_ENDS_AFTER)
         while sent < n:
             step = 2 if sent == 1 and n - sent >= 2 else 1  # one event carries two tokens
             ids = [100 + sent + i for i in range(step)]

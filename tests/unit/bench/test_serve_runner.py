@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.bench.serve.features import PLAIN
 from pdserve.bench.serve.mixes import MULTI_TURN, SHORT_ONLY
 from pdserve.bench.serve.records import RequestRecord, Status
 from pdserve.bench.serve.runner import run_point
@@ -21,6 +22,7 @@ class HeldTarget:
     """Answers nothing until ``release`` is set; then what ``behaviour`` says per request."""
 
     label = "held"
+    features = PLAIN
 
     def __init__(self, behaviour: str = "ok", hold_until: int | None = None) -> None:
         self.behaviour = behaviour

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.backends import SIM, TORCH
+from pdserve.bench.serve.features import FEATURES, get_features
 from pdserve.bench.serve.openai import OpenAITarget
 from pdserve.bench.serve.targets import ClusterSpec, RouterTarget, Target
 from pdserve.bench.serve.timescale import FLAG as TIME_SCALE_FLAG
@@ -49,6 +50,8 @@ class TargetArg:
     planner_args: list[str] | None = None
     backend: str | None = None
     """``--target-backend`` of this cluster (else ``--backend``)."""
+    features: str = "plain"
+    """``--features`` of this target: what its requests carry (``features``)."""
 
 
 class _AddTarget(argparse.Action):
@@ -65,6 +68,14 @@ class _Label(argparse.Action):
         if ns.targets[-1].label is not None:
             parser.error(f"{ns.targets[-1].value} has two labels")
         ns.targets[-1].label = str(values)
+
+
+class _Features(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        if not ns.targets:
+            parser.error("--features applies to the target given before it: put it after one")
+        ns.targets[-1].features = str(values)
 
 
 class _ClusterOption(argparse.Action):
@@ -119,6 +130,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000",
     )
     t.add_argument("--label", action=_Label, help="name of the target given just before")
+    t.add_argument(
+        "--features", action=_Features, choices=sorted(FEATURES),
+        help="what the requests of the target given just before carry beyond a plain greedy "
+        "completion (json-schema: response_format json_schema; penalties: presence, frequency "
+        "and repetition penalties and min_tokens); default plain",
+    )  # fmt: skip
     t.add_argument("--openai-model", help="model name to send (default: ask GET /v1/models)")
     c = p.add_argument_group("clusters started with --config")
     c.add_argument("--model", type=Path, help="checkpoint dir (default: the --preset demo model)")
@@ -191,10 +208,13 @@ def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log
 
     targets: list[Target] = []
     for arg, label in zip(args.targets, labels(args), strict=True):
+        features = get_features(arg.features)
         if arg.kind == "router":
-            targets.append(RouterTarget(arg.value, label))
+            targets.append(RouterTarget(arg.value, label, features=features))
         elif arg.kind == "openai_url":
-            targets.append(OpenAITarget(arg.value, label, model=args.openai_model))
+            targets.append(
+                OpenAITarget(arg.value, label, model=args.openai_model, features=features)
+            )
         else:
             spec = cluster_spec(args, arg.value, arg)
             log(f"starting {label} ...")
@@ -208,7 +228,8 @@ def make_targets(args: argparse.Namespace, stack: contextlib.ExitStack, log: Log
             )  # fmt: skip
             stack.enter_context(cluster)
             log(f"{label}: router at {cluster.router_address}")
-            targets.append(RouterTarget(cluster.router_address, label, cluster=cluster, spec=spec))
+            targets.append(RouterTarget(cluster.router_address, label, cluster=cluster,
+                                        spec=spec, features=features))  # fmt: skip
     return targets
 
 
@@ -218,12 +239,14 @@ def labels(args: argparse.Namespace) -> list[str]:
     for arg in args.targets:
         if arg.label is not None:
             out.append(arg.label)
-        elif arg.kind == "router":
-            out.append(f"router-{arg.value}")
+            continue
+        if arg.kind == "router":
+            label = f"router-{arg.value}"
         elif arg.kind == "openai_url":
-            out.append("openai-" + arg.value.split("//", 1)[-1].split("/", 1)[0])
+            label = "openai-" + arg.value.split("//", 1)[-1].split("/", 1)[0]
         else:
-            out.append(cluster_spec(args, arg.value, arg).default_label)
+            label = cluster_spec(args, arg.value, arg).default_label
+        out.append(label if arg.features == "plain" else f"{label}+{arg.features}")
     return out
 
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible ``/v1/completions`` endpoint as a target (vLLM, SGLang, ...).
 
 Each request is ``POST /v1/completions`` with ``{"model", "prompt": [token ids],
-"max_tokens", "temperature": 0, "stream": true, "ignore_eos": true}``, read as server-sent
+"max_tokens", "temperature": 0, "stream": true, "ignore_eos": true}`` and the target's
+``features`` (``features``: a JSON schema, penalties), read as server-sent
 events (``data: {...}`` per event, ``data: [DONE]`` last). Two fields of vLLM's say how many
 tokens each event carries: ``return_token_ids`` (the event's token ids) and
 ``stream_options.continuous_usage_stats`` (a running ``usage.completion_tokens``); from a
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.serve.features import PLAIN, Features
 from pdserve.bench.serve.targets import Chunk, RejectedError, TargetDownError, TargetError
 
 CONNECT_TIMEOUT_S = 10.0
@@ -78,7 +80,9 @@ class OpenAITarget:
     """``base_url``: ``http://host:port`` (a trailing ``/v1`` is accepted). ``model``: the
     served model's name; None asks ``GET /v1/models`` for the first one."""
 
-    def __init__(self, base_url: str, label: str, *, model: str | None = None) -> None:
+    def __init__(self, base_url: str, label: str, *, model: str | None = None,
+                 features: Features = PLAIN) -> None:  # fmt: skip
+        self.features = features
         url = base_url.rstrip("/")
         self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.label = label
@@ -122,6 +126,7 @@ class OpenAITarget:
             "ignore_eos": True,
             "return_token_ids": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            **self.features.openai_fields(max_tokens),
         }
 
     async def stream(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[Chunk]:
@@ -156,7 +161,10 @@ class OpenAITarget:
             raise TargetError(f"{type(e).__name__}: {e}", admitted=admitted) from e
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "openai", "url": self.base_url, "model": self.model}
+        return {
+            "kind": "openai", "url": self.base_url, "model": self.model,
+            "features": self.features.name,
+        }  # fmt: skip
 
     async def close(self) -> None:
         if self._client is not None:

@@ -3,6 +3,7 @@ JSON document (every request record, every summary, the configuration and the ma
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +99,60 @@ def format_report(result: RunResult, targets: Sequence[Target], *, slo: Slo, hea
         out.append("")
     if len(points) > 1:
         out += ["side by side:", *format_table(side_by_side(result, [t.label for t in targets]))]
+    costs = feature_costs(result, targets)
+    if len(costs) > 1:
+        out += ["", "cost of the features (each against the same server's plain requests):",
+                *format_table(costs)]  # fmt: skip
     return "\n".join(out).rstrip() + "\n"
+
+
+def _endpoint(t: Target) -> str:
+    """What server a target sends to, whatever its features: the URL or address, or the
+    cluster it started (two clusters of one spec are the same server, started twice)."""
+    d = t.describe()
+    if d.get("kind") == "pdserve-cluster":
+        return json.dumps(d["cluster"], sort_keys=True)
+    return str(d.get("url") or d.get("address"))
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def feature_costs(result: RunResult, targets: Sequence[Target]) -> list[list[str]]:
+    """Per target with features, per rate: its output tokens/s, TPOT, ITL and TTFT p50 over
+    those of the plain target of the same server at the same rate (header row first)."""
+    plain = {_endpoint(t): t.label for t in targets if t.features.name == "plain"}
+    cell = {(p.target, p.rate): p.summary for p in result.points}
+    rows = [["target", "against", "req/s", "tok/s", "TPOT p50", "ITL p50", "TTFT p50",
+             "tokens per answer"]]  # fmt: skip
+    for t in targets:
+        base = plain.get(_endpoint(t))
+        if t.features.name == "plain" or base is None:
+            continue
+        for p in by_target(result).get(t.label, []):
+            b = cell.get((base, p.rate))
+            if b is None:
+                continue
+            s = p.summary
+            rows.append([
+                f"{t.label} ({t.features.name})", base, rate_text(p.rate),
+                _ratio(s.throughput_tok_s, b.throughput_tok_s),
+                *(_ratio(_p50(getattr(s, m)), _p50(getattr(b, m))) for m in LATENCIES),
+                f"{_per_answer(s)} / {_per_answer(b)}",
+            ])  # fmt: skip
+    return rows
+
+
+LATENCIES = ("tpot", "itl", "ttft")
+
+
+def _p50(p: Percentiles | None) -> float | None:
+    return None if p is None else p.p50
+
+
+def _per_answer(s: PointSummary) -> str:
+    return f"{s.output_tokens / s.ok:.0f}" if s.ok else "-"
 
 
 def class_rows(points: Sequence[PointResult]) -> list[str]:
@@ -145,6 +199,13 @@ def side_by_side(result: RunResult, labels: Sequence[str]) -> list[list[str]]:
 
 
 def _describe(t: Target) -> str:
+    what = _what(t)
+    if t.features.name == "plain":
+        return what
+    return f"{what}\n  requests carry: {t.features.summary}"
+
+
+def _what(t: Target) -> str:
     d = t.describe()
     if d.get("kind") == "pdserve-cluster":
         c = d["cluster"]

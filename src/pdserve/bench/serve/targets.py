@@ -1,10 +1,11 @@
 """Targets: what a serving benchmark sends its requests to, behind one seam (``Target``).
 
 A target streams one greedy completion of a token-id prompt (``ignore_eos``, exactly
-``max_tokens`` tokens) as ``Chunk``s; the runner stamps every chunk's arrival itself, so
-every target is timed by the same code. A refusal for load raises ``RejectedError``, any other
-failure ``TargetError``. Here: a pdserve router (running, or a cluster this process started);
-``openai`` has the OpenAI-compatible HTTP target.
+``max_tokens`` tokens; up to that many where its ``features`` say so) as ``Chunk``s; the
+runner stamps every chunk's arrival itself, so every target is timed by the same code. A
+refusal for load raises ``RejectedError``, any other failure ``TargetError``. Here: a pdserve
+router (running, or a cluster this process started); ``openai`` has the OpenAI-compatible
+HTTP target.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from pdserve import hostmem
+from pdserve.bench.serve.features import PLAIN, Features
 from pdserve.client import AsyncClient, Overloaded, PdServeClientError, RetryPolicy
 from pdserve.errors import PdServeError
 
@@ -58,9 +60,11 @@ class TargetDownError(PdServeError):
 
 
 class Target(Protocol):
-    """One server under test. ``label`` names it in every report."""
+    """One server under test. ``label`` names it in every report; ``features`` are the
+    fields its requests carry beyond a plain greedy completion."""
 
     label: str
+    features: Features
 
     async def open(self) -> None:
         """Connect (and learn what it needs, e.g. the model name); called once, first."""
@@ -150,8 +154,9 @@ class RouterTarget:
     are checked before each point)."""
 
     def __init__(self, address: str, label: str, *, cluster: Cluster | None = None,
-                 spec: ClusterSpec | None = None) -> None:  # fmt: skip
+                 spec: ClusterSpec | None = None, features: Features = PLAIN) -> None:  # fmt: skip
         self.label = label
+        self.features = features
         self.address = address
         self._cluster = cluster
         self._spec = spec
@@ -171,9 +176,9 @@ class RouterTarget:
 
     async def stream(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[Chunk]:
         started = False
-        stream = self._client.stream(
-            list(prompt), max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
+        options = self.features.sdk_options(max_tokens)
+        options["max_tokens"], options["temperature"], options["ignore_eos"] = max_tokens, 0.0, True
+        stream = self._client.stream(list(prompt), **options)
         try:
             async for delta in stream:
                 if delta.finish_reason in ("abort", "error"):
@@ -192,7 +197,9 @@ class RouterTarget:
             await stream.aclose()
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "pdserve-router", "address": self.address}
+        out: dict[str, Any] = {
+            "kind": "pdserve-router", "address": self.address, "features": self.features.name,
+        }  # fmt: skip
         if self._spec is not None:
             out.update(kind="pdserve-cluster", cluster=self._spec.to_json())
         if self._cluster is not None:
