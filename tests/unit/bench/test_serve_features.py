@@ -138,3 +138,14 @@ def test_the_report_prices_features_against_the_same_servers_plain_requests() ->
     assert rows[1][3] == f"{ratio:.2f}x"
     text = format_report(result, targets, slo=Slo(), headline="H")
     assert "cost of the features" in text and "requests carry: response_format" in text
+
+
+def test_featured_targets_get_the_same_shapes_with_other_tokens() -> None:
+    load = Load(1000, mix=SHORT_ONLY, num_requests=6, seed=3)
+    plain, schema = load.plan(2.0), load.plan(2.0, salt=JSON_SCHEMA.salt)
+    assert PLAIN.salt == "" and load.plan(2.0, salt=PLAIN.salt) == plain
+    assert [(r.arrival_s, len(r.prompt), r.output_tokens) for r in plain.requests] == [
+        (r.arrival_s, len(r.prompt), r.output_tokens) for r in schema.requests
+    ]
+    assert all(a.prompt != b.prompt for a, b in zip(plain.requests, schema.requests, strict=True))
+    assert load.plan(2.0, salt=JSON_SCHEMA.salt) == schema  # every server: the same tokens

@@ -56,6 +56,11 @@ class Features:
     exact_length: bool = True
     """An answer must have exactly ``max_tokens`` tokens (False: up to that many)."""
 
+    @property
+    def salt(self) -> str:
+        """What sets this target's prompt tokens apart from a plain target's (``Load.plan``)."""
+        return "" if self.name == "plain" else self.name
+
     def openai_fields(self, max_tokens: int) -> dict[str, Any]:
         """The fields added to a ``/v1/completions`` body."""
         out = dict(self.fields)

@@ -164,7 +164,7 @@ async def run_all(
             return None
         started_load = load_average()
         sent = await run_point(
-            target, time_scale.real_plan(load.plan(rate)),
+            target, time_scale.real_plan(load.plan(rate, salt=target.features.salt)),
             request_timeout_s=time_scale.real_s(request_timeout_s),
             on_change=lambda c: on_progress(target.label, rate, c),
         )  # fmt: skip

@@ -9,7 +9,8 @@ rate. Three seeded random streams keep the points comparable and reproducible:
   the same arrival pattern compressed;
 * *tokens* (prompt token ids in ``[FIRST_PROMPT_ID, vocab)``): the seed and the rate, so no
   two points share a prompt (a prefix cache cannot carry one point into the next) while every
-  target measured at a point gets the same token ids.
+  target measured at a point gets the same token ids (targets with ``--features`` other
+  tokens of the same shapes, the same for every server: ``Load.plan``'s ``salt``).
 
 A trace line may say what its prompt shares with others (``block_hashes``, ``block_size``,
 as ``pdserve trace capture`` writes them): its leading blocks are then the token blocks of
@@ -174,13 +175,16 @@ class Load:
         if self.trace is not None and self.burst is not None:
             raise InvalidArgumentError("burst", "a trace brings its own arrival times")
 
-    def plan(self, rate: float | None) -> PointPlan:
-        """The point at ``rate`` requests/s (None: burst of everything, or the trace as is)."""
+    def plan(self, rate: float | None, *, salt: str = "") -> PointPlan:
+        """The point at ``rate`` requests/s (None: burst of everything, or the trace as is).
+        ``salt`` (a target's features) draws other prompt tokens of the same shapes, so one
+        server measured plain and with features never sees a prompt twice (its prefix cache
+        would serve the second), while every server gets the same tokens per features."""
         if rate is not None and not (math.isfinite(rate) and rate > 0):
             raise InvalidArgumentError("rate", f"must be a positive number, got {rate}")
         if rate is None and self.trace is None and self.burst != 0:
             raise InvalidArgumentError("rate", "Poisson arrivals and bursts of N need a rate")
-        key = "none" if rate is None else f"{float(rate):.9g}"
+        key = ("none" if rate is None else f"{float(rate):.9g}") + (f":{salt}" if salt else "")
         token_rng = random.Random(f"{self.seed}:tokens:{key}")
         blocks = BlockTokens(self.vocab_size, f"{self.seed}:blocks:{key}")
         out: list[PlannedRequest] = []
