@@ -74,7 +74,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
-                links = prefill.chooser.model.published
+                links = prefill.chooser.links
                 sweeps.append(("shm slot sweep", prefill.sweep))
                 servicers.append(
                     (

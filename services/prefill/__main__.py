@@ -48,7 +48,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
                     sweeps=[("shm slot sweep", worker.sweep)],
                     telemetry=telemetry,
-                    links=worker.chooser.model.published,
+                    links=worker.chooser.links,
                 )
             finally:
                 await worker.close()

@@ -2,11 +2,11 @@
 
 Every figure comes from a heartbeat (``WorkerInfo``): the worker's live step-time model
 (step = overhead + per decoding sequence + per prompt token, ``worker.meter``), its queue
-(prompt tokens queued or reserved), its running sequences, and the bandwidth of the KV links
-its prefill side has measured. A term a worker has not measured yet takes a prior, so a cold
-cluster still places requests; admission never refuses on priors alone (``measured``).
-``calibrated`` replaces the priors by what the workers of the cluster measured (their median):
-a worker that has not prefilled a long prompt yet is assumed to be as fast as its peers.
+(prompt tokens queued or reserved), its running sequences, and its KV links and transports.
+A term a worker has not measured yet takes a prior, so a cold cluster still places requests;
+admission never refuses on priors alone (``measured``). ``calibrated`` replaces the priors by
+what the workers of the cluster measured (their median): a worker that has not prefilled a
+long prompt yet is assumed to be as fast as its peers.
 
 What the model predicts for one request with ``u`` prompt tokens to compute (its prompt minus
 what the worker's prefix cache holds, ``prefix_index``):
@@ -16,9 +16,9 @@ what the worker's prefix cache holds, ``prefix_index``):
 * **queue wait** on ``w``: the prefill time of the tokens ahead of it;
 * **TTFT** colocated on ``m``: queue wait + prefill time on ``m``, each step also carrying
   ``m``'s running decodes;
-  disaggregated on ``(p, d)``: queue wait + prefill time on ``p`` + moving the prompt's KV to
-  ``d`` (bytes over the link's measured bandwidth; the prefill answers once it is moved) + the
-  cost of the extra call (``hop_s``);
+  disaggregated on ``(p, d)``: queue wait + prefill time on ``p`` + the hand-off to ``d`` (the
+  prefill answers once it is done) + the cost of the extra call (``hop_s``): the transport
+  ``p`` will take and its time, by the link model and rule ``p`` chooses by (``handoff``);
 * **stall**: what one step carrying the prefill, and the prompt tokens queued ahead of it
   there (up to a step's token budget), adds to the inter-token gap of the sequences decoding
   on the same engine; a placement *harms ITL* when a worker that decodes
@@ -44,13 +44,12 @@ from dataclasses import dataclass
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.capacity import WorkerView
 from pdserve.scheduling.worker_info import WorkerInfo
+from pdserve.transfer.handle import TransportKind
+from pdserve.transfer.links import AUTO, Handoff, Links, choose_transport
 
-SHM = "shm"
 EXPECTED_STREAMS = 0.5
 """A prefill on a worker where nothing decodes harms ITL when at least this many requests
 are expected to arrive while it runs (their streams would wait behind it)."""
-DEFAULT_BANDWIDTH = {"shm": 4.0e9, "direct": 1.0e9, "store": 0.5e9}
-"""Assumed bytes/s of a link no hand-off has measured yet, per transport."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,24 +156,23 @@ class CostModel:
     # -- between workers -----------------------------------------------------------------------
 
     @staticmethod
-    def transport(prefill: WorkerInfo, decode: WorkerInfo) -> str:
-        """The transport a hand-off between the two takes (as ``transfer.policy`` picks it)."""
-        return SHM if prefill.host and prefill.host.lower() == decode.host.lower() else "direct"
-
-    def bandwidth(self, prefill: WorkerInfo, decode: WorkerInfo) -> float:
-        """Bytes/s from ``prefill`` to ``decode``: measured by ``prefill``, else the default."""
-        kind = self.transport(prefill, decode)
-        for peer, transport, bytes_per_s in prefill.links:
-            if peer == decode.host and transport == kind:
-                return bytes_per_s
-        return DEFAULT_BANDWIDTH[kind]
+    def handoff(prefill: WorkerInfo, decode: WorkerInfo, tokens: int) -> Handoff:
+        """The transport ``prefill`` will take to hand ``tokens`` tokens of KV to ``decode``,
+        and its time: ``transfer.links.choose_transport`` on what ``prefill`` publishes."""
+        per_token = prefill.kv_bytes_per_token or decode.kv_bytes_per_token
+        return choose_transport(
+            Links(prefill.host, prefill.links),
+            decode.host,
+            max(0, tokens),
+            max(0, tokens) * per_token,
+            prefill_token_s=prefill.prefill_token_s,
+            step_overhead_s=prefill.step_overhead_s,
+            allowed=tuple(TransportKind(t) for t in prefill.transports) or AUTO,
+        )
 
     def transfer_s(self, prefill: WorkerInfo, decode: WorkerInfo, tokens: int) -> float:
-        """Moving ``tokens`` tokens of KV from ``prefill`` to ``decode``."""
-        per_token = prefill.kv_bytes_per_token or decode.kv_bytes_per_token
-        if tokens <= 0 or per_token <= 0:
-            return 0.0
-        return tokens * per_token / self.bandwidth(prefill, decode)
+        """Handing ``tokens`` tokens of KV from ``prefill`` to ``decode`` over (``handoff``)."""
+        return self.handoff(prefill, decode, tokens).seconds
 
     # -- whole placements ----------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """What a worker says about itself in each heartbeat.
 
 Besides identity and load, a heartbeat carries what the scheduler's cost model needs
-(``pdserve.scheduling.costmodel``), all measured by the worker as it runs, none configured:
-its engine's step-time model (``step_overhead_s``, ``decode_seq_s``, ``prefill_token_s``),
-how busy the engine is, and the bandwidth of the KV links it has used (``links``). What it
-serves right now (``serves``) can change while it runs: a planner moves mixed workers between
-prefill and decode duty (``duty``, ``switching``).
+(``pdserve.scheduling.costmodel``), measured by the worker as it runs: its engine's step-time
+model (``step_overhead_s``, ``decode_seq_s``, ``prefill_token_s``), how busy the engine is,
+the bandwidth of the KV links it has used (``links``); and the transports it allows
+(``transports``). What it serves right now (``serves``) can change while it runs: a planner
+moves mixed workers between prefill and decode duty (``duty``, ``switching``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.transfer.handle import TransportKind
 
 
 class WorkerRole(StrEnum):
@@ -122,6 +123,9 @@ class WorkerInfo:
     the other engines' bulk work (the host lease's bulk threshold, ``compute.lease``); a step
     carrying more waits behind their bulk steps, and so do the streams it decodes. 0: the
     worker's engine shares no cores."""
+    transports: tuple[str, ...] = ()
+    """The transports its hand-off policy picks from (``transfer.links.allowed_transports``),
+    so that the scheduler prices the one it will take; empty: the default policy's."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -185,6 +189,9 @@ class WorkerInfo:
         if any(not bw > 0 for _, _, bw in links):
             raise InvalidArgumentError("links", "bandwidths must be > 0")
         object.__setattr__(self, "links", links)
+        object.__setattr__(self, "transports", tuple(self.transports))
+        if not set(self.transports) <= {k.value for k in TransportKind}:
+            raise InvalidArgumentError("transports", f"must name transports, got {self.transports}")
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -208,6 +215,7 @@ class WorkerInfo:
         data["serves"] = list(self.serves)
         data["capabilities"] = list(self.capabilities)
         data["links"] = [list(link) for link in self.links]
+        data["transports"] = list(self.transports)
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -229,7 +237,7 @@ class WorkerInfo:
         if not isinstance(kwargs.get("reservations", []), list):
             raise InvalidArgumentError("reservations", "must be a JSON list of reservation ids")
         kwargs["reservations"] = tuple(kwargs.get("reservations", ()))
-        for name in ("serves", "capabilities", "links"):
+        for name in ("serves", "capabilities", "links", "transports"):
             if not isinstance(kwargs.get(name, []), list):
                 raise InvalidArgumentError(name, "must be a JSON list")
             kwargs[name] = tuple(kwargs.get(name, ()))

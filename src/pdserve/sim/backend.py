@@ -34,11 +34,11 @@ from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
 from pdserve.sim.flags import DEFAULT_LINK
-from pdserve.sim.links import LinkModel, parse_link
+from pdserve.sim.links import parse_link
 from pdserve.sim.runner import SimRunner
 from pdserve.sim.timing import SimProfile, parse_profile
 from pdserve.tokenizer import Tokenizer
-from pdserve.transfer.handle import TransportKind
+from pdserve.transfer.links import Link, Links
 
 SIM_KV_DTYPE = "float32"
 """The stand-in KV's dtype: token ids and positions are exact in it below 2**24."""
@@ -51,7 +51,7 @@ class SimOptions:
     profile: SimProfile
     time_scale: float = 1.0
     """Every modelled second lasts this many real ones (> 0)."""
-    link: LinkModel = field(default_factory=lambda: parse_link(DEFAULT_LINK))
+    link: Link = field(default_factory=lambda: parse_link(DEFAULT_LINK))
     """The link a hand-off's KV crosses to reach this worker."""
 
     @classmethod
@@ -61,18 +61,18 @@ class SimOptions:
             raise InvalidArgumentError("--sim-time-scale", f"must be > 0, got {time_scale}")
         return cls(parse_profile(profile), time_scale, parse_link(link))
 
-    def published_links(self, host: str) -> tuple[tuple[str, str, float], ...]:
-        """The links a sim worker's heartbeat publishes, ``(peer, transport, bytes/s)``: the
-        modelled link for the hand-offs between this host's workers, in real bytes/s (the
-        link's rate over the time scale). What the transports measure moving the stand-in
-        payload says nothing of the modelled KV, so the scheduler prices hand-offs by these."""
-        rate = self.link.bandwidth / self.time_scale
-        return tuple((host, kind.value, rate) for kind in (TransportKind.SHM, TransportKind.DIRECT))
+    def links(self, host: str) -> Links:
+        """A sim worker's ``Links``: the modelled link for the hand-offs between this host's
+        workers, in real bytes/s (the link's rate over the time scale), kept as modelled.
+        What the transports measure moving the stand-in payload says nothing of the modelled
+        KV, so the worker chooses its transports, and its heartbeat publishes, by these."""
+        rate = self.link.bytes_per_s / self.time_scale
+        return Links(host, [(host, k, rate) for k in ("shm", "direct")], modelled=True)
 
     def transfer_s(self, num_tokens: int) -> float:
         """Real seconds the modelled link takes for the modelled KV of ``num_tokens``."""
         nbytes = num_tokens * self.profile.model.kv_bytes_per_token
-        return self.link.transfer_time(nbytes) * self.time_scale
+        return self.link.transfer_time_s(nbytes) * self.time_scale
 
 
 def sim_fingerprint(model_dir: Path, profile: SimProfile) -> str:

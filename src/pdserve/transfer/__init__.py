@@ -4,7 +4,7 @@ One interface (``base``: ``KVSender``/``KVReceiver``, ``KVLocation``, ``HandoffR
 ``TransportRegistry``) and one folder per backend (``stream``, ``shm``, ``fake``);
 ``transports`` builds the registries the worker roles choose from.
 
-Kept import-light on purpose: ``pdserve.transfer.policy``, ``janitor`` and ``base`` must be
+Kept import-light on purpose: ``pdserve.transfer.links``, ``janitor`` and ``base`` must be
 importable without torch (router, scheduler), so import the submodules you need directly.
 See ``base.py`` for the lifecycle and ``docs/kv-transfer.md`` for the wiring.
 """

@@ -65,12 +65,12 @@ from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.timing import RequestTiming
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVReceiver, TransportKind
+from pdserve.transfer.links import Links
 from pdserve.transfer.shm.slots import SlotMappings
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.transports import ReceiveSide, receivers
 from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 from pdserve.worker.migration import Resumed, resume
-from pdserve.worker.placement import LinkModel
 from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
 
@@ -127,7 +127,7 @@ class DecodeWorker:
         self.host = host or socket.gethostname()
         self.transfer_timeout_s = transfer_timeout_s
         self.security = security
-        self.links = LinkModel(self.host)
+        self.links = Links(self.host)
         self.fingerprint = engine.fingerprint
         self.prefetches = Prefetches()
         self._stores: dict[str, KVStoreClient] = {}

@@ -8,15 +8,12 @@ the duty a planner set for the worker (``duty.Duty``) in the same round trip.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.backends import Capacity, EngineBackend
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
+from pdserve.transfer.links import Links
 from pdserve.worker.duty import Duty
-
-Links = Callable[[], tuple[tuple[str, str, float], ...]]
-"""The measured KV links of a worker: ``(peer host, transport, bytes/s)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +31,8 @@ class WorkerIdentity:
     kv_bytes_per_token: int = 0
     interactive_tokens: int = 0
     """The host lease's bulk threshold (0: no lease): ``WorkerInfo.interactive_tokens``."""
+    transports: tuple[str, ...] = ()
+    """What its hand-off policy picks from: ``WorkerInfo.transports``."""
 
 
 def worker_info(
@@ -82,6 +81,7 @@ def worker_info(
         links=links,
         kv_bytes_per_token=identity.kv_bytes_per_token,
         interactive_tokens=identity.interactive_tokens,
+        transports=identity.transports,
     )
 
 
@@ -105,7 +105,7 @@ class WorkerHeartbeat:
         links: Links | None = None,
     ) -> None:
         """``duty``: follow a planner's orders (mixed workers); ``links``: the prefill
-        side's measured KV links."""
+        side's KV links (``transfer.links.Links``)."""
         self.identity = identity
         self.engine = engine
         self.draining = False
@@ -129,7 +129,7 @@ class WorkerHeartbeat:
             draining=self.draining or load.failed,
             interval_s=self.interval_s,
             duty=self.duty,
-            links=self.links() if self.links is not None else (),
+            links=self.links.published() if self.links is not None else (),
         )
 
     @property

@@ -1,33 +1,28 @@
-"""How a prefill worker moves one request's KV: the transport, its timeout, and what it
-learns from each hand-off.
-
-``TransportChooser.choose`` for one request:
+"""A prefill worker's hand-off settings (``TransferOptions``), and how it picks the transport
+of one request's KV (``TransportChooser.choose``):
 
 1. A transport forced by the request (``PrefillRequest.transport``), else by the worker
    (``--transport``), is used as given; ``direct`` without a known decode worker goes through
    the store instead.
 2. Nothing known about the decode worker (a caller that does not pass the scheduler's
    choice): ``store``.
-3. Otherwise ``pdserve.transfer.policy.choose_transport``: same host -> ``shm``; else the
-   network transport (``direct`` by default), unless moving the KV is estimated to take longer
-   than the decode worker computing it again (``recompute``). Recompute is considered only once
-   this worker has measured its own prefill throughput (the decode worker runs the same model).
-
-Bandwidth estimates (``LinkEstimates``) are fed by every committed hand-off with its busy time
-(the time the transport moved bytes; waits for the compute excluded), so that
-``default_timeout_s`` and the recompute comparison follow what the link does.
+3. Otherwise ``transfer.links.choose_transport``, the rule the scheduler prices placements by,
+   on this host's ``Links`` (fed by each committed hand-off's busy time: the time the
+   transport moved bytes) and this worker's step model: same host -> ``shm``; else the network
+   transport (``direct`` by default), unless moving the KV would take longer than the decode
+   worker computing it again (``recompute``; it runs the same model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_payload import KVLayout
+from pdserve.engine.step_meter import StepModel
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.base import HandoffRecord, TransportKind
+from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.faults import SendFaults
-from pdserve.transfer.policy import LinkEstimates, choose_transport, default_timeout_s
+from pdserve.transfer.links import Links, allowed_transports, choose_transport
 
 AUTO = "auto"
 TRANSPORT_CHOICES = (AUTO, *(k.value for k in TransportKind))
@@ -80,6 +75,17 @@ class TransferOptions:
                 "prefetch_min_bytes", f"must be >= 0, got {self.prefetch_min_bytes}"
             )
 
+    @property
+    def transports(self) -> tuple[TransportKind, ...]:
+        """What the policy picks from (``transfer.links.allowed_transports``); heartbeats
+        publish it, so that the scheduler prices the transport this worker will take."""
+        return allowed_transports(
+            parse_transport(self.transport),
+            network=self.network,
+            allow_shm=self.allow_shm,
+            allow_recompute=self.allow_recompute,
+        )
+
     def announces(
         self, kind: TransportKind, *, decode_address: str, kv_bytes: int, max_tokens: int
     ) -> bool:
@@ -109,85 +115,38 @@ def parse_transport(value: str, *, field: str = "transport") -> TransportKind | 
         ) from None
 
 
-class LinkModel:
-    """Measured bandwidth per link and this worker's prefill throughput (EWMAs)."""
-
-    def __init__(self, host: str, *, alpha: float = 0.25) -> None:
-        self.host = host
-        self.links = LinkEstimates(alpha=alpha)
-        self.alpha = alpha
-        self.prefill_tokens_per_s: float | None = None
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """One prefill computed ``num_tokens`` in ``seconds``."""
-        if num_tokens <= 0 or not seconds > 0:
-            return
-        rate = num_tokens / seconds
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if old is None else old + self.alpha * (rate - old)
-
-    def observe(self, peer: str, record: HandoffRecord) -> None:
-        """Fold one measured hand-off into the estimate of its link."""
-        kind = TransportKind(record.transport)
-        if kind is TransportKind.RECOMPUTE or record.num_bytes <= 0:
-            return
-        seconds = (record.recv_ms or record.busy_ns / 1e6) / 1e3
-        if seconds > 0:
-            self.links.observe(self.host, peer, kind, record.num_bytes, seconds)
-
-    def published(self) -> tuple[tuple[str, str, float], ...]:
-        """The links measured from this host, for heartbeats: ``(peer, transport, bytes/s)``."""
-        return tuple(
-            (dst, kind.value, est.bytes_per_s)
-            for src, dst, kind, est in self.links.measured()
-            if src == self.host
-        )
-
-    def timeout_s(self, peer: str, kind: TransportKind, num_bytes: int, configured: float) -> float:
-        """``configured`` if set, else ``default_timeout_s`` from the link's bandwidth."""
-        if configured > 0:
-            return configured
-        estimate = self.links.estimate(self.host, peer, kind)
-        return default_timeout_s(num_bytes, estimate.bytes_per_s)
-
-
 class TransportChooser:
-    """Picks the transport of each hand-off (see the module docstring)."""
+    """Picks the transport of each hand-off (see the module docstring), on what this host
+    knows of its ``links``."""
 
-    def __init__(self, host: str, layout: KVLayout, options: TransferOptions) -> None:
-        self.host = host
-        self.layout = layout
+    def __init__(self, links: Links, kv_bytes_per_token: int, options: TransferOptions) -> None:
+        self.links = links
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.options = options
-        self.model = LinkModel(host)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.layout.num_layers * self.layout.bytes_per_token_per_layer
 
     def choose(
         self,
         num_tokens: int,
+        steps: StepModel,
         *,
         decode_address: str = "",
         decode_host: str = "",
         forced: TransportKind | None = None,
     ) -> TransportKind:
-        o = self.options
-        kind = forced or parse_transport(o.transport)
-        if kind is not None:
-            if kind is TransportKind.DIRECT and not decode_address:
-                return TransportKind.STORE  # nowhere to stream to: the store is the fallback
-            return kind
-        if not (decode_address or decode_host):
-            return TransportKind.STORE
-        rate = self.model.prefill_tokens_per_s
+        """``steps``: this worker's step model (what a recompute of the prompt costs)."""
+        allowed = (forced,) if forced is not None else self.options.transports
+        if not decode_address:  # nowhere to stream to: the store is the fallback
+            allowed = tuple(
+                TransportKind.STORE if k is TransportKind.DIRECT else k for k in allowed
+            )
+            if not decode_host and len(allowed) > 1:
+                return TransportKind.STORE
         return choose_transport(
-            self.host,
+            self.links,
             decode_host,
             num_tokens,
-            self.kv_bytes(num_tokens),
-            self.model.links,
-            rate or 1.0,
-            network=o.network if decode_address else TransportKind.STORE,
-            allow_shm=o.allow_shm,
-            allow_recompute=o.allow_recompute and rate is not None,
-        )
+            num_tokens * self.kv_bytes_per_token,
+            prefill_token_s=steps.prefill_token_s,
+            step_overhead_s=steps.overhead_s,
+            allowed=allowed,
+        ).kind

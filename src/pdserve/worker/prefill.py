@@ -51,6 +51,7 @@ from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
+from pdserve.transfer.links import Links
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
 from pdserve.transfer.stream.push import PushClient
 from pdserve.transfer.transports import SendSide, senders
@@ -126,18 +127,21 @@ class PrefillWorker:
         prefix: PrefixReuse | None = None,
         announcers: Announcers | None = None,
         assignments: AssignedDecode | None = None,
+        links: Links | None = None,
     ) -> None:
         """``announcers``: tell decode workers of layer-wise store/shm hand-offs as they
         begin (``worker.announce``); None: they read them at the Decode call.
         ``assignments``: use a decode address only if the request's reservation holds it
-        (``worker.assignment``); None (no scheduler): any address is used."""
+        (``worker.assignment``); None (no scheduler): any address is used. ``links``: what
+        this host knows of its KV links (a sim worker's modelled ones; default: measured)."""
         if not lease_s > 0:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {lease_s}")
         self.engine = engine
         self.store = store
         self.host = host or socket.gethostname()
         self.options = options or TransferOptions(lease_s=lease_s)
-        self.chooser = TransportChooser(self.host, engine.layout, self.options)
+        links = links or Links(self.host)
+        self.chooser = TransportChooser(links, engine.kv_bytes_per_token, self.options)
         self.prefix = prefix
         self.fingerprint = engine.fingerprint
         # Decode workers' cached-prefix answers (decode_prefix), with the store's deadline.
@@ -240,6 +244,7 @@ class PrefillWorker:
             )
         kind = self.chooser.choose(
             len(prompt_ids),
+            self.engine.capacity().steps,
             decode_address=decode_address,
             decode_host=decode_host,
             forced=forced,
@@ -279,9 +284,6 @@ class PrefillWorker:
             )
             token, logprob = last.new_token_ids[0], last.new_logprobs[0]
             reason = self._finish_reason(last, params, len(prompt_ids))
-            self.chooser.model.observe_prefill(
-                len(prompt_ids) - last.num_cached_tokens, timing.first_output_ms / 1e3
-            )
             sent: _Sent | None = None
             if reason is None:
                 peer = decode_host or decode_address
@@ -366,7 +368,7 @@ class PrefillWorker:
             location = KVLocation.recompute(request_id, n, self.fingerprint, fallback)
             record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=fallback)
             return _Sent(location, record)
-        timeout = self.chooser.model.timeout_s(
+        timeout = self.chooser.links.timeout_s(
             peer, out.kind, out.record.num_bytes, self.options.timeout_s
         )
         compression = (
@@ -397,7 +399,7 @@ class PrefillWorker:
             compression=compression,
             layerwise=self.options.layerwise,
         )
-        self.chooser.model.observe(peer, record)
+        self.chooser.links.observe(peer, record)
         location = dataclasses.replace(location, model_fingerprint=self.fingerprint)
         return _Sent(location, record)
 

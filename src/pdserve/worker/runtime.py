@@ -24,7 +24,6 @@ The caller closes the engine (and its own clients) afterwards.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -46,11 +45,12 @@ from pdserve.rpc.server import (
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
 from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.janitor import reclaim_orphans
+from pdserve.transfer.links import Links
 from pdserve.worker.assignment import AssignedDecode
 from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
-from pdserve.worker.heartbeat import Links, WorkerHeartbeat, WorkerIdentity
+from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
 from pdserve.worker.kv_events import KVEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
@@ -157,6 +157,12 @@ def prefill_worker(
         if options.prefix_reuse
         else None
     )
+    links = None
+    if options.backend == SIM:  # the modelled link, not what moving the stand-in measures
+        from pdserve.sim.backend import SimOptions
+
+        sim = SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link)
+        links = sim.links(options.host_name)
     return PrefillWorker(
         engine,
         store,
@@ -170,6 +176,7 @@ def prefill_worker(
             if options.redis_url
             else None
         ),
+        links=links,
     )
 
 
@@ -240,12 +247,8 @@ async def run_worker(
         lane=options.scheduling.lane,
         kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
+        transports=tuple(k.value for k in options.transfer_options().transports),
     )
-    if options.backend == SIM:  # the modelled link, not the stand-in payload's
-        from pdserve.sim.backend import SimOptions
-
-        sim = SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link)
-        links = functools.partial(sim.published_links, options.host_name)
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
     can = capabilities(options.role, can_prefill=options.kvstore is not None)

@@ -8,7 +8,9 @@ import pytest
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling import CostModel, WorkerRole, WorkerView
-from pdserve.scheduling.costmodel import DEFAULT_BANDWIDTH, decoding
+from pdserve.scheduling.costmodel import decoding
+from pdserve.transfer.handle import TransportKind
+from pdserve.transfer.links import Handoff
 
 from .factories import view, worker
 
@@ -43,13 +45,27 @@ def test_transfer_uses_the_link_the_prefill_worker_measured() -> None:
     same_host = worker("d1", host="a")
     other_host = worker("d2", host="b")
     unknown = worker("d3", host="c")
-    assert MODEL.transport(prefill, same_host) == "shm"
-    assert MODEL.transfer_s(prefill, same_host, 1000) == pytest.approx(1e6 / 2e9)
-    assert MODEL.transfer_s(prefill, other_host, 1000) == pytest.approx(1e6 / 1e8)
-    assert MODEL.transfer_s(prefill, unknown, 1000) == pytest.approx(
-        1e6 / DEFAULT_BANDWIDTH["direct"]
-    )
+    assert MODEL.handoff(prefill, same_host, 1000).kind is TransportKind.SHM
+    # Each transfer: 1 ms latency + 1 MB over the link measured, else the prior (1 GB/s).
+    assert MODEL.transfer_s(prefill, same_host, 1000) == pytest.approx(0.001 + 1e6 / 2e9)
+    assert MODEL.transfer_s(prefill, other_host, 1000) == pytest.approx(0.001 + 1e6 / 1e8)
+    assert MODEL.transfer_s(prefill, unknown, 1000) == pytest.approx(0.001 + 1e6 / 1e9)
     assert MODEL.transfer_s(worker("x", WorkerRole.PREFILL), unknown, 1000) == 0.0  # no size
+
+
+def test_the_hand_off_is_priced_on_the_transports_the_prefill_worker_allows() -> None:
+    def handoff(transports: tuple[str, ...], **measured: float) -> Handoff:
+        prefill = worker("p", WorkerRole.PREFILL, host="a", kv_bytes_per_token=100_000,
+                         transports=transports, **measured)  # fmt: skip
+        return MODEL.handoff(prefill, worker("d", host="a"), 1000)
+
+    assert handoff(()).kind is TransportKind.SHM  # an older heartbeat: the default policy
+    assert handoff(("direct", "recompute")).kind is TransportKind.DIRECT  # --no-shm
+    assert handoff(("store",)).seconds == pytest.approx(0.001 + 1e8 / 0.5e9)  # forced store
+    # 100 MB at 1 GB/s (0.101 s) against 10 ms + 1000 tokens at 20 us (0.03 s): recompute,
+    # once the worker has measured its prefills.
+    fast = handoff(("direct", "recompute"), prefill_token_s=2e-5, step_overhead_s=0.01)
+    assert fast == Handoff(TransportKind.RECOMPUTE, pytest.approx(0.03))
 
 
 def test_a_long_prefill_harms_the_streams_of_a_worker_that_decodes() -> None:
@@ -108,7 +124,8 @@ def test_disaggregated_ttft_adds_the_transfer_and_the_hop() -> None:
              step_overhead_s=0.002, prefill_token_s=0.0005, links=(link,))  # fmt: skip
     d = view("d", host="b")
     ttft = MODEL.disaggregated_ttft_s(p, d, uncached=400, moved=400)
-    assert ttft == pytest.approx(0.002 + 400 * 0.0005 + 400 * 1000 / 1e8 + MODEL.hop_s)
+    move = 0.001 + 400 * 1000 / 1e8  # latency + bytes / bandwidth (recomputing: 0.202 s)
+    assert ttft == pytest.approx(0.002 + 400 * 0.0005 + move + MODEL.hop_s)
 
 
 def test_long_prompt_threshold_follows_the_median_worker() -> None:

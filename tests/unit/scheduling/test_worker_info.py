@@ -97,6 +97,7 @@ def test_scheduling_fields_round_trip_and_phases_follow_serves() -> None:
         busy=0.4,
         links=(("node-b", "direct", 1.5e9),),
         kv_bytes_per_token=8192,
+        transports=("direct", "recompute"),
     )
     back = WorkerInfo.from_json(info.to_json())
     assert back == info
@@ -120,6 +121,7 @@ def test_scheduling_fields_round_trip_and_phases_follow_serves() -> None:
         ({"links": (("h", "shm"),)}, "links"),
         ({"links": (("h", "shm", 0.0),)}, "links"),
         ({"kv_bytes_per_token": -1}, "kv_bytes_per_token"),
+        ({"transports": ("pigeon",)}, "transports"),
     ],
 )
 def test_bad_scheduling_fields_name_their_field(overrides: dict[str, object], field: str) -> None:

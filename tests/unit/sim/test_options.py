@@ -8,6 +8,8 @@ import pytest
 from pdserve.errors import InvalidArgumentError
 from pdserve.sim.backend import SimOptions
 from pdserve.sim.shapes import MODELS
+from pdserve.transfer.base import TransportKind
+from pdserve.transfer.links import Links
 
 
 def test_a_hand_off_takes_the_modelled_link_s_time_stretched_by_the_scale() -> None:
@@ -19,13 +21,18 @@ def test_a_hand_off_takes_the_modelled_link_s_time_stretched_by_the_scale() -> N
 
 def test_heartbeats_publish_the_modelled_link_in_real_time() -> None:
     opts = SimOptions.parse("roofline:h100:llama-3-8b", time_scale=4.0, link="rdma-400")
-    links = dict(((peer, kind), rate) for peer, kind, rate in opts.published_links("node-a"))
-    assert links == {("node-a", "shm"): 45e9 / 4, ("node-a", "direct"): 45e9 / 4}
-    # A cost model's estimate of a hand-off, tokens x bytes / published rate, is then what
-    # the decode worker waits.
+    links = opts.links("node-a")
+    published = dict(((peer, kind), rate) for peer, kind, rate in links.published())
+    assert published == {("node-a", "shm"): 45e9 / 4, ("node-a", "direct"): 45e9 / 4}
+    # The link model's estimate of a hand-off over them (the worker's, and the scheduler's
+    # from the heartbeat) is then what the decode worker waits, to within the latency (the
+    # link model's, not the modelled one: heartbeats publish bandwidths only).
     nbytes = 1000 * MODELS["llama-3-8b"].kv_bytes_per_token
-    # (to within the link latency, which the cost model leaves out)
-    assert nbytes / links["node-a", "shm"] == pytest.approx(opts.transfer_s(1000), rel=1e-2)
+    estimate = Links("node-a", links.published()).link("node-a", TransportKind.SHM)
+    assert estimate.transfer_time_s(nbytes) == pytest.approx(opts.transfer_s(1000), abs=1e-3)
+    # What moving the stand-in payload measures does not move a modelled link.
+    links.measure("node-a", TransportKind.SHM, 1000, 1.0)
+    assert dict(((peer, kind), rate) for peer, kind, rate in links.published()) == published
 
 
 @pytest.mark.parametrize(

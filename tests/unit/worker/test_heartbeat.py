@@ -12,7 +12,7 @@ from pdserve.worker.heartbeat import WorkerIdentity, worker_info
 
 IDENTITY = WorkerIdentity("m0", WorkerRole.MIXED, "127.0.0.1:1", "host", "fp", 2048,
                           lane="short", kv_bytes_per_token=8192,
-                          interactive_tokens=256)  # fmt: skip
+                          interactive_tokens=256, transports=("direct", "recompute"))  # fmt: skip
 
 
 def snapshot(*, running: int, waiting: int = 0) -> Capacity:
@@ -31,7 +31,7 @@ def test_the_heartbeat_carries_the_step_model_lane_and_links() -> None:
     assert (info.step_overhead_s, info.decode_seq_s, info.prefill_token_s) == (0.01, 0.001, 0.0003)
     assert info.busy == pytest.approx(0.5 * 0.3678794, rel=1e-5)  # 5 s idle: one time constant
     assert info.lane == "short" and info.kv_bytes_per_token == 8192
-    assert info.interactive_tokens == 256
+    assert info.interactive_tokens == 256 and info.transports == ("direct", "recompute")
     assert info.links == (("peer", "shm", 3e9),) and info.reservations == ("r1",)
     assert info.serves == () and info.phases == ("decode", "colocated")  # no duty: by role
 
