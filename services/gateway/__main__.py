@@ -24,6 +24,7 @@ from pdserve.gateway import Gateway, GatewayConfig, create_app
 from pdserve.gateway.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.gateway.pool import DEFAULT_THREADS
 from pdserve.gateway.security import GatewayTls, add_gateway_tls_args, gateway_tls_from_args
+from pdserve.gateway.toolparse import PARSERS, CallSyntax
 from pdserve.rpc.server import freeze_startup_heap, run_service, write_port_file
 from pdserve.telemetry.metrics import GatewayMetrics
 from pdserve.telemetry.metrics_http import MetricsServer, start_metrics_server
@@ -64,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ignore request fields that neither OpenAI's nor vLLM's schema has (default: a "
         "400 naming the field)",
     )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", choices=PARSERS, default=CallSyntax.HERMES.value,
+        help="how answers to tool_choice auto hold their tool calls, and how tools are written "
+        "into prompts of chat templates that render none (default: hermes)",
+    )  # fmt: skip
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)
@@ -103,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         parse_threads=args.parse_threads,
         allow_unknown_fields=args.allow_unknown_fields,
+        tool_call_parser=CallSyntax(args.tool_call_parser),
     )
     gateway = Gateway.load(config)
     metrics = GatewayMetrics()

@@ -333,7 +333,7 @@ BAD_CHATS = [
     pytest.param({"messages": []}, "messages", id="no-messages"),
     pytest.param({"messages": [{"content": "hi"}]}, "messages[0].role", id="no-role"),
     pytest.param({"max_completion_tokens": 100_000}, "max_completion_tokens", id="max-tokens"),
-    pytest.param({"tools": [{"type": "function"}]}, "tools", id="tools"),
+    pytest.param({"tools": [{"type": "function"}]}, "tools[0].function", id="tools"),
 ]
 
 

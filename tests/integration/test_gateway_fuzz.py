@@ -198,9 +198,24 @@ COMMON: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.integers(1, 4),
 }
 COMPLETION_FIELDS = {**COMMON, "logprobs": st.integers(0, 1), "echo": st.just(False)}
+TOOL = st.fixed_dictionaries({
+    "type": st.sampled_from(["function", "function", "custom"]),
+    "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g", "f", "no spaces", ""])},
+        optional={"description": SAFE, "parameters": st.sampled_from([
+            {"type": "object", "properties": {"x": {"type": "string", "maxLength": 3}}},
+            {"type": "array"}, {}, {"type": "object", "properties": {"x": {"$ref": "#/nope"}}},
+        ])},
+    ),
+})  # fmt: skip
+TOOL_CHOICE = st.sampled_from(["none", "auto", "required", "maybe",
+                               {"type": "function", "function": {"name": "f"}},
+                               {"type": "function", "function": {"name": "h"}}])  # fmt: skip
 CHAT_FIELDS = {**COMMON, "max_completion_tokens": st.integers(1, 4), "logprobs": st.booleans(),
                "top_logprobs": st.integers(0, 1), "add_generation_prompt": st.booleans(),
-               "chat_template_kwargs": st.dictionaries(SAFE, SAFE, max_size=2)}  # fmt: skip
+               "chat_template_kwargs": st.dictionaries(SAFE, SAFE, max_size=2),
+               "tools": st.lists(TOOL, max_size=2), "tool_choice": TOOL_CHOICE,
+               "parallel_tool_calls": st.booleans()}  # fmt: skip
 VALID_PROMPT = st.one_of(SAFE, SAFE_IDS, SAFE_LONG, st.lists(SAFE, min_size=1, max_size=3),
                          st.lists(SAFE_IDS, min_size=1, max_size=2))  # fmt: skip
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": SAFE})
@@ -219,7 +234,11 @@ MESSAGE = st.one_of(
         {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "robot", "tool"]),
                            WEIRD)},
         optional={"content": st.one_of(TEXT, LONG, st.lists(PART, max_size=3), WEIRD),
-                  "name": st.one_of(TEXT, WEIRD)},
+                  "name": st.one_of(TEXT, WEIRD), "tool_call_id": st.one_of(TEXT, WEIRD),
+                  "tool_calls": st.one_of(WEIRD, st.lists(st.fixed_dictionaries({
+                      "type": st.just("function"), "function": st.fixed_dictionaries(
+                          {"name": TEXT, "arguments": st.one_of(TEXT, WEIRD, st.just("{}"))}),
+                  }), max_size=2))},
     ),
     WEIRD,
 )  # fmt: skip

@@ -345,3 +345,58 @@ def test_structured_output_through_the_openai_client(oai: openai.OpenAI) -> None
         oai.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                extra_body={"guided_regex": "(["})  # fmt: skip
     assert "guided_regex" in str(err.value)
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+FLAG_PARAMETERS = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "set_flag", "parameters": FLAG_PARAMETERS}},
+]
+PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "set_flag": FLAG_PARAMETERS}
+
+
+def _streamed_calls(chunks: list[Any]) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls of a stream, accumulated as OpenAI's clients do, and its finish reason."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if piece.id is not None:
+                calls[piece.index] = [piece.function.name, ""]
+            calls[piece.index][1] += piece.function.arguments or ""
+    return [(n, a) for _, (n, a) in sorted(calls.items())], chunks[-1].choices[0].finish_reason
+
+
+def test_tool_choice_required_and_named_through_the_openai_client(oai: openai.OpenAI) -> None:
+    """``tool_choice`` a named function or ``required`` guides the random model's answer: it
+    is always calls of the right functions whose arguments a strict JSON parser reads and the
+    function's schema takes (``jsonschema``), and the stream of the same seeded request gives
+    the same calls, piece by piece."""
+    import jsonschema
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(2):
+        for choice, parallel in ((named, None), ("required", False), ("required", None)):
+            ask: dict[str, Any] = {
+                "model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": TOOLS, "tool_choice": choice, "max_tokens": 300, "temperature": 1.0,
+                "seed": seed,
+            }  # fmt: skip
+            if parallel is not None:
+                ask["parallel_tool_calls"] = parallel
+            done = oai.chat.completions.create(**ask).choices[0]
+            assert done.finish_reason == "tool_calls", done
+            assert done.message.content is None and done.message.tool_calls
+            calls = [(c.function.name, c.function.arguments) for c in done.message.tool_calls]  # type: ignore[union-attr]
+            if choice is named:
+                assert [name for name, _ in calls] == ["get_weather"]
+            if parallel is False:
+                assert len(calls) == 1
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+            chunks = list(oai.chat.completions.create(**ask, stream=True))
+            assert _streamed_calls(chunks) == (calls, "tool_calls"), (choice, seed)

@@ -59,6 +59,9 @@ class Params:
 
     prompt: str
     max_tokens: str = "max_tokens"
+    guide: str | None = None
+    """What a guide error names when the gateway made the guide (``tools``); None: the
+    guide's own field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class RouterCalls:
     def error(self, err: PdServeClientError) -> GatewayError:
         return from_client_error(
             err, prompt_param=self.params.prompt, max_tokens_param=self.params.max_tokens,
-            api_key_sent=self.api_key is not None,
+            api_key_sent=self.api_key is not None, guide_param=self.params.guide,
         )  # fmt: skip
 
     async def first(

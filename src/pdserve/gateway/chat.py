@@ -15,6 +15,11 @@ Rendering uses a sandboxed Jinja2 environment with ``trim_blocks``/``lstrip_bloc
 non-ASCII text, as ``transformers`` does, and the special tokens of ``tokenizer_config.json``
 (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``) as variables. The rendered text
 already holds any BOS the template writes, so it is tokenized without adding another.
+
+A request's ``tools`` are the variable ``tools`` (null without), and earlier calls' arguments
+are objects, as ``transformers`` gives them. A template that never reads ``tools`` (ChatML
+above among them) gets them written into the conversation instead, in the format of the
+gateway's tool-call parser (``tools.prompt_messages``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.errors import InvalidArgumentError, ModelLoadError
 from pdserve.gateway.protocol import ChatMessage
+from pdserve.gateway.toolparse import CallSyntax
+from pdserve.gateway.tools import prompt_messages, template_tool_calls
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}"
@@ -90,18 +98,33 @@ def _from_config(config: Mapping[str, Any], file: Path) -> str | None:
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str], origin: str) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str],
+        origin: str,
+        tool_syntax: CallSyntax = CallSyntax.HERMES,
+    ) -> None:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self.origin = origin
         """Where the template came from: a file path, or "fallback (ChatML)"."""
+        self.tool_syntax = tool_syntax
+        """How tools are written in for a template that renders none (the gateway's parser)."""
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateError as e:
             raise ModelLoadError(f"cannot compile the chat template from {origin}: {e}") from e
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, override: Path | None = None) -> ChatTemplate:
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        override: Path | None = None,
+        tool_syntax: CallSyntax = CallSyntax.HERMES,
+    ) -> ChatTemplate:
         """The template of a checkpoint directory (see the module docstring for the order)."""
         root = Path(model_dir)
         config_file = root / "tokenizer_config.json"
@@ -113,14 +136,13 @@ class ChatTemplate:
                 raise ModelLoadError(f"cannot parse {config_file}: {e}") from e
         special = {k: t for k in _SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
         jinja_file = root / "chat_template.jinja"
-        if override is not None:
-            return cls(override.read_text(encoding="utf-8"), special, str(override))
-        if jinja_file.is_file():
-            return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))
+        for file in (override, jinja_file if jinja_file.is_file() else None):
+            if file is not None:
+                return cls(file.read_text(encoding="utf-8"), special, str(file), tool_syntax)
         source = _from_config(config, config_file)
         if source is not None:
-            return cls(source, special, str(config_file))
-        return cls(FALLBACK_TEMPLATE, special, "fallback (ChatML)")
+            return cls(source, special, str(config_file), tool_syntax)
+        return cls(FALLBACK_TEMPLATE, special, "fallback (ChatML)", tool_syntax)
 
     def render(
         self,
@@ -130,21 +152,28 @@ class ChatTemplate:
         continue_final_message: bool = False,
         documents: Sequence[Mapping[str, str]] | None = None,
         extra: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text of a conversation; ``InvalidArgumentError`` on ``messages`` when the
-        template refuses it or fails on it.
+        template refuses it or fails on it (or on the arguments of a call in it that are not
+        a JSON object).
 
         ``continue_final_message``: the text ends with the last message's content, open for
         the model to continue it (what follows it in the template, an end-of-turn token, is
-        cut), as ``apply_chat_template`` does. ``documents`` and ``extra`` are passed to the
-        template as variables."""
-        rendered = [_message(m) for m in messages]
+        cut), as ``apply_chat_template`` does. ``documents``, ``extra`` and ``tools`` (the
+        tools as templates read them) are passed to the template as variables."""
+        rendered = [_message(m, i) for i, m in enumerate(messages)]
+        if tools and not self.renders_tools:
+            rendered = prompt_messages(rendered, tools, self.tool_syntax)
         variables = {
             **self.special_tokens,
             **(extra or {}),
             "messages": rendered,
             "add_generation_prompt": add_generation_prompt,
         }
+        if tools:
+            variables["tools"] = list(tools)
+        variables.setdefault("tools", None)  # as transformers passes it
         if documents is not None:
             variables["documents"] = [dict(d) for d in documents]
         try:
@@ -158,13 +187,15 @@ class ChatTemplate:
         return _open_ended(text, messages[-1].text()) if continue_final_message else text
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def _message(m: ChatMessage, index: int) -> dict[str, Any]:
     """A message as templates read it: role and content, and the optional keys it has."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
-    for key in ("name", "tool_call_id", "tool_calls"):
+    for key in ("name", "tool_call_id"):
         value = getattr(m, key)
         if value:
             out[key] = value
+    if m.tool_calls:
+        out["tool_calls"] = template_tool_calls(m.tool_calls, f"messages[{index}].tool_calls")
     return out
 
 

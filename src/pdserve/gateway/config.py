@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.gateway.body import DEFAULT_MAX_BODY_BYTES
 from pdserve.gateway.pool import DEFAULT_THREADS
+from pdserve.gateway.toolparse import CallSyntax
 from pdserve.security.tls import TlsConfig
 
 
@@ -34,6 +35,9 @@ class GatewayConfig:
     allow_unknown_fields: bool = False
     """Ignore request fields outside OpenAI's and vLLM's schemas instead of refusing them
     (``fields``)."""
+    tool_call_parser: CallSyntax = CallSyntax.HERMES
+    """How ``tool_choice: "auto"`` answers hold their calls (``toolparse``), and how tools
+    are written into the prompt of a chat template that renders none."""
 
     @property
     def model_name(self) -> str:

@@ -76,7 +76,7 @@ class Gateway:
             AsyncClient(config.router, timeout=config.timeout_s, tls=config.router_tls or False),
             Tokenizer.from_dir(config.model_dir),
             ModelLimits.from_dir(config.model_dir),
-            ChatTemplate.from_dir(config.model_dir, config.chat_template),
+            ChatTemplate.from_dir(config.model_dir, config.chat_template, config.tool_call_parser),
         )
 
     async def close(self) -> None:

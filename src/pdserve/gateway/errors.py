@@ -108,17 +108,23 @@ def bad_request(param: str | None, message: str, code: str = "invalid_value") ->
     return GatewayError(BAD_REQUEST, text, param=param, code=code)
 
 
-def openai_param(field: str | None, *, prompt_param: str, max_tokens_param: str) -> str | None:
+def openai_param(
+    field: str | None, *, prompt_param: str, max_tokens_param: str, guide_param: str | None = None
+) -> str | None:
     """The request parameter a router field name stands for.
 
     ``sampling.max_tokens`` -> ``max_tokens_param``, ``sampling.top_p`` -> ``top_p``;
-    ``text``/``token_ids``/``prompt`` (and ``token_ids[3]``) -> ``prompt_param``.
+    ``text``/``token_ids``/``prompt`` (and ``token_ids[3]``) -> ``prompt_param``;
+    ``sampling.guided_json`` (any guide) -> ``guide_param`` when the gateway made the guide
+    (from ``tools``), else ``guided_json``.
     """
     if field is None:
         return None
     name = field.removeprefix("sampling.")
     if name == "max_tokens":
         return max_tokens_param
+    if guide_param is not None and name.startswith("guided_"):
+        return guide_param
     if any(name == f or name.startswith(f"{f}[") for f in _PROMPT_FIELDS):
         return prompt_param
     return name
@@ -130,6 +136,7 @@ def from_client_error(
     prompt_param: str,
     max_tokens_param: str = "max_tokens",
     api_key_sent: bool = True,
+    guide_param: str | None = None,
 ) -> GatewayError:
     """The HTTP error for a failed router call; ``api_key_sent`` tells an UNAUTHENTICATED
     call that carried no key from one whose key was refused."""
@@ -155,8 +162,9 @@ def from_client_error(
         return GatewayError(CONFLICT, message, param="request_id", code=code)
     if isinstance(err, InvalidRequest):
         param = openai_param(
-            err.field, prompt_param=prompt_param, max_tokens_param=max_tokens_param
-        )
+            err.field, prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+            guide_param=guide_param,
+        )  # fmt: skip
         message = err.message
         if err.field is not None and param is not None and param != err.field:
             message = f"{param}: {message.removeprefix(f'{err.field}: ')}"

@@ -7,8 +7,9 @@ rule.
   runs with ``--allow-unknown-fields`` (some clients send keys of their own): then they are
   ignored.
 * ``refusals``: (field, why) of each known field set to something pdserve does not do (beam
-  search, tools, structured output, multimodal input, ...). Its default, or a value that
-  means the same, is taken.
+  search, the deprecated ``functions``, multimodal input, ...). Its default, or a value that
+  means the same, is taken. (``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
+  checked by ``tools``.)
 
 ``docs/http-api.md`` lists every field and what becomes of it.
 """
@@ -119,13 +120,10 @@ CHAT: tuple[Refusal, ...] = (
             f"at most {MAX_LOGPROBS}"),
     Refusal("top_logprobs", lambda b: bool(b.top_logprobs) and not b.logprobs,
             "needs logprobs: true"),
-    Refusal("tools", _nonempty("tools"), f"tool calls {NOT_YET}"),
-    Refusal("tool_choice", lambda b: b.tool_choice not in (None, "none"), f"tool calls {NOT_YET}"),
-    Refusal("parallel_tool_calls", lambda b: b.parallel_tool_calls is not None,
-            f"tool calls {NOT_YET}"),
-    Refusal("functions", _nonempty("functions"), f"function calls {NOT_YET}"),
+    Refusal("functions", _nonempty("functions"),
+            "the deprecated function calls are not supported; use tools"),
     Refusal("function_call", lambda b: b.function_call not in (None, "none"),
-            f"function calls {NOT_YET}"),
+            "the deprecated function calls are not supported; use tool_choice"),
     Refusal("audio", _set("audio"), "audio output is not supported"),
     Refusal("modalities", lambda b: b.modalities not in (None, ["text"]), "only text"),
     Refusal("metadata", _set("metadata"), "stored completions are not supported"),

@@ -15,7 +15,10 @@ before anything is sent:
   ``stop``/``stop_token_ids``;
 * more than ``MAX_CHOICES`` choices (prompts of a batch times ``n``);
 * a field outside the schemas (unless ``--allow-unknown-fields``), or one set to something
-  pdserve does not do (``fields``).
+  pdserve does not do (``fields``);
+* a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools``): the
+  tools go to the chat template, and ``tool_choice`` ``required`` or a named function becomes
+  the request's guide (refused alongside another guide, naming ``tool_choice``).
 
 A text prompt of completions is tokenized by the router, which then checks its length in
 tokens, unless the request asks for ``add_special_tokens: false``, ``truncate_prompt_tokens``
@@ -50,6 +53,7 @@ from pdserve.gateway.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from pdserve.gateway.tools import ToolUse, tool_use
 from pdserve.router.limits import RequestLimits
 from pdserve.router.request import ModelLimits
 from pdserve.tokenizer import Tokenizer
@@ -89,7 +93,9 @@ class PreparedChat:
     max_tokens_param: str
     """``max_tokens`` or ``max_completion_tokens``, as the caller spelt it."""
     options: RequestOptions
-    """``max_tokens`` as asked, or the rest of the context."""
+    """``max_tokens`` as asked, or the rest of the context; a guide of the tools' own when
+    ``tool_choice`` is ``required`` or names a function."""
+    tools: ToolUse | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -302,9 +308,19 @@ class Preparer:
         """``POST /v1/chat/completions``: the body and its prompt's token ids, checked."""
         body = parse_body(raw, ChatCompletionRequest, self.max_values)
         self._check(body, body.n)
+        tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+        guide = tools.guide() if tools is not None else None
+        if guide is not None and _guided(body):
+            what = '"required"' if body.tool_choice == "required" else "a named function"
+            fmt = body.response_format or {}
+            given = "guided_*" if fmt.get("type") in (None, "text") else "response_format"
+            raise bad_request(
+                "tool_choice", f"{what} guides the answer itself: it cannot be combined with "
+                f"{given}",
+            )  # fmt: skip
         limits = self.request_limits(router)
         self._check_sampling(body, limits)
-        ids = self.chat_prompt(body, limits, body.truncate_prompt_tokens)
+        ids = self.chat_prompt(body, limits, body.truncate_prompt_tokens, tools)
         max_param, max_tokens = body.max_tokens_param()
         if max_tokens is None:  # up to the context, as OpenAI
             max_tokens = self.limits.max_model_len - len(ids)
@@ -313,13 +329,19 @@ class Preparer:
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             prompt_logprobs=body.prompt_logprobs,
         )  # fmt: skip
-        return PreparedChat(body, ids, max_param, options)
+        if guide is not None:
+            options["guided_json"] = guide
+        return PreparedChat(body, ids, max_param, options, tools)
 
     def chat_prompt(
-        self, body: ChatPromptFields, limits: RequestLimits, truncate: int | None = None
+        self,
+        body: ChatPromptFields,
+        limits: RequestLimits,
+        truncate: int | None = None,
+        tools: ToolUse | None = None,
     ) -> list[int]:
-        """The conversation rendered by the chat template and tokenized (its last
-        ``truncate`` tokens), checked."""
+        """The conversation (with its ``tools``) rendered by the chat template and tokenized
+        (its last ``truncate`` tokens), checked."""
         try:
             text = self.template.render(
                 body.messages,
@@ -327,6 +349,7 @@ class Preparer:
                 continue_final_message=body.continue_final_message,
                 documents=body.documents,
                 extra=body.chat_template_kwargs,
+                tools=tools.template_tools() if tools is not None else None,
             )
         except InvalidArgumentError as err:
             raise bad_request(err.field, str(err).removeprefix(f"{err.field}: ")) from err

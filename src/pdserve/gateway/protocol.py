@@ -149,13 +149,28 @@ class TextPart(Body):
     text: str | None = None
 
 
+class CalledFunction(Body):
+    name: str
+    arguments: str | dict[str, Any]
+    """A JSON object's text, as OpenAI sends it, or the object (Hugging Face's convention);
+    templates are given the object."""
+
+
+class MessageToolCall(Body):
+    """A call of an earlier ``assistant`` message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     """A ``tool`` message's: the call it answers (the chat template renders it)."""
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     """An ``assistant`` message's earlier calls (the chat template renders them)."""
     refusal: str | None = None
     audio: Any = None
@@ -171,6 +186,37 @@ class ChatMessage(Body):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionDefinition(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of type object; unset or ``{}``: no parameters."""
+    strict: bool | None = None
+    """OpenAI's: enforce the schema. A guided call (``tool_choice`` ``required`` or a name)
+    always is; an ``auto`` one never is."""
+
+
+class ToolDefinition(Body):
+    """A function the model may call (``tools[i]``)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -180,9 +226,11 @@ class ChatCompletionRequest(SamplingFields):
     """OpenAI's newer name for ``max_tokens``; unset (both): up to the model's context."""
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    """Unset: ``auto`` with tools, ``none`` without."""
+    parallel_tool_calls: bool | None = None
+    """Unset: true (any number of calls); false: one at most."""
     functions: Any = None
     function_call: Any = None
     audio: Any = None

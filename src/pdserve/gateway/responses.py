@@ -1,9 +1,10 @@
 """The OpenAI response bodies the gateway sends, as pydantic models (serialised with
 ``model_dump(mode="json")``).
 
-``token_ids`` (vLLM's ``return_token_ids``), ``prompt_logprobs`` (vLLM's), ``service_tier`` and
-a chat delta's ``role``/``content`` are left out of the JSON when unset, as OpenAI leaves them
-out; every other field is always present, with ``null`` where OpenAI sends ``null``.
+``token_ids`` (vLLM's ``return_token_ids``), ``prompt_logprobs`` (vLLM's), ``service_tier``, a
+message's ``tool_calls`` and a chat delta's ``role``/``content``/``tool_calls`` (and a tool call
+delta's parts not in it) are left out of the JSON when unset, as OpenAI leaves them out; every
+other field is always present, with ``null`` where OpenAI sends ``null``.
 """
 
 from __future__ import annotations
@@ -114,9 +115,31 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text (an object), as OpenAI gives them."""
+
+
+class ToolCall(BaseModel):
+    """One call of a function the request offered (``tools``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """``content`` is null when the answer is tool calls alone; ``tool_calls`` is left out
+    when there are none, as OpenAI leaves it out."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -147,13 +170,40 @@ class ChatCompletion(BaseModel):
         return _drop_none(handler(self), "service_tier", "prompt_logprobs")
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    """On a call's first delta only."""
+    arguments: str | None = None
+    """The next piece of the arguments' JSON text."""
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "role", "content")
+        return _drop_none(handler(self), "name", "arguments")
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of tool call ``index`` of a streamed choice: the first carries ``id``,
+    ``type`` and the function's ``name`` (and ``arguments: ""`` or their first piece), the
+    next ones more of the arguments, as OpenAI streams them."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "id", "type")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "role", "content", "tool_calls")
 
 
 class ChatChunkChoice(BaseModel):

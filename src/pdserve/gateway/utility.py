@@ -6,10 +6,10 @@ token ids are the ones a generation would use:
 
 * ``/tokenize`` ``{"model", "prompt", "add_special_tokens": true}`` -> the prompt's ids with
   the model's BOS (as a completion's text prompt); ``{"model", "messages", ...}`` -> the
-  conversation rendered by the chat template and tokenized (as a chat request's, without a
-  BOS of its own unless ``add_special_tokens``). The answer is ``{"count", "max_model_len",
-  "tokens"}`` (and ``token_strs`` with ``return_token_strs``). A prompt over the router's text
-  bound is refused as a generation's would be;
+  conversation (and its ``tools``) rendered by the chat template and tokenized (as a chat
+  request's, without a BOS of its own unless ``add_special_tokens``). The answer is
+  ``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` with ``return_token_strs``). A
+  prompt over the router's text bound is refused as a generation's would be;
 * ``/detokenize`` ``{"model", "tokens"}`` -> ``{"prompt"}`` (special tokens kept); an id
   outside the vocabulary is a 400 naming ``tokens[i]``.
 
@@ -27,8 +27,9 @@ from pdserve.client import ModelInfo
 from pdserve.gateway.body import parse_object, validate
 from pdserve.gateway.errors import NOT_FOUND, GatewayError, bad_request
 from pdserve.gateway.prepare import Preparer
-from pdserve.gateway.protocol import Body, ChatMessage
+from pdserve.gateway.protocol import Body, ChatMessage, ToolDefinition
 from pdserve.gateway.responses import DetokenizeResponse, ModelCard, TokenizeResponse
+from pdserve.gateway.tools import tool_use
 
 
 class TokenizeCompletionRequest(Body):
@@ -53,7 +54,8 @@ class TokenizeChatRequest(Body):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None
     mm_processor_kwargs: Any = None
-    tools: Any = None
+    tools: list[ToolDefinition] | None = None
+    """Rendered into the prompt as a chat request's are."""
 
 
 class DetokenizeRequest(Body):
@@ -65,7 +67,6 @@ _CHAT_REFUSED = {
     "chat_template": "templates from the request are not taken; start the gateway with "
     "--chat-template",
     "mm_processor_kwargs": "multimodal input is not supported",
-    "tools": "tool calls are not supported yet",
 }
 
 
@@ -88,7 +89,7 @@ def tokenize(preparer: Preparer, raw: bytes, router: ModelInfo) -> TokenizeRespo
         for name, why in _CHAT_REFUSED.items():
             if getattr(body, name) not in (None, [], {}):
                 raise bad_request(name, why, code="unsupported")
-        ids = preparer.chat_prompt(body, limits)
+        ids = preparer.chat_prompt(body, limits, tools=tool_use(body.tools))
     else:
         preparer.check_text(body.prompt, "prompt", limits)
         ids = preparer.tokenizer.encode(body.prompt, body.add_special_tokens, release_gil=True)

@@ -2,8 +2,9 @@
 
 It serves the Router service as far as the gateway's unit tests need: ``GetModelInfo`` (the
 gateway's key check), and ``GenerateUnary``/``Generate`` answering one token ``ok`` (id 7, logprob
--0.5, finish ``length``) to any request: with ``sampling.logprobs = k`` its alternatives are
-ids 7, 8, ... (logprobs -0.5, -1.5, ...), with ``prompt_logprobs = k`` every prompt token after
+-0.5, finish ``length``) to any request, or the pieces of ``reply`` (ids 7, 8, ...; streamed one
+chunk each) with ``finish``: with ``sampling.logprobs = k`` a token's alternatives are its id
+and the next ones (logprobs -0.5, -1.5, ...), with ``prompt_logprobs = k`` every prompt token after
 the first has logprob -2 and rank 2 and alternatives ids 20, 21, ... (a text prompt's ids are
 1 and then 100, 101, ... per word). Keys are checked by the real ``AuthInterceptor`` over a real
 ``ApiKeys``; ``max_receive_bytes`` sets gRPC's own bound on a request message, whose refusal
@@ -33,6 +34,9 @@ class StubRouter(router_pb2_grpc.RouterServicer):
     max_prompt_tokens: int
     calls: Counter[str] = field(default_factory=Counter)
     requests: list[router_pb2.GenerateRequest] = field(default_factory=list)
+    reply: list[str] = field(default_factory=lambda: ["ok"])
+    """The answer's text, one token a piece."""
+    finish: int = common_pb2.FINISH_REASON_LENGTH
 
     async def GetModelInfo(self, request: Any, context: Any) -> router_pb2.ModelInfo:  # noqa: N802
         self.calls["GetModelInfo"] += 1
@@ -43,17 +47,19 @@ class StubRouter(router_pb2_grpc.RouterServicer):
 
     def _usage(self, request: router_pb2.GenerateRequest) -> common_pb2.Usage:
         prompt = len(request.token_ids.ids) or len(request.text.split())
-        return common_pb2.Usage(prompt_tokens=prompt, completion_tokens=1)
+        return common_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(self.reply))
 
     def _answer(self, request: router_pb2.GenerateRequest) -> dict[str, Any]:
         sampling = request.sampling
         k = sampling.logprobs
+        ids = [7 + i for i in range(len(self.reply))]
         out: dict[str, Any] = {
-            "text": "ok", "token_ids": [7], "logprobs": [-0.5], "usage": self._usage(request),
-            "finish_reason": common_pb2.FINISH_REASON_LENGTH, "request_id": request.request_id,
+            "text": "".join(self.reply), "token_ids": ids, "logprobs": [-0.5] * len(ids),
+            "usage": self._usage(request), "finish_reason": self.finish,
+            "request_id": request.request_id,
         }  # fmt: skip
         if k:
-            out["top_logprobs"] = [_top(7, k, -0.5)]
+            out["top_logprobs"] = [_top(i, k, -0.5) for i in ids]
         if sampling.HasField("prompt_logprobs"):
             ids = list(request.token_ids.ids) or [1, *range(100, 100 + len(request.text.split()))]
             n, pk = len(ids) - 1, sampling.prompt_logprobs
@@ -71,7 +77,18 @@ class StubRouter(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         self.calls["Generate"] += 1
         self.requests.append(request)
-        yield router_pb2.GenerateChunk(**self._answer(request))
+        whole = self._answer(request)
+        last = len(self.reply) - 1
+        for i, piece in enumerate(self.reply):
+            chunk = {"text": piece, "token_ids": whole["token_ids"][i : i + 1], "logprobs": [-0.5]}
+            if "top_logprobs" in whole:
+                chunk["top_logprobs"] = whole["top_logprobs"][i : i + 1]
+            if i == 0:
+                chunk.update({k: v for k, v in whole.items()
+                              if k in ("request_id", "prompt_logprobs")})  # fmt: skip
+            if i == last:
+                chunk.update(usage=whole["usage"], finish_reason=whole["finish_reason"])
+            yield router_pb2.GenerateChunk(**chunk)
 
 
 def _top(first: int, k: int, best: float) -> common_pb2.TopLogprobs:

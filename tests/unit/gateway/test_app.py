@@ -20,6 +20,7 @@ import pytest
 
 from pdserve.gateway import Gateway, GatewayConfig, create_app
 from pdserve.gateway.protocol import ChatMessage
+from pdserve.gateway.toolparse import CallSyntax
 from pdserve.telemetry.metrics import GatewayMetrics
 from pdserve.tokenizer import Tokenizer
 from tests.unit.gateway.stub_router import KEY, StubRouter, start_stub
@@ -50,13 +51,15 @@ async def harness(
     model_dir: Path, *, keys: bool = True, max_receive_bytes: int = 4 << 20,
     max_prompt_tokens: int = 8192, max_body: int = MAX_BODY, allow_unknown_fields: bool = False,
     chat_template: Path | None = None, metrics: GatewayMetrics | None = None,
+    tool_call_parser: CallSyntax = CallSyntax.HERMES,
 ) -> AsyncIterator[Harness]:  # fmt: skip
     stub = StubRouter(max_model_len=8192, max_prompt_tokens=max_prompt_tokens)
     server, address = await start_stub(stub, keys=keys, max_receive_bytes=max_receive_bytes)
     gateway = Gateway.load(GatewayConfig(router=address, model_dir=model_dir,
                                          max_body_bytes=max_body, timeout_s=30,
                                          allow_unknown_fields=allow_unknown_fields,
-                                         chat_template=chat_template))  # fmt: skip
+                                         chat_template=chat_template,
+                                         tool_call_parser=tool_call_parser))  # fmt: skip
     app = create_app(gateway, metrics)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     http = httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30)

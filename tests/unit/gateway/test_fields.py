@@ -62,6 +62,7 @@ STREAM_OPTIONS = ["include_usage", "continuous_usage_stats", "include_obfuscatio
 MESSAGE = ["role", "content", "name", "tool_call_id", "tool_calls", "refusal", "audio",
            "function_call"]  # fmt: skip
 
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 Check = Callable[[Any, router_pb2.GenerateRequest], bool]
 """(the response's JSON or SSE events, the request the router got) -> the field showed."""
 REFUSED = "refused"
@@ -149,15 +150,18 @@ CHAT_ONLY: dict[str, tuple[Any, dict[str, Any], Check | str]] = {
     "functions": ([{"name": "f"}], {}, REFUSED),
     "metadata": ({"a": "b"}, {}, REFUSED),
     "modalities": (["text", "audio"], {}, REFUSED),
-    "parallel_tool_calls": (True, {}, REFUSED),
+    "parallel_tool_calls": (False, {"tools": TOOLS, "tool_choice": "required"},
+                            lambda _, req: json.loads(req.sampling.guided_json)["maxItems"] == 1),
     "prediction": ({"type": "content", "content": "x"}, {}, REFUSED),
     "prompt_cache_key": ("k", {}, NONE),
     "reasoning_effort": ("low", {}, REFUSED),
     "safety_identifier": ("s", {}, NONE),
     "service_tier": ("default", {}, lambda r, _: r["service_tier"] == "default"),
     "store": (True, {}, REFUSED),
-    "tool_choice": ("auto", {}, REFUSED),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], {}, REFUSED),
+    "tool_choice": ("required", {"tools": TOOLS}, lambda _, req: json.loads(
+        req.sampling.guided_json)["items"]["anyOf"][0]["properties"]["name"] == {"const": "f"}),
+    "tools": (TOOLS, {}, lambda _, req: '<tools>\n{"type": "function", "function": {"name": "f"}}'
+              in _text(req)),
     "verbosity": ("low", {}, REFUSED),
     "web_search_options": ({}, {}, REFUSED),
     "truncate_prompt_tokens": (2, {}, lambda _, req: len(req.token_ids.ids) == 2),
@@ -339,7 +343,11 @@ def test_the_utility_routes(tiny_llama_dir: Path) -> None:
             for path, body, param in [
                 ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
                 ("/tokenize", {"prompt": "x", "foo": 1}, "foo"),
-                ("/tokenize", {**chat, "tools": [{}]}, "tools"),
+                (
+                    "/tokenize",
+                    {**chat, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+                    "tools[0].function.name",
+                ),
                 ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
             ]:
                 reply = await h.http.post(path, json=body, headers=AUTH)
