@@ -15,6 +15,7 @@ cleaned) serve both processes; nothing here imports torch or xgrammar at import 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,8 @@ PROBE_TIMEOUT_S = 10.0
 """A guide the probe has not compiled in this long is refused (its process is replaced)."""
 PROBE_START_S = 120.0
 """How long the probe may take to start (it imports torch and xgrammar) on top of that."""
+EXIT_WAIT_S = 5.0
+"""How long a child whose output ended is given to exit, so its exit status is known."""
 
 # xgrammar's errors come from its C++ core as "[12:00:00] /path/file.cc:123: <message>", some
 # with a "Check failed: (...) is false: " in front of the message.
@@ -97,6 +100,7 @@ class GuideProbe:
             assert proc.stdin is not None and proc.stdout is not None
             deadline = time.monotonic() + self.timeout_s + (0.0 if self._ready else PROBE_START_S)
             reply: str | None = None
+            died = False
             try:
                 if not self._ready:
                     self._ready = _read_line(proc.stdout, deadline) == _READY
@@ -104,10 +108,12 @@ class GuideProbe:
                     proc.stdin.write(json.dumps(request) + "\n")
                     proc.stdin.flush()
                     reply = _read_line(proc.stdout, deadline)
-            except OSError:  # its pipe broke: it died
-                reply = None
+            except (OSError, EOFError):  # its pipe broke or its output ended: it died
+                died = True
             if reply is None:
-                died = proc.poll() is not None
+                if died:  # its exit status, not the kill's below
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=EXIT_WAIT_S)
                 self._stop()
                 why = (
                     f"crashes the grammar library's compiler (exit status {proc.returncode})"
@@ -160,13 +166,16 @@ def _end(proc: subprocess.Popen[str]) -> None:
 
 
 def _read_line(pipe: IO[str], deadline: float) -> str | None:
-    """The next line the child writes (it writes whole lines), or None when it ends first or
-    the deadline passes."""
+    """The next line the child writes (it writes whole lines), or None when the deadline
+    passes first; ``EOFError`` when its output ends (it died). The end of its output is the
+    sign, not ``poll()``: a process closes its pipes before the kernel has its exit status."""
     left = deadline - time.monotonic()
     if left <= 0 or not select.select([pipe], [], [], left)[0]:
         return None
     line = pipe.readline()
-    return line.rstrip("\n") if line else None
+    if not line:
+        raise EOFError("the probe's output ended")
+    return line.rstrip("\n")
 
 
 def main() -> None:

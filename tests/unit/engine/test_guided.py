@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -232,6 +233,37 @@ def test_a_guide_the_probe_takes_too_long_over_is_refused() -> None:
         with pytest.raises(InvalidArgumentError, match="Unclosed") as err:
             probe.check(Guide.regex("(["))  # its own refusals come with xgrammar's message
         assert err.value.field == "guided_regex" and probe.started == 2
+    finally:
+        probe.close()
+
+
+class SlowDyingProbe(GuideProbe):
+    """A child that says it is ready, closes its output on the first guide and exits a
+    second later: its output ends before the kernel has its exit status."""
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            code = (
+                "import os, sys, time; print('ready', flush=True); sys.stdin.readline(); "
+                "os.close(1); time.sleep(1); os._exit(7)"
+            )
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            self._ready = False
+            self.started += 1
+        return self._proc
+
+
+def test_a_child_whose_output_ends_is_a_crash_with_its_exit_status() -> None:
+    """The end of the child's output marks it dead, not ``poll()``: read just after the end,
+    the process may still be running (here for a second), which was reported as a timeout."""
+    probe = SlowDyingProbe(timeout_s=60.0)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"crashes .* \(exit status 7\)") as err:
+            probe.check(Guide.regex("[a-z]+"))
+        assert err.value.field == "guided_regex"
     finally:
         probe.close()
 
