@@ -27,9 +27,9 @@ from pdserve.adapters.scheduler import (
     worker_status,
 )
 from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
+from pdserve.quotas import QuotaExceededError
 from pdserve.scheduling import ClusterScheduler, Mode, WorkerView
 from pdserve.scheduling.capacity import Phase, ineligibility
-from pdserve.scheduling.quotas import QuotaExceededError
 from pdserve.scheduling.scheduler import SloRefusalError
 from pdserve.telemetry import handover, tracing
 from pdserve.telemetry.metrics import SchedulerMetrics
