@@ -14,10 +14,10 @@ import contextlib
 import logging
 import os
 
+from pdserve.adapters.prefill_servicer import PrefillServicer
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn, run_service
-from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE

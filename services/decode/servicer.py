@@ -13,12 +13,12 @@ from typing import Any, TypeAlias
 import grpc
 from grpc.aio import ServicerContext
 
+from pdserve.adapters.worker import chunk_to_proto
+from pdserve.convert import sampling_from_proto
+from pdserve.convert.kv import handle_from_proto
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.kvstore.wire import Chunk, chunk_stream_handler
-from pdserve.rpc.convert import sampling_from_proto
-from pdserve.rpc.convert.kv import handle_from_proto
-from pdserve.rpc.convert.prefix import cached_prefix_response, prefix_query_from_proto
-from pdserve.rpc.convert.worker import chunk_to_proto
+from pdserve.prefix.convert import cached_prefix_response, prefix_query_from_proto
 from pdserve.rpc.handlers import add_with_overrides
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2

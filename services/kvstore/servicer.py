@@ -16,10 +16,10 @@ from typing import Any, TypeAlias
 from grpc.aio import ServicerContext
 
 from pdserve.kvstore.chunks import DEFAULT_CHUNK_BYTES, ChunkReader
+from pdserve.kvstore.convert import entry_stat_to_proto, put_response, store_stats_to_proto
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.streams import PutSink, put_chunks, read_chunks
 from pdserve.kvstore.wire import Chunk
-from pdserve.rpc.convert.kvstore import entry_stat_to_proto, put_response, store_stats_to_proto
 from pdserve.v1 import kvstore_pb2
 
 Context: TypeAlias = ServicerContext[Any, Any]

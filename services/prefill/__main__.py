@@ -1,7 +1,7 @@
 """``python -m services.prefill``: a prefill worker.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine backend -> KV store client -> Prefill service (``pdserve.rpc.servicers.prefill``, which
+engine backend -> KV store client -> Prefill service (``pdserve.adapters.prefill_servicer``, which
 mixed workers serve too) -> serve with heartbeats until SIGTERM.
 ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 The KV hand-off flags (``--transport``, ``--prefix-reuse``, ...) are in
@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import os
 
+from pdserve.adapters.prefill_servicer import PrefillServicer
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.rpc import allocator
 from pdserve.rpc.server import run_service
-from pdserve.rpc.servicers.prefill import PrefillServicer
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL

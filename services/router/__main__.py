@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from pdserve.convert import mode_from_name
 from pdserve.errors import InvalidArgumentError
 from pdserve.router import (
     ChannelPool,
@@ -30,7 +31,6 @@ from pdserve.router.limits import PROMPT_BYTES_PER_TOKEN
 from pdserve.router.rollout import RolloutFollower, following
 from pdserve.router.scheduler_wait import DEFAULT_SCHEDULER_WAIT_S, WaitPolicy
 from pdserve.router.telemetry import RouterTelemetry
-from pdserve.rpc.convert import mode_from_name
 from pdserve.rpc.server import (
     DEFAULT_OPTIONS,
     build_server,

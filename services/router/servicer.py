@@ -19,13 +19,13 @@ from typing import Any, TypeAlias
 
 from grpc.aio import ServicerContext
 
+from pdserve.adapters.router import generate_chunk, generate_response
+from pdserve.convert import sampling_from_proto
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import UnauthenticatedError
 from pdserve.router import RequestFlow, RequestPreparer, RouteRequest
 from pdserve.router.limits import check_message
 from pdserve.router.telemetry import RouterTelemetry
-from pdserve.rpc.convert import sampling_from_proto
-from pdserve.rpc.convert.router import generate_chunk, generate_response
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.auth import bearer
 from pdserve.v1 import router_pb2, router_pb2_grpc

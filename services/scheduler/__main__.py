@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from pdserve.quotas import TenantQuota, TenantQuotas
 from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
 from pdserve.scheduling import (
     POLICIES,
@@ -31,7 +32,6 @@ from pdserve.scheduling import (
     redacted,
 )
 from pdserve.scheduling.prefix_index import following
-from pdserve.scheduling.quotas import TenantQuota, TenantQuotas
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.metrics import SchedulerMetrics

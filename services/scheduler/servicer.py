@@ -19,17 +19,17 @@ from typing import Any, TypeAlias
 from grpc.aio import ServicerContext
 from redis.exceptions import RedisError
 
-from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
-from pdserve.rpc.convert.scheduler import (
+from pdserve.adapters.scheduler import (
     assignment_to_proto,
     mode_of,
     reservation_id_of,
     role_filter,
     worker_status,
 )
+from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
+from pdserve.quotas import QuotaExceededError
 from pdserve.scheduling import ClusterScheduler, Mode, WorkerView
 from pdserve.scheduling.capacity import Phase, ineligibility
-from pdserve.scheduling.quotas import QuotaExceededError
 from pdserve.scheduling.scheduler import SloRefusalError
 from pdserve.telemetry import handover, tracing
 from pdserve.telemetry.metrics import SchedulerMetrics

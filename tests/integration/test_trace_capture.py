@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import redis as sync_redis
 
-from pdserve.bench.serve.workload import load_trace
 from pdserve.client import Client
 from pdserve.launcher import Cluster
 from pdserve.models.demo import init_checkpoint
@@ -27,6 +26,7 @@ from pdserve.router.capture import FIELD_HELLO
 from pdserve.router.capture_cli import main_capture
 from pdserve.scheduling import KeySpace
 from pdserve.scheduling.prefix_index import PromptBlocks
+from pdserve.trace_file import load_trace
 
 pytestmark = pytest.mark.integration
 

@@ -48,6 +48,7 @@ from typing import Any, Unpack
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.client.convert import completion_from_proto, model_info_from_proto
 from pdserve.client.errors import error_from_rpc
 from pdserve.client.request import (
     DEFAULT_TIMEOUT_S,
@@ -60,7 +61,6 @@ from pdserve.client.request import (
 from pdserve.client.results import Completion, ModelInfo
 from pdserve.client.stream import AsyncCompletionStream, CompletionStream, Deadline
 from pdserve.errors import InvalidArgumentError
-from pdserve.rpc.convert.client import completion_from_proto, model_info_from_proto
 from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.security.tls import TlsConfig
 from pdserve.v1 import router_pb2, router_pb2_grpc

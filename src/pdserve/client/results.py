@@ -1,5 +1,5 @@
 """What the SDK returns: streamed deltas and whole completions (read from the Router's
-messages by ``pdserve.rpc.convert.client``)."""
+messages by ``pdserve.client.convert``)."""
 
 from __future__ import annotations
 

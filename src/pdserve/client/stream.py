@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 
+from pdserve.client.convert import delta_from_proto
 from pdserve.client.errors import Cancelled, PdServeClientError, ServerError, error_from_rpc
 from pdserve.client.request import RetryPolicy
 from pdserve.client.results import Completion, CompletionBuilder, Delta
-from pdserve.rpc.convert.client import delta_from_proto
 
 
 class Deadline:

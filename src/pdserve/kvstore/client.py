@@ -37,9 +37,9 @@ from pdserve.kvstore.chunks import (
     CrcPipeline,
     split,
 )
+from pdserve.kvstore.convert import store_stat_from_proto
 from pdserve.kvstore.stats import StoreStat
 from pdserve.kvstore.wire import Chunk, KVStoreCalls
-from pdserve.rpc.convert.kvstore import store_stat_from_proto
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc

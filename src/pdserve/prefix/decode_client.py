@@ -14,8 +14,8 @@ from grpc.aio import AioRpcError
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
 from pdserve.kvstore.client import CHANNEL_OPTIONS
+from pdserve.prefix.convert import cached_blocks_from_proto, prefix_query_to_proto
 from pdserve.prefix.decode import PrefixQuery
-from pdserve.rpc.convert.prefix import cached_blocks_from_proto, prefix_query_to_proto
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.v1 import decode_pb2, decode_pb2_grpc

@@ -12,7 +12,7 @@ line per request, sorted by arrival, with ``arrival_s`` counted from the first o
     {"arrival_s": 0.0, "prompt_tokens": 812, "output_tokens": 97, "max_tokens": 256,
      "tenant": "acme", "finish_reason": "stop", "block_size": 16, "block_hashes": [...]}
 
-``bench.serve.workload.load_trace`` reads it, and a replay gives records that share leading
+``trace_file.load_trace`` reads it, and a replay gives records that share leading
 block hashes the same leading prompt tokens (``bench.serve.prefixes``), so prefix reuse and
 KV-aware placement see the captured sharing. Ctrl-C stops early and writes
 what came so far. One capture at a time per namespace: a second is refused while one runs.

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.convert import sampling_to_proto
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.router.downstream import DownstreamError
 from pdserve.router.request import RouteRequest
-from pdserve.rpc.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 
 

@@ -51,6 +51,14 @@ from typing import Any, Protocol
 import grpc
 from grpc.aio import AioRpcError
 
+from pdserve.convert import (
+    finish_reason_from_proto,
+    mode_from_name,
+    prefill_timing_from_proto,
+    sampling_to_proto,
+    timing_from_proto,
+)
+from pdserve.convert.logprobs import chunk_logprobs, prefill_logprobs
 from pdserve.errors import PdServeError
 from pdserve.router.capture import Capture
 from pdserve.router.channels import ChannelPool
@@ -71,14 +79,6 @@ from pdserve.router.state import RequestState
 from pdserve.router.telemetry import ObservedRequest
 from pdserve.router.text import ResponseText
 from pdserve.router.trace import Clock, RequestTrace
-from pdserve.rpc.convert import (
-    finish_reason_from_proto,
-    mode_from_name,
-    prefill_timing_from_proto,
-    sampling_to_proto,
-    timing_from_proto,
-)
-from pdserve.rpc.convert.logprobs import chunk_logprobs, prefill_logprobs
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (
     common_pb2,

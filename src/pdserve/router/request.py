@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.convert import check_sampling_against, check_token_ids
 from pdserve.engine.logits_processors import tokenize_bad_words
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
 from pdserve.request_key import RequestKey
 from pdserve.router.limits import RequestLimits
-from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.tokenizer import Tokenizer
 
 INLINE_TOKENIZE_CHARS = 2048

@@ -40,11 +40,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from pdserve.convert import MODE_NAMES
 from pdserve.engine.outputs import FinishReason
 from pdserve.request_key import RequestKey
 from pdserve.router.output import RouteChunk
 from pdserve.router.request import RouteRequest
-from pdserve.rpc.convert import MODE_NAMES
 from pdserve.telemetry import tracing
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.spans import (

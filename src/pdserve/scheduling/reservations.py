@@ -43,9 +43,9 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
+from pdserve.quotas import QuotaExceededError, TenantQuota
 from pdserve.scheduling.capacity import Claim, Phase, WorkerView
 from pdserve.scheduling.keys import KeySpace, text
-from pdserve.scheduling.quotas import QuotaExceededError, TenantQuota
 from pdserve.scheduling.worker_info import WorkerInfo
 
 _KEY_EXPIRY_SLACK_MS = 1000

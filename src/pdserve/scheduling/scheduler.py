@@ -60,6 +60,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
+from pdserve.quotas import TenantQuotas
 from pdserve.scheduling.capacity import (
     CapacityLimits,
     Claim,
@@ -76,7 +77,6 @@ from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.placement import Mode, ModeDecision, Placement, Placer, Refusal
 from pdserve.scheduling.policies import PlacementPolicy, make_policy
 from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks
-from pdserve.scheduling.quotas import TenantQuotas
 from pdserve.scheduling.registry import RedisWorkerRegistry
 from pdserve.scheduling.reservations import (
     RecheckFailedError,

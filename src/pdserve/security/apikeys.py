@@ -13,7 +13,7 @@ A key may be given as ``sha256:HEX`` (its SHA-256 in hex), so that the file hold
 secret. Clients send ``authorization: Bearer KEY``. The router admits a call only with a key
 of the file, and the call's tenant is the key's: what the request says (``tenant``, the
 ``x-pdserve-tenant`` metadata) is ignored. The scheduler reads the same file for the quotas
-(``pdserve.scheduling.quotas``).
+(``pdserve.quotas``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling.quotas import TenantQuota, TenantQuotas
+from pdserve.quotas import TenantQuota, TenantQuotas
 from pdserve.security.auth import Metadata, bearer
 
 _SHA256 = "sha256:"

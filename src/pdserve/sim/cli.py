@@ -235,9 +235,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """Carry out a parsed ``sim plan``: 0 when a configuration met the target, 1 when none
     did. Everything that can be refused is refused before the first cluster starts."""
-    from pdserve.bench.serve.workload import load_trace, trace_rate
     from pdserve.sim.backend import SimOptions
     from pdserve.sim.plan import MODES, BenchRun, check_search, format_plan, outcome_line, plan
+    from pdserve.trace_file import load_trace, trace_rate
 
     modes = tuple(dict.fromkeys(args.mode or MODES))
     check_search(goal=args.goodput, max_workers=args.max_workers,

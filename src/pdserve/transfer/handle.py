@@ -1,5 +1,5 @@
 """Where a hand-off's KV lies: ``KVLocation``, the worker's side of ``pdserve.v1.KVHandle``
-(``rpc.convert.kv`` maps the two).
+(``convert.kv`` maps the two).
 
 Every hand-off carries a capability, 16 random bytes (``transfer.stamp``): a store or direct
 entry's key ends with their hex (``kvstore.keys.handoff_key``), so naming the entry takes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.rpc.convert.kv import handle_to_proto
+from pdserve.convert.kv import handle_to_proto
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
 from pdserve.transfer.base import KVLocation

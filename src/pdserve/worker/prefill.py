@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.backends import EngineBackend, Handoff
+from pdserve.convert import check_sampling_against, check_token_ids
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError, PdServeError
@@ -48,7 +49,6 @@ from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.prefix import decode as decode_prefix
 from pdserve.prefix.decode_client import DecodePrefixClients
 from pdserve.prefix.store import PrefixReuse
-from pdserve.rpc.convert import check_sampling_against, check_token_ids
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
 from pdserve.transfer.links import Links

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.backends import TENSORRT_LLM, TORCH, NativeKV
+from pdserve.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.rpc.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.scheduling import WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.v1 import common_pb2

@@ -24,8 +24,9 @@ from pdserve.bench.serve.mixes import (
     Span,
     get_mix,
 )
-from pdserve.bench.serve.workload import Load, load_trace, trace_rate
+from pdserve.bench.serve.workload import Load
 from pdserve.errors import InvalidArgumentError
+from pdserve.trace_file import load_trace, trace_rate
 
 VOCAB = 32000
 Z = 5.0

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from pdserve.bench.measure import FIRST_PROMPT_ID, make_prompts
-from pdserve.bench.serve.prefixes import BlockTokens, PromptPrefix
-from pdserve.bench.serve.workload import Load, TraceEntry, load_trace
+from pdserve.bench.serve.prefixes import BlockTokens
+from pdserve.bench.serve.workload import Load
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.errors import InvalidArgumentError
+from pdserve.trace_file import PromptPrefix, TraceEntry, load_trace
 
 VOCAB = 32000
 BLOCK = 4

@@ -13,7 +13,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pdserve.cli import main as cli_main
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling.quotas import TenantQuota
+from pdserve.quotas import TenantQuota
 from pdserve.security.apikeys import ApiKeys, key_digest
 from pdserve.security.auth import bearer, bearer_metadata, load_token
 from pdserve.security.certs import ClusterCerts

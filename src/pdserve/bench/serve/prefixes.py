@@ -12,77 +12,16 @@ A hash's block is drawn from a ``random.Random`` seeded by the hash, the block s
 (the benchmark's seed and the point's rate), so it is the same in every process and on every
 target, and differs between points as every other prompt token does.
 
-This module also reads the optional fields of a trace line (``block_hashes``,
-``block_size``, ``tenant``), refusing malformed ones by name.
+A trace line's fields are read by ``pdserve.trace_file`` (``PromptPrefix``).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any
 
 from pdserve.bench.measure import FIRST_PROMPT_ID
 from pdserve.errors import InvalidArgumentError
-
-
-@dataclass(frozen=True, slots=True)
-class PromptPrefix:
-    """What a trace line says of its prompt's content: its leading blocks, by hash."""
-
-    block_hashes: tuple[bytes, ...] = ()
-    """The chained hashes of the prompt's leading full blocks; empty: nothing known."""
-    block_size: int | None = None
-    """Tokens a block (set whenever ``block_hashes`` is not empty)."""
-    tenant: str | None = None
-    """The captured request's tenant (``""``: none); the hashes are salted with it, so two
-    tenants' prompts never share a replayed block, as they never shared cached KV."""
-
-    @property
-    def shared_tokens(self) -> int:
-        """Leading prompt tokens the hashes fix."""
-        return len(self.block_hashes) * (self.block_size or 0)
-
-
-NO_PREFIX = PromptPrefix()
-"""A trace line that says nothing of its prompt's content."""
-
-
-def read_prefix(obj: dict[str, Any], prompt_tokens: int, where: str) -> PromptPrefix:
-    """The optional prefix fields of one trace line (``obj``, already checked to have a
-    valid ``prompt_tokens``); ``InvalidArgumentError`` names the malformed field."""
-    tenant = obj.get("tenant")
-    if tenant is not None and not isinstance(tenant, str):
-        raise InvalidArgumentError("trace", f"{where}: tenant must be a string")
-    size = obj.get("block_size")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise InvalidArgumentError("trace", f"{where}: block_size must be an integer >= 1")
-    raw = obj.get("block_hashes")
-    if raw is None:
-        return PromptPrefix(tenant=tenant, block_size=size)
-    if not isinstance(raw, list):
-        raise InvalidArgumentError("trace", f"{where}: block_hashes must be a list of hex strings")
-    hashes = tuple(_hash(value, i, where) for i, value in enumerate(raw))
-    if hashes and size is None:
-        raise InvalidArgumentError("trace", f"{where}: block_size is needed with block_hashes")
-    if size is not None and len(hashes) > max(0, prompt_tokens - 1) // size:
-        raise InvalidArgumentError(
-            "trace",
-            f"{where}: block_hashes has {len(hashes)} blocks of {size} tokens, more than a "
-            f"prompt of {prompt_tokens} tokens holds before its last token",
-        )
-    return PromptPrefix(hashes, size, tenant)
-
-
-def _hash(value: object, i: int, where: str) -> bytes:
-    if isinstance(value, str) and value and len(value) % 2 == 0:
-        try:
-            return bytes.fromhex(value)
-        except ValueError:
-            pass
-    raise InvalidArgumentError(
-        "trace", f"{where}: block_hashes[{i}] must be a non-empty hex string, got {value!r}"
-    )
+from pdserve.trace_file import PromptPrefix
 
 
 class BlockTokens:

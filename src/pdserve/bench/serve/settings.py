@@ -11,8 +11,9 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.mixes import get_mix
 from pdserve.bench.serve.sweep import SearchSpec
 from pdserve.bench.serve.timescale import REAL_TIME, TimeScale
-from pdserve.bench.serve.workload import Load, load_trace
+from pdserve.bench.serve.workload import Load
 from pdserve.errors import InvalidArgumentError
+from pdserve.trace_file import load_trace
 
 DEFAULT_REQUESTS = 100
 DEFAULT_RATE = 4.0

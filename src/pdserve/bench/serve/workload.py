@@ -26,17 +26,16 @@ to a mean rate when one is given.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from pdserve.bench.measure import make_prompts
 from pdserve.bench.serve.mixes import Mix
-from pdserve.bench.serve.prefixes import NO_PREFIX, BlockTokens, PromptPrefix, read_prefix
+from pdserve.bench.serve.prefixes import BlockTokens
 from pdserve.errors import InvalidArgumentError
+from pdserve.trace_file import PromptPrefix, TraceEntry, trace_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,60 +71,6 @@ class PointPlan:
     @property
     def measured(self) -> int:
         return sum(not r.warmup for r in self.requests)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceEntry:
-    """One line of a JSONL trace."""
-
-    prompt_tokens: int
-    output_tokens: int
-    arrival_s: float
-    prefix: PromptPrefix = NO_PREFIX
-    """The captured prompt's leading blocks, by hash, and its tenant (empty: none given)."""
-
-
-def load_trace(path: Path) -> tuple[TraceEntry, ...]:
-    """Read a JSONL trace, sorted by arrival time (blank lines skipped). A line is
-    ``{"prompt_tokens": int, "output_tokens": int, "arrival_s": float}``, optionally with
-    ``"block_size": int, "block_hashes": [hex, ...]`` (at most ``(prompt_tokens - 1) //
-    block_size`` of them) and ``"tenant": str``; other keys are ignored. A malformed line is
-    refused with its place and the field named (``InvalidArgumentError``)."""
-    entries = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError("trace", f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise InvalidArgumentError("trace", f"{where}: expected an object")
-        for key in ("prompt_tokens", "output_tokens"):
-            value = obj.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError("trace", f"{where}: {key} must be an integer >= 1")
-        arrival = obj.get("arrival_s")
-        if (
-            not isinstance(arrival, int | float)
-            or isinstance(arrival, bool)
-            or not math.isfinite(arrival)
-            or arrival < 0
-        ):
-            raise InvalidArgumentError("trace", f"{where}: arrival_s must be a number >= 0")
-        prompt_tokens = obj["prompt_tokens"]
-        prefix = read_prefix(obj, prompt_tokens, where)
-        entries.append(TraceEntry(prompt_tokens, obj["output_tokens"], float(arrival), prefix))
-    if not entries:
-        raise InvalidArgumentError("trace", f"{path}: no requests")
-    return tuple(sorted(entries, key=lambda e: e.arrival_s))
-
-
-def trace_rate(entries: tuple[TraceEntry, ...]) -> float | None:
-    """The trace's own mean rate (requests/s), None when every request arrives at once."""
-    span = entries[-1].arrival_s - entries[0].arrival_s
-    return (len(entries) - 1) / span if span > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,13 @@
 
 A quota caps a tenant's live reservations (requests placed and not yet released) and the KV
 blocks they reserve; 0 means no cap. The scheduler checks it inside the same optimistic
-commit as the workers' capacity (``reservations.ReservationLedger``), so replicas sharing one
-Redis never let a tenant past it. A request over quota is refused RESOURCE_EXHAUSTED with a
-message naming the quota (``QuotaExceededError``), before any worker capacity is taken.
+commit as the workers' capacity (``scheduling.reservations.ReservationLedger``), so replicas
+sharing one Redis never let a tenant past it. A request over quota is refused
+RESOURCE_EXHAUSTED with a message naming the quota (``QuotaExceededError``), before any
+worker capacity is taken.
+
+A module of its own, below both readers: the scheduler enforces quotas, and the API key file
+(``security.apikeys``) gives them per tenant.
 """
 
 from __future__ import annotations

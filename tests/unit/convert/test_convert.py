@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve import convert
 from pdserve.engine.guide import Guide
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
-from pdserve.rpc import convert
 from pdserve.v1 import common_pb2 as pb
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from pdserve.convert.common import finish_reason_to_proto, timing_to_proto, usage_to_proto
+from pdserve.convert.logprobs import prompt_to_proto, tops_to_proto
 from pdserve.router.output import RouteChunk, RouteUsage
-from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto, usage_to_proto
-from pdserve.rpc.convert.logprobs import prompt_to_proto, tops_to_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 

@@ -2,13 +2,13 @@
 ``GenerateResponse`` -> ``Completion``, ``Usage`` -> ``Usage``, ``ModelInfo`` -> ``ModelInfo``
 (``pdserve.client.results``).
 
-The server's side of the same messages is ``rpc.convert.router``."""
+The server's side of the same messages is ``adapters.router``."""
 
 from __future__ import annotations
 
 from pdserve.client.results import Completion, Delta, ModelInfo, Usage
-from pdserve.rpc.convert.common import finish_reason_name, timing_from_proto
-from pdserve.rpc.convert.logprobs import prompt_from_proto, tops_from_proto
+from pdserve.convert.common import finish_reason_name, timing_from_proto
+from pdserve.convert.logprobs import prompt_from_proto, tops_from_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 

@@ -1,4 +1,4 @@
-"""Every conversion between ``pdserve.v1`` messages and the library's domain types.
+"""Conversions between ``pdserve.v1`` messages and the engine-level types every layer shares.
 
 Every function that reads a message validates it: a bad value raises
 ``InvalidArgumentError`` whose ``field`` is the dotted path of the offending proto field
@@ -6,19 +6,19 @@ Every function that reads a message validates it: a bad value raises
 (an unknown number survives parsing), so enum readers reject numbers the schema does not name.
 
 ``common``: what every service shares (sampling, token ids, enums, usage, timing), re-exported
-here. ``kv``: the KV handle and the hand-off's measurements. ``worker``: the Prefill, Decode
-and Mixed services' answers. ``prefix``: the decode worker's cached-prefix query
-(``Decode.CachedPrefix``). ``router``: the Router service's answers; ``client``: the same as
-the SDK reads them. ``scheduler``: the Scheduler service's requests and answers. ``kvstore``:
-the KV store's answers (its chunks have their own codec, ``kvstore.wire``). ``logprobs``: the
-top and prompt logprobs every layer carries. All but ``common``
-name the domain types of their layers and are imported by module, so that a layer importing
-this package does not pull in the others.
+here. ``logprobs``: the top and prompt logprobs every layer carries. ``kv``: the KV handle and
+the hand-off's measurements (``pdserve.transfer``'s types).
+
+This package sits above the engine and the transfer library and below every package that
+calls or serves a gRPC service. The conversions of one package's own types live with it
+(``kvstore.convert``, ``prefix.convert``, ``client.convert``); the answers of the worker,
+router and scheduler services, which only their servicers build, live above them in
+``pdserve.adapters``.
 """
 
 from __future__ import annotations
 
-from pdserve.rpc.convert.common import (
+from pdserve.convert.common import (
     FINISH_REASON_NAMES,
     MODE_NAMES,
     MODES_BY_NAME,

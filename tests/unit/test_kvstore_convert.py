@@ -1,14 +1,14 @@
-"""The KVStore service's answers (``rpc.convert.kvstore``): totals and a key's stat through
+"""The KVStore service's answers (``kvstore.convert``): totals and a key's stat through
 ``StatResponse`` and back, and the Put outcome."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from pdserve.kvstore import convert
 from pdserve.kvstore.entry import EntryStat, Tier
 from pdserve.kvstore.stats import StoreStats
 from pdserve.kvstore.streams import PutOutcome
-from pdserve.rpc.convert import kvstore as convert
 
 
 def test_totals_round_trip_field_by_field() -> None:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from pdserve.rpc.convert.common import finish_reason_to_proto, timing_to_proto
-from pdserve.rpc.convert.kv import handle_to_proto, transfer_to_proto
-from pdserve.rpc.convert.logprobs import prompt_to_proto, top_to_proto, tops_to_proto
+from pdserve.convert.common import finish_reason_to_proto, timing_to_proto
+from pdserve.convert.kv import handle_to_proto, transfer_to_proto
+from pdserve.convert.logprobs import prompt_to_proto, top_to_proto, tops_to_proto
 from pdserve.v1 import decode_pb2, prefill_pb2
 from pdserve.worker.delta import DecodeDelta
 from pdserve.worker.prefill import PrefillResult

@@ -1,12 +1,13 @@
-"""The Router's answers from the router's side to the SDK's (``rpc.convert.router`` then
-``rpc.convert.client``): every field arrives, and an unfinished chunk stays unfinished."""
+"""The Router's answers from the router's side to the SDK's (``adapters.router`` then
+``client.convert``): every field arrives, and an unfinished chunk stays unfinished."""
 
 from __future__ import annotations
 
+from pdserve.adapters import router
+from pdserve.client import convert as client
 from pdserve.client.results import Completion, Delta, Usage
 from pdserve.engine.outputs import FinishReason
 from pdserve.router.output import RouteChunk, RouteUsage
-from pdserve.rpc.convert import client, router
 from pdserve.timing import Timing
 
 TIMING = Timing(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7, "shm")

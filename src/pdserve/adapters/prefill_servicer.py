@@ -1,6 +1,6 @@
 """The Prefill gRPC service: translates pdserve.v1 Prefill messages to ``PrefillWorker`` calls.
 
-Served by prefill workers and by mixed workers given a KV store (see ``rpc.servicers``)."""
+Served by prefill workers and by mixed workers given a KV store (see ``pdserve.adapters``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, TypeAlias
 
 from grpc.aio import ServicerContext
 
-from pdserve.rpc.convert import sampling_from_proto
-from pdserve.rpc.convert.worker import prefill_response
+from pdserve.adapters.worker import prefill_response
+from pdserve.convert import sampling_from_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.prefill import PrefillWorker
 from pdserve.worker.stages import StageRecorder

@@ -1,12 +1,12 @@
-"""The Scheduler service's conversions (``rpc.convert.scheduler``): the request enums both
+"""The Scheduler service's conversions (``adapters.scheduler``): the request enums both
 ways, refusals by field, and the answers carrying every field of the domain objects."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdserve.adapters import scheduler as convert
 from pdserve.errors import InvalidArgumentError
-from pdserve.rpc.convert import scheduler as convert
 from pdserve.scheduling import Assignment, Mode, WorkerInfo, WorkerRole, WorkerView
 from pdserve.scheduling.capacity import Claim
 from pdserve.scheduling.placement import ModeDecision, Reason
