@@ -74,8 +74,8 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
-                links = prefill.chooser.links
-                sweeps.append(("shm slot sweep", prefill.sweep))
+                links = prefill.connector.links
+                sweeps.append(("shm slot sweep", prefill.connector.sweep))
                 servicers.append(
                     (
                         prefill_pb2_grpc.add_PrefillServicer_to_server,

@@ -46,9 +46,9 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     options,
                     engine,
                     [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
-                    sweeps=[("shm slot sweep", worker.sweep)],
+                    sweeps=[("shm slot sweep", worker.connector.sweep)],
                     telemetry=telemetry,
-                    links=worker.chooser.links,
+                    links=worker.connector.links,
                 )
             finally:
                 await worker.close()

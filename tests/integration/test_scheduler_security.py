@@ -16,12 +16,12 @@ from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, ResponseError
 
 from pdserve.errors import UnknownRequestError
+from pdserve.handoff.assignment import AssignedDecode
 from pdserve.quotas import QuotaExceededError, TenantQuota, TenantQuotas
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import ClusterScheduler, KeySpace, RedisWorkerRegistry, WorkerRole, connect
 from pdserve.scheduling.reservations import assigned_decode_addresses
 from pdserve.security.certs import ClusterCerts, make_certs
-from pdserve.worker.assignment import AssignedDecode
 from tests.integration.test_scheduler_redis import (
     BLOCKS_PER_REQUEST,
     MAX_TOKENS,

@@ -29,6 +29,7 @@ from pdserve.engine.kv_payload import KVLayout
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
+from pdserve.handoff import PrefillConnector, TransferOptions
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
@@ -50,7 +51,6 @@ from pdserve.transfer.stream.header import StreamHeader
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.sender import StreamSender
 from pdserve.worker.decode import DecodeWorker
-from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker
 from services.decode.servicer import DecodeServicer, add_decode_servicer
 from services.kvstore.servicer import KVStoreServicer
@@ -115,7 +115,10 @@ async def pair(
         address = store_address or await _serve(stack, KVStoreServicer(store))
         client = KVStoreClient(address, timeout_s=5)
         stack.push_async_callback(client.close)
-        prefill = PrefillWorker(TorchBackend(engines[0]), client, host=HOST, options=options)
+        p_engine = TorchBackend(engines[0])
+        prefill = PrefillWorker(
+            p_engine, PrefillConnector(p_engine, client, host=HOST, options=options)
+        )
         stack.push_async_callback(prefill.close)
         decode = DecodeWorker(TorchBackend(engines[1]), inbox=inbox, host=HOST)
         stack.push_async_callback(decode.close)

@@ -2,7 +2,7 @@
 
 A decode worker's engine keeps the blocks of prompts it decoded in its prefix cache. Before a
 hand-off the prefill worker asks it (``ask``) how many leading blocks of the prompt it holds,
-with a ``Decode.CachedPrefix`` call (``decode_client.DecodePrefixClients``) carrying a
+with a ``Decode.CachedPrefix`` call (``handoff.peers.DecodePeers``) carrying a
 ``PrefixQuery``: the engine's KV fingerprint, its block size and one hash per whole block,
 
     block_manager.chain_block_hashes(prompt, block_size, salt=tenant)
@@ -11,12 +11,13 @@ which covers every token before it and the tenant, so a tenant never learns abou
 another tenant's blocks. The decode worker answers from its engine's cache map, on the engine
 thread (``DecodePrefixOracle``); another model, dtype or block size answers 0.
 
-The prefill worker then computes as before, but its sender skips the first ``prefix_tokens``
-tokens of every layer (``transfer.wrappers.Suffix``); the ``KVHandle`` carries
-``prefix_tokens``. The decode worker, after receiving the rest, copies the prefix out of its
-cache and joins the two (``join_cached_prefix``). The answer is only a hint: if the blocks
-were evicted in between, the join raises ``UnknownRequestError`` and the decode worker
-recomputes, as after any failed receive. Nothing is pinned, so nothing can leak.
+The prefill worker then computes as before, but its hand-off skips the first
+``prefix_tokens`` tokens of every layer (``HandoffPlan.prefix_tokens``, ``handoff.outgoing``);
+the ``KVHandle`` carries ``prefix_tokens``. The decode worker, after receiving the rest,
+copies the prefix out of its cache and joins the two (``join_cached_prefix``). The answer is
+only a hint: if the blocks were evicted in between, the join raises ``UnknownRequestError``
+and the decode worker recomputes, as after any failed receive. Nothing is pinned, so nothing
+can leak.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def prefix_query(layout: KVLayout, prompt_ids: Sequence[int], tenant: str) -> Pr
 
 
 class CachedPrefixClients(Protocol):
-    """Asks decode workers by address (``decode_client.DecodePrefixClients``); failures are
+    """Asks decode workers by address (``handoff.peers.DecodePeers``); failures are
     ``PdServeError``s."""
 
     async def cached_prefix(self, address: str, query: PrefixQuery) -> int:

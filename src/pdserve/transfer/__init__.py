@@ -2,7 +2,8 @@
 
 One interface (``base``: ``KVSender``/``KVReceiver``, ``KVLocation``, ``HandoffRecord``,
 ``TransportRegistry``) and one folder per backend (``stream``, ``shm``, ``fake``);
-``transports`` builds the registries the worker roles choose from.
+``transports`` builds the registries the hand-off's connectors (``pdserve.handoff``) choose
+from.
 
 Kept import-light on purpose: ``pdserve.transfer.links``, ``janitor`` and ``base`` must be
 importable without torch (router, scheduler), so import the submodules you need directly.

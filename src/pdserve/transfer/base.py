@@ -1,5 +1,5 @@
 """The one interface of a KV hand-off: ``KVSender``, ``KVReceiver``, their states and the
-``TransportRegistry`` the worker roles choose them from.
+``TransportRegistry`` the hand-off's connectors (``pdserve.handoff``) choose them from.
 
 Lifecycle of one hand-off (one ``KVSender`` on the prefill worker, one ``KVReceiver`` on the
 decode worker, both used once):
@@ -35,7 +35,8 @@ decode worker, both used once):
 Both sides keep a ``HandoffRecord`` (``record``) of their stamps. Backends: ``transfer.stream``
 (``store``/``direct``: the layer stream into the KV store, or pushed into the decode worker),
 ``transfer.shm`` (same host), ``transfer.fake`` (in memory, on the stream's real frames;
-tests). ``transfer.wrappers`` change a sender's hand-off on its way out.
+tests). What a hand-off does with its sender (which one, layer-wise or deferred, a cached
+prefix left out, announced) is its prefill connector's (``pdserve.handoff``).
 
 This module imports no torch (the policy and janitor use it from torch-free processes); the
 tensor-facing types appear in annotations only.
@@ -208,9 +209,10 @@ class Transport:
 
 @dataclass(slots=True)
 class TransportRegistry:
-    """Implementations by kind. Each worker builds its own, bound to its resources (its KV
-    store clients, copy threads, shm slots); ``recompute`` and ``native`` move nothing through
-    pdserve and have none."""
+    """Implementations by kind: the seam between a hand-off's connector and its transports.
+    Each connector builds its own, bound to its resources (its KV store clients, copy threads,
+    shm slots), or is given one (the in-memory fake of tests, ``fake.fake_transports``);
+    ``recompute`` and ``native`` move nothing through pdserve and have none."""
 
     implementations: dict[TransportKind, Transport] = field(default_factory=dict)
 

@@ -7,7 +7,7 @@ transport's prior (``PRIORS``, the only priors); published in heartbeats, read b
 scheduler; a sim worker's hold the modelled link (``sim.links`` are ``Link``s too).
 
 ``choose_transport`` is the one rule, by which the prefill worker picks each hand-off's
-transport (``worker.placement``) and the scheduler prices it (``scheduling.costmodel``), among
+transport (``handoff.plan``) and the scheduler prices it (``scheduling.costmodel``), among
 the transports the worker allows (``allowed_transports``, also in its heartbeat):
 
 1. One transport allowed (forced): that one.

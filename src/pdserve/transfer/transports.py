@@ -1,11 +1,12 @@
-"""The registries the worker roles choose their transports from, bound to their resources.
+"""The registries the hand-off's connectors choose their transports from, bound to their
+resources.
 
 ``senders`` (a prefill worker): ``store``/``direct`` (``stream.StreamSender``, into the KV
 store or pushed into the decode worker) and ``shm`` (``shm.ShmSender``); ``receivers`` (a
 decode worker): ``store`` (``stream.StreamReceiver``), ``direct`` (``stream.LocalReceiver``:
 the hand-off pushed into this worker's ``stream.inbox.Inbox``) and ``shm``
 (``shm.ShmReceiver``). The resources (connections, threads,
-reused shm slots) are the worker's: it owns, shares and closes them.
+reused shm slots) are the connector's (``pdserve.handoff``): it owns, shares and closes them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The engine thread loop lives in ``pdserve.engine_loop``, prefix reuse in ``pdserve.prefix``,
 the per-request timing record in ``pdserve.timing``, the KV hand-off (its interface,
-``KVLocation``, ``HandoffRecord`` and transports) in ``pdserve.transfer``.
+``KVLocation``, ``HandoffRecord`` and transports) in ``pdserve.transfer``, each side's owner
+of it (``PrefillConnector``, ``DecodeConnector``) in ``pdserve.handoff``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.delta import DecodeDelta, Finished
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity, worker_info
-from pdserve.worker.placement import TransferOptions
 from pdserve.worker.prefill import PrefillResult, PrefillWorker, check_request
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "Finished",
     "PrefillResult",
     "PrefillWorker",
-    "TransferOptions",
     "WorkerHeartbeat",
     "WorkerIdentity",
     "check_request",

@@ -60,6 +60,7 @@ from pdserve.errors import (
     KVTransferError,
     UnknownRequestError,
 )
+from pdserve.handoff.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
@@ -71,7 +72,6 @@ from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.transports import ReceiveSide, receivers
 from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 from pdserve.worker.migration import Resumed, resume
-from pdserve.worker.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.worker.prefill import check_request
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ from pdserve.backends import BACKEND_NAMES, SIM, TENSORRT_LLM, TORCH
 from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
 from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
 from pdserve.errors import InvalidArgumentError
+from pdserve.handoff.plan import AUTO, TRANSPORT_CHOICES, TransferOptions
 from pdserve.scheduling import WorkerRole
 from pdserve.security.options import (
     INSECURE,
@@ -29,7 +30,6 @@ from pdserve.sim.flags import DEFAULT_LINK
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
 from pdserve.worker.fault_specs import parse_faults
-from pdserve.worker.placement import AUTO, TRANSPORT_CHOICES, TransferOptions
 from pdserve.worker.scheduling_options import (
     SchedulingOptions,
     add_scheduling_args,

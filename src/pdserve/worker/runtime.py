@@ -33,6 +33,8 @@ from pdserve.backends.pytorch import TorchBackend
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
+from pdserve.handoff import PrefillConnector
+from pdserve.handoff.assignment import AssignedDecode
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
@@ -46,8 +48,6 @@ from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connec
 from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.transfer.links import Links
-from pdserve.worker.assignment import AssignedDecode
-from pdserve.worker.decode_stubs import DecodeStubs
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
@@ -163,21 +163,19 @@ def prefill_worker(
 
         sim = SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link)
         links = sim.links(options.host_name)
-    return PrefillWorker(
+    connector = PrefillConnector(
         engine,
         store,
-        lease_s=options.kv_lease_s,
         host=options.host_name,
         options=options.transfer_options(),
-        prefix=prefix,
-        announcers=DecodeStubs(options.security) if options.kv_prefetch else None,
+        links=links,
         assignments=(
             AssignedDecode(connect(options.redis_url), KeySpace(options.namespace))
             if options.redis_url
             else None
         ),
-        links=links,
     )
+    return PrefillWorker(engine, connector, prefix=prefix)
 
 
 async def reclaim_shm(max_age_s: float) -> None:

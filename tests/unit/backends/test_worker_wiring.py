@@ -12,6 +12,7 @@ from pdserve.backends import TENSORRT_LLM, TORCH, NativeKV
 from pdserve.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
+from pdserve.handoff import PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.scheduling import WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
@@ -165,7 +166,7 @@ def test_workers_hand_over_natively_and_refuse_transports(
             open_backend(TENSORRT_LLM, tiny_llama_dir) as d_engine,
         ):
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled: nothing is stored
-            prefill = PrefillWorker(p_engine, store, host="h")
+            prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host="h"))
             decode = DecodeWorker(d_engine, host="h")
             try:
                 whole = [t async for o in d_engine.generate("w", prompt, GREEDY)
@@ -199,7 +200,7 @@ def test_a_torch_prefill_worker_refuses_native(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
-            prefill = PrefillWorker(engine, store, host="h")
+            prefill = PrefillWorker(engine, PrefillConnector(engine, store, host="h"))
             try:
                 with pytest.raises(InvalidArgumentError) as err:
                     await prefill.prefill("x", [5, 6, 7], GREEDY, transport="native")

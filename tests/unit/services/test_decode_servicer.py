@@ -13,8 +13,8 @@ import pytest
 from pdserve.backends import TORCH
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import KVTransferError
+from pdserve.handoff.peers import DecodePeers
 from pdserve.prefix import decode as decode_prefix
-from pdserve.prefix.decode_client import DecodePrefixClients
 from pdserve.rpc.server import build_server
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.worker.decode import DecodeWorker
@@ -36,7 +36,7 @@ def test_cached_prefix_answers_from_the_engine_and_checks_its_fields(
                 [(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker))], port=0
             )
             await server.start()
-            clients = DecodePrefixClients(timeout_s=10)
+            clients = DecodePeers(timeout_s=10)
             address = f"127.0.0.1:{port}"
             try:
                 async for _ in engine.generate("warm", prompt, ONE, cache_salt="t"):
@@ -72,7 +72,7 @@ def test_cached_prefix_answers_from_the_engine_and_checks_its_fields(
                 await server.stop(None)
                 await worker.close()
             # A worker that is gone: the query fails typed, and ``ask`` moves the whole prompt.
-            gone = DecodePrefixClients(timeout_s=2)
+            gone = DecodePeers(timeout_s=2)
             try:
                 with pytest.raises(KVTransferError):
                     await gone.cached_prefix(address, query)

@@ -1,11 +1,12 @@
 """Prefix reuse from the decode worker: what its engine says it caches, the prefix it copies
-out, the suffix a sender moves, and the joined payload against an independent export."""
+out, the suffix a hand-off moves, and the joined payload against an independent export."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,12 +19,13 @@ from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
+from pdserve.handoff import HandoffPlan, PrefillConnector
+from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
-from pdserve.transfer.base import TransportKind
+from pdserve.transfer.base import Transport, TransportKind, TransportRegistry
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.writer import SegmentWriter
-from pdserve.transfer.wrappers import Suffix
 from tests.unit.transfer.conftest import assert_same_payload, leftovers
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -84,26 +86,41 @@ def test_engine_reports_and_exports_its_cached_prefix(tiny_llama_dir: Path) -> N
     engine.check_no_leaks()
 
 
-def test_suffix_moves_only_the_tokens_after_the_prefix(
+def test_a_plan_with_a_cached_prefix_moves_only_the_tokens_after_it(
     tiny_llama_dir: Path, shm_prefix: str
 ) -> None:
     reference = full_export(tiny_llama_dir, prompt(3, 30))
     layout = reference.layout
 
     async def body() -> None:
-        out = Suffix(ShmSender(SegmentWriter(prefix=shm_prefix)), 16)
-        out.begin("r", layout, 30)
-        for i in range(layout.num_layers):
-            out.send_layer(i, reference.keys[i], reference.values[i])
-        location = await out.commit(5.0)
-        assert location.num_tokens == 14 and location.prefix_tokens == 16
-        assert out.kind is TransportKind.SHM
-        got = await ShmReceiver(SegmentReader(), location).receive(5.0)
-        assert_same_payload(got, cut(reference, 16, 30))
-        refused = Suffix(ShmSender(SegmentWriter(prefix=shm_prefix)), 30)
-        with pytest.raises(InvalidArgumentError):
-            refused.begin("s", layout, 30)  # nothing would be left to send
-        assert leftovers(shm_prefix) == []
+        ae = AsyncEngine(load(tiny_llama_dir))
+        ae.start()
+        backend = TorchBackend(ae)
+        shm = Transport(sender=lambda _: ShmSender(SegmentWriter(prefix=shm_prefix)))
+        registry = TransportRegistry({TransportKind.SHM: shm})
+        store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
+        connector = PrefillConnector(backend, store, host="h", transports=registry)
+        try:
+            plan = HandoffPlan("r", 30, TransportKind.SHM, decode_host="h", prefix_tokens=16)
+            async with connector.open(plan) as out:
+                hook = out.layer_hook
+                assert hook is not None
+                for i in range(layout.num_layers):
+                    hook(i, reference.keys[i], reference.values[i])
+                sent = await out.hand_over(time.monotonic_ns())
+            location = sent.location
+            assert location.kind is TransportKind.SHM
+            assert location.num_tokens == 14 and location.prefix_tokens == 16
+            got = await ShmReceiver(SegmentReader(), location).receive(5.0)
+            assert_same_payload(got, cut(reference, 16, 30))
+            with pytest.raises(InvalidArgumentError) as err:
+                dataclasses.replace(plan, prefix_tokens=30)  # nothing would be left to send
+            assert err.value.field == "prefix_tokens"
+            assert leftovers(shm_prefix) == []
+        finally:
+            await connector.close()
+            await store.close()
+            await ae.close()
 
     run(body)
 

@@ -12,6 +12,7 @@ import pytest
 from pdserve.backends import TORCH, EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
+from pdserve.handoff import PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.worker.decode import DecodeWorker
@@ -42,7 +43,7 @@ def test_decode_after_a_hand_off_gives_the_whole_requests_tokens(
             open_backend(TORCH, tiny_llama_dir) as d_engine,
         ):
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
-            prefill = PrefillWorker(p_engine, store, host=HOST)
+            prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host=HOST))
             decode = DecodeWorker(d_engine, host=HOST)
             try:
                 expected = await whole(d_engine, "w")

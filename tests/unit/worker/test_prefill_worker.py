@@ -14,6 +14,7 @@ from pdserve.backends import TORCH
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
+from pdserve.handoff import PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import TransportKind
 from pdserve.worker.prefill import PrefillWorker
@@ -39,7 +40,7 @@ def test_prefill_hands_over_through_shm_with_the_engines_first_token(
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
-            worker = PrefillWorker(engine, store, host=HOST)
+            worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
                 whole = [t async for o in engine.generate("w", PROMPT, GREEDY)
                          for t in o.new_token_ids]  # fmt: skip
@@ -68,7 +69,7 @@ def test_recompute_sends_nothing(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
-            worker = PrefillWorker(engine, store, host=HOST)
+            worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
                 result = await worker.prefill("r-rc", PROMPT, GREEDY, transport="recompute")
                 assert result.kv is not None and result.kv.kind is TransportKind.RECOMPUTE
@@ -86,7 +87,7 @@ def test_a_request_that_ends_at_its_first_token_hands_nothing_over(tiny_llama_di
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
-            worker = PrefillWorker(engine, store, host=HOST)
+            worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
                 one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
                 result = await worker.prefill(
@@ -116,7 +117,7 @@ def test_bad_requests_are_refused_by_field(
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
-            worker = PrefillWorker(engine, store, host=HOST)
+            worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
                 with pytest.raises(InvalidArgumentError) as err:
                     await worker.prefill(request_id, prompt, GREEDY, transport=transport)

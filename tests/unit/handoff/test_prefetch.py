@@ -1,4 +1,4 @@
-"""The decode worker's prefetches (``worker.prefetch``): taken by the matching Decode call,
+"""The decode worker's prefetches (``handoff.prefetch``): taken by the matching Decode call,
 dropped otherwise, every read cancelled and its copy freed."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import InvalidArgumentError
+from pdserve.handoff.plan import TransferOptions
+from pdserve.handoff.prefetch import TAKE_GRACE_S, Prefetch, Prefetches
 from pdserve.transfer.base import HandoffRecord, KVLocation, TransferState, TransportKind
-from pdserve.worker.placement import TransferOptions
-from pdserve.worker.prefetch import TAKE_GRACE_S, Prefetch, Prefetches
 
 
 class FakeReceiver:

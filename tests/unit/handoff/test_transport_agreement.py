@@ -1,6 +1,7 @@
 """The scheduler prices the hand-off the prefill worker will make: over a grid of situations
 (hosts, settings, measured links, step models, sizes), the transport the cost model prices from
-the worker's heartbeat is the one the worker's chooser picks, at the time of that link."""
+the worker's heartbeat is the one the worker's plan takes (``handoff.plan.choose_kind``), at
+the time of that link."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 
 from pdserve.backends import Capacity
 from pdserve.engine.step_meter import StepModel
+from pdserve.handoff.plan import TransferOptions, choose_kind
 from pdserve.scheduling import CostModel, WorkerInfo, WorkerRole
 from pdserve.transfer.base import HandoffRecord, TransportKind
 from pdserve.transfer.links import Links
 from pdserve.worker.heartbeat import WorkerIdentity, worker_info
-from pdserve.worker.placement import TransferOptions, TransportChooser
 
 MB = 1_000_000
 SHM, DIRECT, STORE, RECOMPUTE = (
@@ -42,29 +43,29 @@ DECODE_HOSTS = ["node-a", "NODE-A", "node-b"]
 SIZES = [(16, 1000), (4096, 100_000)]  # (prompt tokens, KV bytes per token)
 
 
-def prefill_side(
-    options: TransferOptions, measured: str, kv_bytes_per_token: int
-) -> tuple[TransportChooser, dict[tuple[str, str], float]]:
-    """The worker's chooser fed by its hand-offs' records, and the bandwidths they show."""
-    chooser = TransportChooser(Links("node-a"), kv_bytes_per_token, options)
+def prefill_side(measured: str) -> tuple[Links, dict[tuple[str, str], float]]:
+    """The worker's links fed by its hand-offs' records, and the bandwidths they show."""
+    links = Links("node-a")
     bandwidths = {}
     for peer, kind, seconds in MEASURED[measured]:
         record = HandoffRecord(kind, num_bytes=10 * MB, busy_ns=round(seconds * 1e9))
-        chooser.links.observe(peer, record)
+        links.observe(peer, record)
         bandwidths[peer, kind] = 10 * MB / (seconds - 0.001)
-    return chooser, bandwidths
+    return links, bandwidths
 
 
-def heartbeat(chooser: TransportChooser, options: TransferOptions, steps: StepModel) -> WorkerInfo:
+def heartbeat(
+    links: Links, options: TransferOptions, steps: StepModel, kv_bytes_per_token: int
+) -> WorkerInfo:
     """What the scheduler reads of the worker: its heartbeat, through JSON."""
     identity = WorkerIdentity(
         "p0", WorkerRole.PREFILL, "10.0.0.1:1", "node-a", "fp", 2048,
-        kv_bytes_per_token=chooser.kv_bytes_per_token,
+        kv_bytes_per_token=kv_bytes_per_token,
         transports=tuple(k.value for k in options.transports),
     )  # fmt: skip
     load = Capacity(blocks_total=100, blocks_free=100, block_size=16, queued_tokens=0,
                     running=0, waiting=0, steps=steps)  # fmt: skip
-    info = worker_info(identity, load, draining=False, links=chooser.links.published())
+    info = worker_info(identity, load, draining=False, links=links.published())
     return WorkerInfo.from_json(info.to_json())
 
 
@@ -77,9 +78,13 @@ def test_the_scheduler_prices_the_transport_the_worker_takes() -> None:
     seen = set()
     grid = itertools.product(SETTINGS, MEASURED, STEPS, DECODE_HOSTS, SIZES)
     for options, measured, steps, host, (tokens, per_token) in grid:
-        chooser, bandwidths = prefill_side(options, measured, per_token)
-        taken = chooser.choose(tokens, steps, decode_address="10.0.0.2:1", decode_host=host)
-        priced = model.handoff(heartbeat(chooser, options, steps), decode_side(host), tokens)
+        links, bandwidths = prefill_side(measured)
+        taken = choose_kind(
+            options, links, tokens, tokens * per_token, steps,
+            decode_address="10.0.0.2:1", decode_host=host,
+        )  # fmt: skip
+        beat = heartbeat(links, options, steps, per_token)
+        priced = model.handoff(beat, decode_side(host), tokens)
         case = (options, measured, steps, host, tokens)
         assert priced.kind is taken, case
         if taken is RECOMPUTE:
@@ -88,8 +93,6 @@ def test_the_scheduler_prices_the_transport_the_worker_takes() -> None:
             bandwidth = bandwidths.get((host.lower(), taken.value)) or PRIORS[taken]
             expected = 0.001 + tokens * per_token / bandwidth
         assert priced.seconds == pytest.approx(expected), case
-        assert model.transfer_s(heartbeat(chooser, options, steps), decode_side(host), tokens) == (
-            priced.seconds
-        )
+        assert model.transfer_s(beat, decode_side(host), tokens) == priced.seconds
         seen.add(taken)
     assert seen == {SHM, DIRECT, STORE, RECOMPUTE}  # the grid reaches every rule
