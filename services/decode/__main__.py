@@ -1,9 +1,10 @@
 """``python -m services.decode``: a decode worker, or with ``--role mixed`` a colocated one.
 
 Wiring only: flags (see ``pdserve.worker.options``; each defaults to ``PDSERVE_<FLAG>``) ->
-engine backend -> Decode service, whose ``Push`` takes the ``direct`` hand-offs prefill workers
-stream in, assembled as they land (``pdserve.transfer.stream.inbox``; ``--inbox-bytes`` of RAM,
-leases swept every second), and whose ``CachedPrefix`` answers prefill workers' prefix queries;
+engine backend -> decode worker and its hand-off connector (``pdserve.handoff.decode``) ->
+Decode service, whose ``Push`` takes the ``direct`` hand-offs prefill workers stream in,
+assembled as they land (``pdserve.transfer.stream.inbox``; ``--inbox-bytes`` of RAM, leases
+swept every second), and whose ``CachedPrefix`` answers prefill workers' prefix queries;
 role mixed: also Mixed, and Prefill when ``--kvstore`` is given -> serve with heartbeats until
 SIGTERM. ``--port 0`` binds a free port; ``--port-file`` receives the bound port once serving.
 """
@@ -21,12 +22,10 @@ from pdserve.rpc.server import AddServicerFn, run_service
 from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
-from pdserve.transfer.stream.inbox import Inbox
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
-from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
+from pdserve.worker.runtime import decode_worker, open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
 from services.decode.servicer import DecodeServicer, MixedServicer, add_decode_servicer
 
@@ -38,31 +37,17 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         model_name=options.model.name,
     )  # fmt: skip
     stages = StageRecorder(telemetry)  # the calls' spans and transfer metrics
-    inbox = Inbox(
-        options.inbox_bytes, expected_layout=engine.layout, default_lease_s=options.kv_lease_s
-    )
-    worker = DecodeWorker(
-        engine,
-        store_timeout_s=options.kv_timeout_s,
-        inbox=inbox,
-        host=options.host_name,
-        transfer_timeout_s=options.kv_transfer_timeout_s,
-        security=options.security,
-    )
+    worker = decode_worker(options, engine)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)
         stack.push_async_callback(engine.close)
         stack.push_async_callback(worker.close)
-        stack.callback(inbox.close)
         servicers: list[tuple[AddServicerFn, object]] = [
             (add_decode_servicer, DecodeServicer(worker, stages)),
         ]
 
-        async def sweep() -> None:
-            inbox.sweep()
-
         links = None
-        sweeps = [("inbox sweep", sweep), ("prefetch sweep", worker.sweep)]
+        sweeps = [("hand-off sweep", worker.connector.sweep)]
         if options.role is WorkerRole.MIXED:
             servicers.append(
                 (decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker, stages))

@@ -1,4 +1,6 @@
-"""The Decode and Mixed gRPC services: translate pdserve.v1 messages to ``DecodeWorker`` calls.
+"""The Decode and Mixed gRPC services: translate pdserve.v1 messages to ``DecodeWorker`` calls
+(``Decode``, ``Mixed.Generate``) and to its hand-off connector's (``Push``, ``Drop``,
+``InboxStat``, ``Prefetch``, ``CachedPrefix``: ``pdserve.handoff.decode``).
 
 ``Decode.Push`` takes its chunks through the KV chunk codec (``pdserve.kvstore.wire``), so
 register ``DecodeServicer`` with ``add_decode_servicer``, not the generated function.
@@ -64,7 +66,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.PrefetchResponse:
         if not request.HasField("kv"):
             raise InvalidArgumentError("kv", "a KV handle is required")
-        outcome = await self.worker.prefetch(handle_from_proto(request.kv))
+        outcome = await self.worker.connector.prefetch(handle_from_proto(request.kv))
         return decode_pb2.PrefetchResponse(
             accepted=outcome.accepted, ready=outcome.ready, reason=outcome.reason
         )
@@ -72,7 +74,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def CachedPrefix(  # noqa: N802 - gRPC method names
         self, request: decode_pb2.CachedPrefixRequest, context: Context
     ) -> decode_pb2.CachedPrefixResponse:
-        found = await self.worker.cached_prefix(prefix_query_from_proto(request))
+        found = await self.worker.connector.cached_prefix(prefix_query_from_proto(request))
         return cached_prefix_response(found)
 
     async def Push(  # noqa: N802 - gRPC method names
@@ -105,9 +107,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _inbox(self) -> Inbox:
-        if self.worker.inbox is None:
+        inbox = self.worker.connector.inbox
+        if inbox is None:
             raise WorkerUnavailableError("this worker takes no pushed hand-offs")
-        return self.worker.inbox
+        return inbox
 
 
 def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:

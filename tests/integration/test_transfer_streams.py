@@ -29,7 +29,7 @@ from pdserve.engine.kv_payload import KVLayout
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
-from pdserve.handoff import PrefillConnector, TransferOptions
+from pdserve.handoff import DecodeConnector, PrefillConnector, TransferOptions
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
@@ -120,7 +120,8 @@ async def pair(
             p_engine, PrefillConnector(p_engine, client, host=HOST, options=options)
         )
         stack.push_async_callback(prefill.close)
-        decode = DecodeWorker(TorchBackend(engines[1]), inbox=inbox, host=HOST)
+        d_engine = TorchBackend(engines[1])
+        decode = DecodeWorker(d_engine, DecodeConnector(d_engine, inbox=inbox, host=HOST))
         stack.push_async_callback(decode.close)
         inbox_address = await _serve(stack, DecodeServicer(decode), add_decode_servicer)
         yield Pair(prefill, decode, store, inbox, inbox_address, (engines[0], engines[1]))

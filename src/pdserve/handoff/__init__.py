@@ -19,12 +19,16 @@ that a connector is built with.
 
 from __future__ import annotations
 
+from pdserve.handoff.decode import Arrival, DecodeConnector, Incoming
 from pdserve.handoff.outgoing import Outgoing, Sent
 from pdserve.handoff.plan import HandoffPlan, TransferOptions
 from pdserve.handoff.prefill import PrefillConnector
 
 __all__ = [
+    "Arrival",
+    "DecodeConnector",
     "HandoffPlan",
+    "Incoming",
     "Outgoing",
     "PrefillConnector",
     "Sent",

@@ -33,7 +33,7 @@ from pdserve.backends.pytorch import TorchBackend
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
-from pdserve.handoff import PrefillConnector
+from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.assignment import AssignedDecode
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix.store import PrefixReuse
@@ -48,6 +48,8 @@ from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connec
 from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.transfer.links import Links
+from pdserve.transfer.stream.inbox import Inbox
+from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
@@ -176,6 +178,25 @@ def prefill_worker(
         ),
     )
     return PrefillWorker(engine, connector, prefix=prefix)
+
+
+def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker:
+    """The decode worker these options describe: its connector takes the ``direct`` hand-offs
+    pushed into it (an inbox of ``inbox_bytes``, leases of ``kv_lease_s``), reads the others
+    within ``kv_transfer_timeout_s`` (0: from the link) and serves the prefill workers'
+    prefetches and prefix queries."""
+    inbox = Inbox(
+        options.inbox_bytes, expected_layout=engine.layout, default_lease_s=options.kv_lease_s
+    )
+    connector = DecodeConnector(
+        engine,
+        inbox=inbox,
+        host=options.host_name,
+        store_timeout_s=options.kv_timeout_s,
+        transfer_timeout_s=options.kv_transfer_timeout_s,
+        security=options.security,
+    )
+    return DecodeWorker(engine, connector)
 
 
 async def reclaim_shm(max_age_s: float) -> None:

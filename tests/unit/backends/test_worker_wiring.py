@@ -12,7 +12,7 @@ from pdserve.backends import TENSORRT_LLM, TORCH, NativeKV
 from pdserve.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
-from pdserve.handoff import PrefillConnector
+from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.scheduling import WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
@@ -167,7 +167,7 @@ def test_workers_hand_over_natively_and_refuse_transports(
         ):
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled: nothing is stored
             prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host="h"))
-            decode = DecodeWorker(d_engine, host="h")
+            decode = DecodeWorker(d_engine, DecodeConnector(d_engine, host="h"))
             try:
                 whole = [t async for o in d_engine.generate("w", prompt, GREEDY)
                          for t in o.new_token_ids]  # fmt: skip

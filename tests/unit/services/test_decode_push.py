@@ -42,8 +42,10 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
 
 @asynccontextmanager
 async def serving(inbox: Inbox | None) -> AsyncIterator[str]:
-    """A Decode servicer whose worker has ``inbox`` (Push and Drop use nothing else of it)."""
-    servicer = DecodeServicer(SimpleNamespace(inbox=inbox))  # type: ignore[arg-type]
+    """A Decode servicer whose worker's connector has ``inbox`` (Push and Drop use nothing
+    else of it)."""
+    worker = SimpleNamespace(connector=SimpleNamespace(inbox=inbox))
+    servicer = DecodeServicer(worker)  # type: ignore[arg-type]
     server, port, _ = build_server([(add_decode_servicer, servicer)], port=0)
     await server.start()
     try:

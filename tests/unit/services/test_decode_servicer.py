@@ -13,6 +13,7 @@ import pytest
 from pdserve.backends import TORCH
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import KVTransferError
+from pdserve.handoff import DecodeConnector
 from pdserve.handoff.peers import DecodePeers
 from pdserve.prefix import decode as decode_prefix
 from pdserve.rpc.server import build_server
@@ -31,7 +32,7 @@ def test_cached_prefix_answers_from_the_engine_and_checks_its_fields(
 
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
-            worker = DecodeWorker(engine, host="h")
+            worker = DecodeWorker(engine, DecodeConnector(engine, host="h"))
             server, port, _ = build_server(
                 [(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(worker))], port=0
             )

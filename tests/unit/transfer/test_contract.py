@@ -70,7 +70,8 @@ async def backend(name: str, shm_prefix: str) -> AsyncIterator[Backend]:
     if name == "direct":
         async with AsyncExitStack() as stack:
             inbox = Inbox(16 * 1024**2)
-            servicer = DecodeServicer(SimpleNamespace(inbox=inbox))  # type: ignore[arg-type]
+            worker = SimpleNamespace(connector=SimpleNamespace(inbox=inbox))
+            servicer = DecodeServicer(worker)  # type: ignore[arg-type]
             server, port, _ = build_server([(add_decode_servicer, servicer)], port=0)
             await server.start()
             stack.push_async_callback(server.stop, None)

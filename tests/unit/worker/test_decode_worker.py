@@ -12,7 +12,7 @@ import pytest
 from pdserve.backends import TORCH, EngineBackend
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
-from pdserve.handoff import PrefillConnector
+from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.worker.decode import DecodeWorker
@@ -44,7 +44,7 @@ def test_decode_after_a_hand_off_gives_the_whole_requests_tokens(
         ):
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
             prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host=HOST))
-            decode = DecodeWorker(d_engine, host=HOST)
+            decode = DecodeWorker(d_engine, DecodeConnector(d_engine, host=HOST))
             try:
                 expected = await whole(d_engine, "w")
                 result = await prefill.prefill(
@@ -78,7 +78,7 @@ def test_decode_after_a_hand_off_gives_the_whole_requests_tokens(
 def test_generate_runs_the_whole_request_here(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
-            decode = DecodeWorker(engine, host=HOST)
+            decode = DecodeWorker(engine, DecodeConnector(engine, host=HOST))
             try:
                 expected = await whole(engine, "w")
                 deltas = [d async for d in decode.generate("g", PROMPT, GREEDY)]
@@ -97,7 +97,7 @@ def test_generate_runs_the_whole_request_here(tiny_llama_dir: Path) -> None:
 def test_kv_of_another_model_is_refused(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
-            decode = DecodeWorker(engine, host=HOST)
+            decode = DecodeWorker(engine, DecodeConnector(engine, host=HOST))
             try:
                 foreign = KVLocation(
                     TransportKind.SHM, "r", len(PROMPT), 10, "another-model",
