@@ -16,11 +16,10 @@ from pdserve.transfer.base import (
     TransferState,
     Transport,
     TransportKind,
-    TransportRegistry,
     advance,
 )
 from pdserve.transfer.compress import Compression
-from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
+from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender, fake_transports
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.push import PushClient
@@ -100,17 +99,9 @@ def test_record_derived_values() -> None:
 
 
 def test_registry() -> None:
-    hub = FakeHub()
-    registry = TransportRegistry()
-    registry.register(
-        TransportKind.DIRECT,
-        Transport(
-            sender=lambda peer_address: FakeSender(hub),
-            receiver=lambda location, *, follow=False: FakeReceiver(hub, location),
-        ),
-    )
+    registry = fake_transports(FakeHub(), kinds=(TransportKind.DIRECT,))
     sender = registry.sender(TransportKind.DIRECT, "peer:1")
-    assert isinstance(sender, FakeSender)
+    assert isinstance(sender, FakeSender) and sender.kind is TransportKind.DIRECT
     location = KVLocation(TransportKind.DIRECT, "r", 1, 0, "fp", key="k")
     assert isinstance(registry.receiver(location), FakeReceiver)
     with pytest.raises(InvalidArgumentError, match="already registered"):

@@ -1,4 +1,6 @@
-"""An in-memory transport for tests, on the real layer frames of ``transfer.stream``.
+"""An in-memory transport for tests, on the real layer frames of ``transfer.stream``, plugged
+into the hand-off's connectors as the real ones are (``fake_transports``: the
+``TransportRegistry`` a ``PrefillConnector`` and a ``DecodeConnector`` are built with).
 
 ``FakeHub`` stands in for the network (one per test, shared by the sender and the receiver):
 streams by key, each its header and the chunks ``LayerCopy.seal`` cut its frames into (copied
@@ -27,8 +29,12 @@ from pdserve.kvstore.keys import handoff_key
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
+    KVReceiver,
+    KVSender,
     TransferState,
+    Transport,
     TransportKind,
+    TransportRegistry,
     advance,
 )
 from pdserve.transfer.compress import Compression
@@ -262,3 +268,27 @@ class FakeReceiver:
 
     async def discard(self) -> None:
         self.hub.discard(self.location.key)
+
+
+def fake_transports(
+    hub: FakeHub,
+    *,
+    kinds: tuple[TransportKind, ...] = (TransportKind.DIRECT, TransportKind.STORE),
+    faults: SendFaults | None = None,
+    compression: Compression = Compression.NONE,
+    expected_layout: KVLayout | None = None,
+) -> TransportRegistry:
+    """A registry whose ``kinds`` all send into ``hub`` and receive from it: what a
+    connector is given in place of its real transports. ``expected_layout``: the receiving
+    engine's (a payload of another layout is refused, as by the real receivers)."""
+
+    def registered(kind: TransportKind) -> Transport:
+        def sender(peer_address: str) -> KVSender:
+            return FakeSender(hub, faults=faults, compression=compression, kind=kind)
+
+        def receiver(location: KVLocation, *, follow: bool = False) -> KVReceiver:
+            return FakeReceiver(hub, location, expected_layout=expected_layout)
+
+        return Transport(sender=sender, receiver=receiver)
+
+    return TransportRegistry({kind: registered(kind) for kind in kinds})
