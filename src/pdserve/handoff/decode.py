@@ -58,13 +58,16 @@ from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
     KVReceiver,
+    Transport,
     TransportKind,
     TransportRegistry,
 )
 from pdserve.transfer.links import Links
+from pdserve.transfer.shm.handoff import ShmReceiver
+from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.slots import SlotMappings
 from pdserve.transfer.stream.inbox import Inbox
-from pdserve.transfer.transports import ReceiveSide, receivers
+from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +136,13 @@ class DecodeConnector:
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.shm.slots``).
         self._slot_maps = SlotMappings()
-        self.transports = transports or receivers(
-            ReceiveSide(
-                store=self._store, expected_layout=engine.layout, host=self.host, inbox=inbox,
-                hash_pool=self._hash_pool, slot_maps=self._slot_maps,
-            )
-        )  # fmt: skip
+        self.transports = transports or TransportRegistry(
+            {
+                TransportKind.SHM: Transport(receiver=self._shm),
+                TransportKind.STORE: Transport(receiver=self._stream),
+                TransportKind.DIRECT: Transport(receiver=self._stream),
+            }
+        )
         # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).
         self._prefix_oracle = decode_prefix.DecodePrefixOracle(engine)
 
@@ -149,6 +153,26 @@ class DecodeConnector:
                 address, timeout_s=self.store_timeout_s, security=self.security
             )
         return client
+
+    def _shm(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
+        reader = SegmentReader(
+            expected_layout=self.engine.layout, host=self.host, pool=self._hash_pool,
+            follow=follow, slots=self._slot_maps,
+        )  # fmt: skip
+        return ShmReceiver(reader, location)
+
+    def _stream(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
+        """``store``: the entry at the location's KV store; ``direct``: the hand-off pushed
+        into this worker's inbox (one pushed elsewhere is not here: recompute)."""
+        if not location.address:
+            raise InvalidArgumentError(
+                f"kv.{location.kind}.address", "must be the endpoint's host:port"
+            )
+        layout = self.engine.layout
+        if location.kind is TransportKind.DIRECT:
+            return LocalReceiver(self.inbox, location, expected_layout=layout)
+        store = self._store(location.address)
+        return StreamReceiver(store, location, expected_layout=layout, follow=follow)
 
     def _receiver(self, kv: KVLocation, *, follow: bool = False) -> KVReceiver | None:
         """The receiver of ``kv``; ``follow``: one that reads while the writer writes."""

@@ -14,10 +14,12 @@ Per request, for the prefill worker:
    the plan becomes ``recompute``. The prefill runs with ``Outgoing.layer_hook``, and
    ``Outgoing.hand_over`` commits or falls back (``outgoing``).
 
-What it owns, shared by its hand-offs and closed by ``close``: the transports
-(``transfer.transports``: a fresh sender per hand-off), the copy, unmapping and sealing
-threads, the reused shm segments (``SlotPool``, swept by ``sweep``), the decode workers'
-connections (``peers.DecodePeers``) and the reservation check.
+What it owns, shared by its hand-offs and closed by ``close``: the transports (a
+``TransportRegistry`` bound to the resources below, a fresh sender per hand-off: ``store``
+and ``direct`` a ``StreamSender`` into the KV store or pushed into the decode worker, ``shm``
+a ``ShmSender``), the copy, unmapping and sealing threads, the reused shm segments
+(``SlotPool``, swept by ``sweep``), the decode workers' connections (``peers.DecodePeers``)
+and the reservation check.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.backends import EngineBackend
@@ -43,11 +45,19 @@ from pdserve.handoff.plan import (
 )
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
-from pdserve.transfer.base import KVLocation, TransportKind, TransportRegistry
+from pdserve.transfer.base import (
+    KVLocation,
+    KVSender,
+    Transport,
+    TransportKind,
+    TransportRegistry,
+)
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.links import Links
+from pdserve.transfer.shm.handoff import ShmSender
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
-from pdserve.transfer.transports import SendSide, senders
+from pdserve.transfer.shm.writer import SegmentWriter
+from pdserve.transfer.stream.sender import StreamSender, StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +97,32 @@ class PrefillConnector:
         self._shm_slots = SlotPool(budget, lease_s=o.lease_s) if budget else None
         # store/direct: one thread seals the large frames of every stream, in the order taken.
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
-        self.transports = transports or senders(
-            SendSide(
-                store=store, endpoint=self.peers.push, host=self.host, lease_s=o.lease_s,
-                compression=o.compression, sealer=self._sealer, shm_pool=self._shm_pool,
-                shm_closer=self._shm_closer, shm_slots=self._shm_slots, faults=o.faults,
-            )
-        )  # fmt: skip
+        self.transports = transports or TransportRegistry(
+            {
+                TransportKind.SHM: Transport(sender=self._shm),
+                TransportKind.STORE: self._stream(TransportKind.STORE, lambda _: store),
+                TransportKind.DIRECT: self._stream(TransportKind.DIRECT, self.peers.push),
+            }
+        )
+
+    def _shm(self, peer_address: str) -> KVSender:
+        writer = SegmentWriter(
+            host=self.host, pool=self._shm_pool, closer=self._shm_closer, slots=self._shm_slots
+        )
+        return ShmSender(writer, faults=self.options.faults)
+
+    def _stream(self, kind: TransportKind, target: Callable[[str], StreamTarget]) -> Transport:
+        """The layer stream into ``target(peer_address)``: the KV store, or the decode
+        worker's ``Decode.Push``."""
+        o = self.options
+
+        def sender(peer_address: str) -> KVSender:
+            return StreamSender(
+                target(peer_address), kind, lease_s=o.lease_s, compression=o.compression,
+                sealer=self._sealer, faults=o.faults,
+            )  # fmt: skip
+
+        return Transport(sender=sender)
 
     async def plan(
         self,

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
-from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
@@ -18,15 +15,7 @@ from pdserve.transfer.base import (
     TransportKind,
     advance,
 )
-from pdserve.transfer.compress import Compression
 from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender, fake_transports
-from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
-from pdserve.transfer.stream.inbox import Inbox
-from pdserve.transfer.stream.push import PushClient
-from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
-from pdserve.transfer.stream.sender import StreamSender
-from pdserve.transfer.transports import ReceiveSide, SendSide, receivers, senders
-from tests.unit.transfer.conftest import make_layout
 
 
 def test_terminal_states_are_the_top_of_the_order() -> None:
@@ -114,44 +103,3 @@ def test_registry() -> None:
     registry.register(TransportKind.SHM, Transport(sender=lambda peer_address: sender))
     with pytest.raises(InvalidArgumentError, match="receives nothing"):
         registry.receiver(dataclasses.replace(location, kind=TransportKind.SHM))
-
-
-def test_the_worker_registries_choose_by_kind() -> None:
-    asyncio.run(_registries_choose_by_kind())
-
-
-async def _registries_choose_by_kind() -> None:
-    store, peer = KVStoreClient("store:1"), PushClient("peer:2")
-    endpoints = {"peer:2": peer}
-    with ThreadPoolExecutor(1) as sealer:
-        sending = senders(
-            SendSide(store, endpoints.__getitem__, "h1", 30.0, Compression.NONE, sealer)
-        )
-        shm = sending.sender(TransportKind.SHM)
-        assert isinstance(shm, ShmSender) and shm.writer.host == "h1"
-        assert shm is not sending.sender(TransportKind.SHM)  # one per hand-off
-        to_store = sending.sender(TransportKind.STORE, "peer:2")
-        assert isinstance(to_store, StreamSender) and to_store.client is store
-        direct = sending.sender(TransportKind.DIRECT, "peer:2")
-        assert isinstance(direct, StreamSender) and direct.client is peer
-
-    inbox = Inbox(1024)
-    layout = make_layout()
-    side = ReceiveSide(lambda a: store, layout, "h1", inbox)
-    receiving = receivers(side)
-    at = KVLocation(TransportKind.DIRECT, "r", 1, 0, "fp", key="k")
-    # A direct hand-off is taken from this worker's inbox by its key, whoever it names.
-    for address in ("me:3", "peer:2"):
-        local = receiving.receiver(dataclasses.replace(at, address=address))
-        assert isinstance(local, LocalReceiver) and local.inbox is inbox
-    stored = receiving.receiver(
-        dataclasses.replace(at, kind=TransportKind.STORE, address="store:1"), follow=True
-    )
-    assert isinstance(stored, StreamReceiver) and stored.client is store and stored.follow
-    with pytest.raises(InvalidArgumentError) as err:
-        receiving.receiver(at)  # no address
-    assert err.value.field == "kv.direct.address"
-    shm = receiving.receiver(dataclasses.replace(at, kind=TransportKind.SHM, host="h1"))
-    assert isinstance(shm, ShmReceiver) and shm.reader.host == "h1"
-    for client in (store, peer):
-        await client.close()

@@ -7,7 +7,6 @@ import asyncio
 import os
 import threading
 from collections.abc import Iterator
-from typing import cast
 
 import numpy as np
 import pytest
@@ -15,17 +14,13 @@ import torch
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
-from pdserve.kvstore.client import KVStoreClient
-from pdserve.transfer.base import KVLocation, TransferState, TransportKind
-from pdserve.transfer.compress import Compression
+from pdserve.transfer.base import KVLocation, TransferState
 from pdserve.transfer.janitor import SHM_DIR
 from pdserve.transfer.shm import checksum, segment
 from pdserve.transfer.shm import writer as shm_writer
-from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.writer import SegmentWriter
 from pdserve.transfer.stamp import CAPABILITY_OFFSET, HEADER_OFFSET
-from pdserve.transfer.transports import ReceiveSide, SendSide, receivers, senders
 from tests.unit.transfer.conftest import (
     assert_same_payload,
     leftovers,
@@ -191,26 +186,3 @@ def test_a_failed_pool_half_fails_the_send_and_leaves_nothing(
     with pytest.raises(KVTransferError, match="the pool's copy broke"):
         sender.finish()
     assert sender.state is TransferState.FAILED and leftovers(shm_prefix) == []
-
-
-def test_registries_share_the_workers_pool(shm_prefix: str, pool: CountingPool) -> None:
-    # The worker's copy thread reaches the shm sender and receiver its registries make.
-    store = cast(KVStoreClient, None)  # shm needs no KV store
-    sending = senders(
-        SendSide(store, lambda _: store, "h", 1.0, Compression.NONE, pool, shm_pool=pool)
-    )
-    layout = strided_payload(1).layout
-    receiving = receivers(ReceiveSide(lambda _: store, layout, "h", hash_pool=pool))
-    sender = sending.sender(TransportKind.SHM)
-    assert isinstance(sender, ShmSender) and sender.writer.pool is pool
-    sender.writer.prefix = shm_prefix
-    payload = strided_payload(num_tokens=20)
-    sender.begin("r", payload.layout, payload.num_tokens)
-    for i in range(payload.layout.num_layers):
-        sender.send_layer(i, payload.keys[i], payload.values[i])
-    location = asyncio.run(sender.commit(5.0))
-    receiver = receiving.receiver(location)
-    assert isinstance(receiver, ShmReceiver) and receiver.reader.pool is pool
-    got = asyncio.run(receiver.receive(5.0))
-    assert_same_payload(got, payload)
-    assert leftovers(shm_prefix) == [] and pool.submitted > 0
