@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -65,7 +64,7 @@ class Sent:
 
 
 class Outgoing:
-    """One hand-off's prefill side (module docstring); use it as an ``async with`` block."""
+    """One hand-off's prefill side (module docstring), in ``PrefillConnector.open``'s block."""
 
     def __init__(
         self,
@@ -83,24 +82,13 @@ class Outgoing:
         self.fingerprint = fingerprint
         self.links = links
         self._kept: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._handed_over = False
+        self.handed_over = False
+        """The KV is the decode side's now (else leaving the block discards it)."""
         self._announcement: asyncio.Task[str] | None = None
         if sender is not None and announce is not None and plan.announce:
             self._announcement = asyncio.get_running_loop().create_task(
                 announce(self.planned()), name=f"kv-announce-{plan.request_id}"
             )
-
-    async def __aenter__(self) -> Outgoing:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if not self._handed_over:
-            await self.discard()
 
     @property
     def engine_handoff(self) -> Handoff:
@@ -145,7 +133,7 @@ class Outgoing:
         if plan.kind is TransportKind.NATIVE:
             if native is None:
                 raise KVTransferError(f"the engine kept no KV for {rid!r}")
-            self._handed_over = True
+            self.handed_over = True
             location = KVLocation.of_native(rid, n, self.fingerprint, native)
             return Sent(location, HandoffRecord(TransportKind.NATIVE.value))
         if out is None:
@@ -170,7 +158,7 @@ class Outgoing:
             return Sent(location, self._record(compute_end_ns, fallback_reason=str(err)))
         record = self._record(compute_end_ns)
         self.links.observe(plan.peer, record)
-        self._handed_over = True
+        self.handed_over = True
         location = dataclasses.replace(
             location, model_fingerprint=self.fingerprint, prefix_tokens=plan.prefix_tokens
         )

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 from pdserve.backends import EngineBackend
 from pdserve.errors import CapacityError, KVTransferError
@@ -192,10 +193,11 @@ class PrefillConnector:
             ),
         )
 
-    def open(self, plan: HandoffPlan) -> Outgoing:
-        """Begin ``plan``'s hand-off (call on the event loop, before the prefill): an
-        ``Outgoing`` to use as an ``async with`` block; a transport that refuses the
-        hand-off holds nothing, and it becomes ``recompute``."""
+    @asynccontextmanager
+    async def open(self, plan: HandoffPlan) -> AsyncIterator[Outgoing]:
+        """``plan``'s hand-off, begun (before the prefill), for an ``async with`` block that
+        discards it unless it was handed over; a transport that refuses the hand-off holds
+        nothing, and it becomes ``recompute``."""
         sender = None
         if plan.moves:
             sender = self.transports.sender(plan.kind, plan.decode_address)
@@ -210,10 +212,15 @@ class PrefillConnector:
         async def announce(location: KVLocation) -> str:
             return await self.peers.announce(address, location)
 
-        return Outgoing(
+        out = Outgoing(
             plan, sender, fingerprint=self.engine.fingerprint, links=self.links,
             announce=announce if plan.announce else None,
         )  # fmt: skip
+        try:
+            yield out
+        finally:
+            if not out.handed_over:
+                await out.discard()
 
     async def sweep(self) -> None:
         """Periodic: free the shm slots whose hand-off outlived its lease unread."""

@@ -1,24 +1,13 @@
 """PrefillWorker: compute a prompt's KV and first token, and hand the KV over as it is made.
 
-Per request:
-  1. Check the request against the model (the full ``max_tokens`` included, so that a request
-     the decode side would refuse fails here, before any compute).
-  2. Plan the hand-off (``PrefillConnector.plan``: the decode worker the scheduler chose, the
-     transport, the prefix it caches) and open it: the shm segment or the stream exists before
-     the engine starts.
-  3. Optionally import the prompt's leading blocks from the KV store into the engine's prefix
-     cache (``prefix.PrefixReuse``), so that only the rest is computed.
-  4. Run the prompt with ``max_tokens=1`` and the hand-off's layer hook: each layer leaves
-     while the engine computes the next ones. The hook copies the layers out, so the engine
-     frees the request's blocks as soon as the first token is out (or keeps them for its own
-     transfer, a ``native`` hand-off).
-  5. If that token already ends the request (a stop token or string, ``max_tokens == 1``, the
-     model's length), the hand-off is discarded and the answer reports the finish.
-  6. Otherwise hand over (``Outgoing.hand_over``) and answer with where the KV is: its
-     location, or ``recompute`` when the hand-off failed (the decode worker then prefills the
-     prompt itself, and the request still completes).
-
-Nothing outlives a request: every path that does not hand the KV over discards it.
+Per request: check it against the model (the full ``max_tokens`` included, so that a request
+the decode side would refuse fails here, before any compute); plan and open its hand-off
+(``handoff.PrefillConnector``); optionally import the prompt's leading blocks from the KV store
+into the engine's prefix cache (``prefix.PrefixReuse``); run the prompt with ``max_tokens=1``
+and the hand-off's layer hook (each layer leaves while the engine computes the next ones);
+then, unless the first token ends the request (a stop, ``max_tokens == 1``, the model's
+length), hand over and answer with where the KV is, or ``recompute`` when the hand-off
+failed. Every path that does not hand the KV over discards it.
 """
 
 from __future__ import annotations
