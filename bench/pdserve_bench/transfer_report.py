@@ -1,0 +1,203 @@
+"""Samples and the report of ``pdserve bench transfer`` (definitions in ``docs/benchmarks.md``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve_bench.transfer_paired import Pair, PairedPoint, link_bytes_per_s, summarize
+from pdserve_bench.transfer_refs import References
+
+
+@dataclass
+class Sample:
+    """One hand-off as the workers measured it (ms, bytes, bytes/s)."""
+
+    transport: str
+    layerwise: bool
+    tokens: int
+    num_bytes: int
+    prefill_rpc_ms: float
+    compute_ms: float
+    overlap_ms: float
+    exposed_ms: float
+    send_bytes_per_s: float
+    recv_ms: float
+    recv_bytes_per_s: float
+    recompute_ms: float
+    send_start_ns: int
+    send_end_ns: int
+    recv_start_ns: int
+    recv_end_ns: int
+    reused: bool = False
+    """The prompt's KV came from the prefix cache (a bandwidth-only point: no compute)."""
+    wait_ms: float = -1.0
+    """How long the Decode call waited for the KV (a prefetch: only its tail); -1: a run
+    recorded before it was measured, where the Decode call waited for the whole read."""
+    first_visible_ms: float = -1.0
+    """``visible_ms`` of the point's first run, the first hand-off of its size through these
+    processes (its buffers fault in); -1: a run recorded before it was kept."""
+    ref_memcpy: float = 0.0
+    ref_tcp: float = 0.0
+    ref_grpc: float = 0.0
+    """References (bytes/s) measured right before this point's runs, in runs recorded before
+    the paired rounds (0: not measured)."""
+
+    def of_references(self, ref: References) -> tuple[str, str]:
+        """The transport's bandwidth (its slower side; direct: the send, its read is
+        in-process) against memcpy (shm) or loopback TCP, and against raw gRPC, as measured
+        at their best in the run (``ref``): the ratios of runs recorded before the paired
+        rounds (``transfer_paired``)."""
+        bw = link_bytes_per_s(self.transport, self.send_span_bytes_per_s, self.recv_bytes_per_s)
+        if self.transport == "shm":
+            return f"{bw / ref.memcpy:.0%}", "-"
+        return f"{bw / ref.tcp:.0%}", f"{bw / ref.grpc:.0%}"
+
+    @property
+    def waited_ms(self) -> float:
+        return self.recv_ms if self.wait_ms < 0 else self.wait_ms
+
+    @property
+    def send_span_bytes_per_s(self) -> float:
+        """Bytes over the sender's whole span, first layer to acknowledgement (deferred: the
+        pipeline of copy, checksum and wire with every layer at hand)."""
+        ns = self.send_end_ns - self.send_start_ns
+        return self.num_bytes / (ns / 1e9) if ns > 0 else 0.0
+
+    @property
+    def ready_ms(self) -> float:
+        """Until the decode worker can start: the Prefill RPC, then what is left of the read
+        (or the recompute)."""
+        return self.prefill_rpc_ms + self.waited_ms + self.recompute_ms
+
+    @property
+    def visible_ms(self) -> float:
+        """Transfer time not hidden behind the compute: the sender's after the compute, and
+        the decode worker's wait for the read."""
+        return self.exposed_ms + self.waited_ms
+
+    @property
+    def share(self) -> float:
+        return self.visible_ms / self.ready_ms if self.ready_ms else 0.0
+
+    @property
+    def hidden(self) -> float:
+        """Of the sender's transfer time, the part that ran while the prefill computed."""
+        total = self.overlap_ms + self.exposed_ms
+        return self.overlap_ms / total if total else 0.0
+
+
+def peak_and_average(spans: Sequence[tuple[int, int, int]]) -> tuple[float, float]:
+    """Aggregate bytes/s of transfers ``(start_ns, end_ns, bytes)`` running together: the
+    peak (each spread evenly over its span, summed where they overlap) and the average
+    (all bytes over the whole window)."""
+    spans = [s for s in spans if s[1] > s[0]]
+    if not spans:
+        return 0.0, 0.0
+    events = sorted({t for s in spans for t in s[:2]})
+    peak = max(sum(b / ((e - s) / 1e9) for s, e, b in spans if s <= t < e) for t in events[:-1])
+    window = (max(s[1] for s in spans) - min(s[0] for s in spans)) / 1e9
+    return peak, sum(s[2] for s in spans) / window
+
+
+def _rates(base: Sample, ref: References, point: PairedPoint | None) -> str:
+    """The send, recv, of-reference and of-raw-gRPC cells: from the paired rounds where
+    there are some, else from the sample against the run's best references."""
+    gb = 1e9
+    if point is None:
+        send, recv = base.send_span_bytes_per_s, base.recv_bytes_per_s
+        of_ref, of_grpc = base.of_references(ref)
+    else:
+        send, recv, of_ref = point.send_bytes_per_s, point.recv_bytes_per_s, point.ratio_text
+        of_grpc = "-" if point.grpc_ratio is None else f"{point.grpc_ratio:.0%}"
+    # direct: assembled as it landed; the read only hands the payload over.
+    recv_text = "on arrival" if base.transport == "direct" else f"{recv / gb:.2f}"
+    return f"{send / gb:.2f} | {recv_text} | {of_ref} | {of_grpc}"
+
+
+def report(
+    samples: Sequence[Sample],
+    bursts: dict[str, dict[str, float]],
+    ref: References,
+    pairs: Sequence[Pair] = (),
+) -> str:
+    """The results as markdown tables (definitions in ``docs/benchmarks.md``)."""
+    gb = 1e9
+    points = summarize(pairs)
+    rounds = max((x.rounds for x in points.values()), default=0)
+    how = (
+        f"rates and ratios: the median of {rounds} paired rounds (the range of the ratio in "
+        "brackets), each hand-off against its reference measured right before and after it"
+        if points
+        else "ratios against the run's best references"
+    )
+    lines = [
+        f"References (the run's best, before and after it): {ref.summary()}; {how}.",
+        "",
+        "| transport | tokens | KV MB | send GB/s | recv GB/s | of memcpy / TCP | of raw gRPC "
+        "| TTFT ms | visible ms, layer-wise / deferred | share of TTFT, layer-wise / deferred "
+        "| hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def find(t: str, n: int, layerwise: bool) -> Sample | None:
+        return next(
+            (x for x in samples if (x.transport, x.tokens, x.layerwise) == (t, n, layerwise)), None
+        )
+
+    for t in dict.fromkeys(x.transport for x in samples):
+        for n in dict.fromkeys(x.tokens for x in samples):
+            lw, de = find(t, n, True), find(t, n, False)
+            point = points.get((t, n))
+            if lw is None and de is not None and de.reused:  # bandwidth only: no compute
+                lines.append(
+                    f"| {t} | {n} | {de.num_bytes / 1e6:.0f} | {_rates(de, ref, point)} | "
+                    f"(reused prefill) | - / {de.visible_ms:.0f} | - | - |"
+                )
+                continue
+            if lw is None:
+                continue
+            if t == "recompute":
+                lines.append(
+                    f"| recompute | {n} | - | - | - | - | - | {lw.prefill_rpc_ms:.0f} | "
+                    f"{lw.recompute_ms:.0f} (decode-side prefill) | "
+                    f"{lw.recompute_ms / lw.ready_ms:.0%} | - |"
+                )
+                continue
+            base = de or lw  # link rates from the no-overlap run: not paced by the compute
+            visible = f"{lw.visible_ms:.0f} / {de.visible_ms:.0f}" if de else f"{lw.visible_ms:.0f}"
+            share = f"{lw.share:.1%} / {de.share:.1%}" if de else f"{lw.share:.1%}"
+            hidden = f"{1 - lw.visible_ms / de.visible_ms:.0%}" if de and de.visible_ms else "-"
+            lines.append(
+                f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {_rates(base, ref, point)} | "
+                f"{lw.prefill_rpc_ms:.0f} | {visible} | {share} | {hidden} |"
+            )
+    cold = [x for x in samples if not x.layerwise and x.first_visible_ms >= 0]
+    if cold:
+        lines += [
+            "",
+            "First hand-off of each size (its buffers fault in) against the kept run, deferred:",
+            "",
+            "| transport | tokens | first run visible ms | kept run visible ms |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {x.transport} | {x.tokens} | {x.first_visible_ms:.0f} | {x.visible_ms:.0f} |"
+            for x in cold
+        ]
+    if bursts:
+        lines += [
+            "",
+            "| transport | send peak GB/s | send average | recv peak | recv average |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for t, b in bursts.items():
+            received = (
+                "on arrival | on arrival"
+                if t.startswith("direct")
+                else f"{b['recv_peak'] / gb:.2f} | {b['recv_avg'] / gb:.2f}"
+            )
+            lines.append(
+                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} |"
+            )
+    return "\n".join(lines)
