@@ -10,7 +10,7 @@ transport asked for; the numbers are the workers' own measurements (``TransferTi
 Bandwidth ratios come from paired rounds after each size (``transfer_paired.py``): deferred
 hand-offs of a prompt in the deferred worker's prefix cache, each between two measurements of
 its reference (memcpy, loopback TCP, raw gRPC: ``transfer_refs.py``), the median of the rounds
-reported. Samples and the tables are in ``transfer_report.py``.
+reported. Samples are in ``transfer_sample.py``, the tables in ``transfer_report.py``.
 
 Sizes above ``--reuse-prefill-above`` (default 8192 tokens; 16K and 32K on the base preset)
 are prefilled once and reused from the prefix cache by every transport: they give bandwidth
@@ -64,7 +64,8 @@ from pdserve.v1 import (
 )
 from pdserve_bench.transfer_paired import Pair, Reference, rounds
 from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, serve_sink
-from pdserve_bench.transfer_report import Sample, peak_and_average, report
+from pdserve_bench.transfer_report import peak_and_average, report
+from pdserve_bench.transfer_sample import Sample
 
 MOVING = ("shm", "store", "direct")
 CHEAP_TOKENS = 2048

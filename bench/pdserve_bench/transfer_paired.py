@@ -21,20 +21,12 @@ import asyncio
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the report imports this module
-    from pdserve_bench.transfer_report import Sample
+from pdserve_bench.transfer_sample import Sample, link_bytes_per_s
 
 Reference = Callable[[str], tuple[float, float]]
 """``reference(transport)``: (memcpy, 0) for shm, (loopback TCP, raw gRPC) otherwise, bytes/s.
 Blocking (run in a thread)."""
-
-
-def link_bytes_per_s(transport: str, send: float, recv: float) -> float:
-    """A transport's bandwidth: its slower side (direct: the send; its read is the decode
-    worker handing over what its endpoint assembled on arrival)."""
-    return send if transport == "direct" else min(send, recv)
 
 
 @dataclass(frozen=True)

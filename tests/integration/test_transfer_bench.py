@@ -10,7 +10,7 @@ import pytest
 
 from pdserve_bench.transfer import main
 from pdserve_bench.transfer_paired import Pair, summarize
-from pdserve_bench.transfer_report import Sample
+from pdserve_bench.transfer_sample import Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve_bench.transfer_paired import Pair, rounds, summarize
-from pdserve_bench.transfer_report import Sample
+from pdserve_bench.transfer_sample import Sample
 
 GB = 1e9
 
