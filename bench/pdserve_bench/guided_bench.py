@@ -111,6 +111,7 @@ def mask_cost(engine: Engine, batch: int, steps: int, seed: int = 0) -> dict[str
         times: list[float] = []
         fills: list[float] = []
         scratch = load_xgrammar("guide").allocate_token_bitmask(batch, vocab)
+        guides = [s.guide for s in seqs]
         for _ in range(steps):
             if any(s.guide is None or s.guide.matcher.is_terminated() for s in seqs):
                 break  # measured at the full batch only
@@ -120,7 +121,7 @@ def mask_cost(engine: Engine, batch: int, steps: int, seed: int = 0) -> dict[str
                 assert s.guide is not None
                 s.guide.matcher.fill_next_token_bitmask(scratch, i)
             t1 = time.perf_counter()
-            mask_guided(logits, seqs)
+            mask_guided(logits, guides)
             times.append(time.perf_counter() - t1)
             fills.append(t1 - t0)
             tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten()
