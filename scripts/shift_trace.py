@@ -16,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-from pdserve.bench.serve.mixes import get_mix
+from pdserve_bench.serve.mixes import get_mix
 
 
 def main(argv: list[str] | None = None) -> int:

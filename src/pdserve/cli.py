@@ -4,6 +4,10 @@ Each subcommand's module is imported only when that subcommand runs, so ``pdserv
 stays fast (no torch, grpc or transformers import). To add a subcommand, add one entry to
 ``COMMANDS``: its handler takes the arguments that follow the subcommand name and returns the
 exit status, and parses them with its own ``argparse`` parser (so ``pdserve NAME --help`` works).
+
+``pdserve bench`` is the entry point of a separate distribution, ``pdserve-bench`` (package
+``pdserve_bench``, in ``bench/`` of the repository): the runtime never imports it, and without
+it the command says in one line how to install it.
 """
 
 from __future__ import annotations
@@ -24,11 +28,20 @@ class Command:
     module: str
     function: str
     help: str
+    install: str = ""
+    """How to install the distribution that provides ``module``, when it is not pdserve's own:
+    printed when its top-level package cannot be imported."""
 
 
 COMMANDS: dict[str, Command] = {
     "model": Command("pdserve.models.demo", "main_model", "make demo checkpoints (model init)"),
-    "bench": Command("pdserve.bench", "main_bench", "benchmarks (bench engine)"),
+    "bench": Command(
+        "pdserve_bench",
+        "main_bench",
+        "benchmarks (bench engine; package pdserve-bench)",
+        install="the benchmarks are a separate package, pdserve-bench: "
+        "pip install -e ./bench in a pdserve checkout",
+    ),
     "up": Command("pdserve.up", "main_up", "start a local cluster (Redis + all services)"),
     "certs": Command("pdserve.security.certs", "main_certs", "make a local CA and certificates"),
     "generate": Command("pdserve.client.cli", "main_generate", "stream a completion from a router"),
@@ -62,9 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``pdserve COMMAND ARGS...``; returns the process exit status."""
     ns = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     cmd = COMMANDS[ns.command]
-    handler: Callable[[Sequence[str]], int] = getattr(
-        importlib.import_module(cmd.module), cmd.function
-    )
+    try:
+        module = importlib.import_module(cmd.module)
+    except ModuleNotFoundError as e:
+        # Only the separate distribution itself missing; a dependency missing inside it is a
+        # broken install, whose traceback names what is missing.
+        if not cmd.install or e.name != cmd.module.partition(".")[0]:
+            raise
+        print(f"pdserve {ns.command}: error: {cmd.install}", file=sys.stderr)
+        return 2
+    handler: Callable[[Sequence[str]], int] = getattr(module, cmd.function)
     try:
         return int(handler(ns.args))
     except PdServeError as e:  # an expected failure: a message, not a traceback

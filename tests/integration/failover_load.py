@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.bench.faults.leaks import holdings
 from pdserve.client import AsyncClient, PdServeClientError, RetryPolicy
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
@@ -22,6 +21,7 @@ from pdserve.launcher import Cluster
 from pdserve.service_process import ServiceProcess
 from pdserve.supervisor import RestartPolicy
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdserve_bench.faults.leaks import holdings
 
 INTERVAL_S = 0.5
 """The workers' heartbeat interval."""

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from pdserve.bench.faults.leaks import inbox_held
+from pdserve_bench.faults.leaks import inbox_held
 
 __all__ = ["inbox_held"]

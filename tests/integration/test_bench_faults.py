@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.faults.cli import main
-from pdserve.bench.faults.scenarios import pick
 from pdserve.errors import InvalidArgumentError
+from pdserve_bench.faults.cli import main
+from pdserve_bench.faults.scenarios import pick
 
 pytestmark = pytest.mark.integration
 

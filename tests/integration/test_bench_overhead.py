@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.overhead import (
+from pdserve_bench.overhead import (
     CRITICAL_PATH,
     CRITICAL_PATH_REDIS,
     ROUND_TRIPS,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.serve.cli import main
-from pdserve.bench.serve.mixes import MULTI_TURN
-from pdserve.bench.serve.workload import Load
 from pdserve.models.config import ModelConfig
+from pdserve_bench.serve.cli import main
+from pdserve_bench.serve.mixes import MULTI_TURN
+from pdserve_bench.serve.workload import Load
 
 REQUESTS, WARMUP, RATE, SEED = 8, 1, 8.0, 11
 

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ from pdserve.client import (
     ServerError,
     Unavailable,
 )
+from pdserve.client.cli import main_generate
 from pdserve.rpc.sizes import MAX_MESSAGE_BYTES
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -540,3 +542,35 @@ def test_a_dropped_stream_cancels_its_call(fake: tuple[FakeRouter, str]) -> None
         assert next(stream).token_ids == TOKENS[:1]
         del stream  # no reference cycle: collected at once, without the garbage collector
         assert servicer.cancelled.wait(10), "the server never saw the cancellation"
+
+
+def test_the_generate_command_sends_its_sampling_and_structured_output_flags(
+    fake: tuple[FakeRouter, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, address = fake
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}}')
+    base = ["hi", "--router", address, "--max-tokens", "3"]
+    assert main_generate([*base, "--json-schema", f"@{schema}", "--min-p", "0.1",
+                          "--presence-penalty", "0.5", "--frequency-penalty", "-1",
+                          "--repetition-penalty", "1.2", "--min-tokens", "2"]) == 0  # fmt: skip
+    assert main_generate([*base, "--choice", "yes", "--choice", "no"]) == 0
+    assert main_generate([*base, "--regex", "[a-z]+"]) == 0
+    assert main_generate([*base, "--json-object"]) == 0
+    first, choice, regex, obj = (r.sampling for r in servicer.requests)
+    assert json.loads(first.guided_json) == json.loads(schema.read_text())
+    assert (first.min_tokens, first.min_p) == (2, pytest.approx(0.1))
+    assert first.presence_penalty == pytest.approx(0.5)
+    assert first.frequency_penalty == pytest.approx(-1.0)
+    assert first.repetition_penalty == pytest.approx(1.2)
+    assert list(choice.guided_choice) == ["yes", "no"] and not choice.guided_json
+    assert regex.guided_regex == "[a-z]+" and obj.guided_json_object
+    capsys.readouterr()
+    # a schema that is not JSON is refused before anything is sent, naming the flag
+    assert main_generate([*base, "--json-schema", "{not json"]) == 2
+    assert "--json-schema: is not JSON" in capsys.readouterr().err
+    assert main_generate([*base, "--grammar", f"@{tmp_path / 'missing.ebnf'}"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert len(servicer.requests) == 4
+    with pytest.raises(SystemExit):  # one kind of structured output at most
+        main_generate([*base, "--regex", "a", "--choice", "b"])

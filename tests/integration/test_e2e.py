@@ -440,6 +440,9 @@ def test_cli_generate_and_status(
             "--max-tokens", str(case.max_tokens)]  # fmt: skip
     assert main_generate(argv) == 0
     assert capsys.readouterr().out == ref.text + "\n"
+    choice = [case.prompt, "--router", cluster.router_address, "--choice", "yes", "--choice", "no"]
+    assert main_generate(choice) == 0
+    assert capsys.readouterr().out in ("yes\n", "no\n")  # the guide held on a real cluster
 
     assert cluster.redis_url is not None
     assert main_status(["--redis-url", cluster.redis_url]) == 0

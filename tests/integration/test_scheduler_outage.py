@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.faults.leaks import live_reservations
 from pdserve.engine.engine import Engine
 from pdserve.launcher import Cluster
 from pdserve.scheduling import KeySpace
+from pdserve_bench.faults.leaks import live_reservations
 from tests.integration.failover_load import (
     INTERVAL_S,
     NO_RETRY,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.transfer import main
-from pdserve.bench.transfer_paired import Pair, summarize
-from pdserve.bench.transfer_report import Sample
+from pdserve_bench.transfer import main
+from pdserve_bench.transfer_paired import Pair, summarize
+from pdserve_bench.transfer_sample import Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.attention_bench import AttentionWorkload
-from pdserve.bench.measure import Case, Workload, run_cases
 from pdserve.cli import main as cli_main
 from pdserve.errors import InvalidArgumentError
 from pdserve.models import cpu_attention
 from pdserve.models.demo import parameter_count
+from pdserve_bench.attention_bench import AttentionWorkload
+from pdserve_bench.measure import Case, Workload, run_cases
 
 
 class FakePeer:
@@ -75,7 +75,7 @@ def test_workload_rejects_bad_sizes() -> None:
 
 
 def test_vllm_peer_needs_an_interpreter(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    from pdserve.bench.vllm_peer import VllmPeer
+    from pdserve_bench.vllm_peer import VllmPeer
 
     with pytest.raises(InvalidArgumentError, match="vllm_python"):
         VllmPeer(tmp_path / "no-python", tiny_llama_dir, Workload(), dtype="float32", threads=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.bench.transfer_paired import Pair, rounds, summarize
-from pdserve.bench.transfer_report import Sample
+from pdserve_bench.transfer_paired import Pair, rounds, summarize
+from pdserve_bench.transfer_sample import Sample
 
 GB = 1e9
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -10,8 +11,9 @@ from pathlib import Path
 
 from pdserve.client.client import Client
 from pdserve.client.errors import PdServeClientError
-from pdserve.client.request import DEFAULT_TIMEOUT_S
+from pdserve.client.request import DEFAULT_TIMEOUT_S, RequestOptions
 from pdserve.client.results import Completion
+from pdserve.errors import InvalidArgumentError
 from pdserve.security.tls import TlsConfig
 
 
@@ -31,6 +33,18 @@ def generate_parser() -> argparse.ArgumentParser:
                    help=f"deadline, seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none)")  # fmt: skip
     p.add_argument("--tenant", default=None)
     p.add_argument("--stats", action="store_true", help="print usage and timing at the end")
+    c = p.add_argument_group("sampling controls (docs/sampling.md)")
+    for name in ("min-p", "presence-penalty", "frequency-penalty", "repetition-penalty"):
+        c.add_argument(f"--{name}", type=float, default=None)
+    c.add_argument("--min-tokens", type=int, default=None)
+    g = p.add_argument_group(
+        "structured output (one at most; @FILE reads the value from a file)"
+    ).add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="JSON|@FILE", help="the answer follows this schema")
+    g.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    g.add_argument("--regex", metavar="RE|@FILE", help="the answer matches this regex")
+    g.add_argument("--choice", action="append", help="the answer is one of these, repeatable")
+    g.add_argument("--grammar", metavar="EBNF|@FILE", help="the answer follows this grammar")
     s = p.add_argument_group("a secured router (docs/security.md)")
     s.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                    help="API key (default: $PDSERVE_API_KEY)")  # fmt: skip
@@ -47,6 +61,37 @@ def _tls_of(args: argparse.Namespace) -> TlsConfig | bool:
     return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
+def _value(text: str | None) -> str | None:
+    """A flag's value, or with ``@PATH`` the text of that file."""
+    if text is None or not text.startswith("@"):
+        return text
+    return Path(text[1:]).read_text(encoding="utf-8")
+
+
+def request_options(args: argparse.Namespace) -> RequestOptions:
+    """The SDK's request keywords the flags give (only those set)."""
+    options = RequestOptions(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    for name in ("temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):  # fmt: skip
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    schema, regex, grammar = _value(args.json_schema), _value(args.regex), _value(args.grammar)
+    if schema is not None:
+        try:
+            options["guided_json"] = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError("--json-schema", f"is not JSON: {e}") from None
+    if args.json_object:
+        options["guided_json_object"] = True
+    if regex is not None:
+        options["guided_regex"] = regex
+    if args.choice:
+        options["guided_choice"] = list(args.choice)
+    if grammar is not None:
+        options["guided_grammar"] = grammar
+    return options
+
+
 def main_generate(argv: Sequence[str]) -> int:
     """Entry of ``pdserve generate``; returns the exit status."""
     args = generate_parser().parse_args(list(argv))
@@ -54,13 +99,17 @@ def main_generate(argv: Sequence[str]) -> int:
         args.router, timeout=args.timeout if args.timeout > 0 else None, tenant=args.tenant,
         api_key=args.api_key, tls=_tls_of(args),
     )  # fmt: skip
+    try:
+        options = request_options(args)
+    except OSError as e:
+        print(f"pdserve generate: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    except InvalidArgumentError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
     with client:
         try:
-            with client.stream(
-                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos,
-            ) as stream:  # fmt: skip
+            with client.stream(args.prompt, **options) as stream:
                 for delta in stream:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,9 +31,6 @@ from pdserve.engine.guide import Guide, GuideKind
 from pdserve.engine.guide_probe import GuideProbe, compile_message, compile_with
 from pdserve.errors import FeatureUnavailableError, InvalidArgumentError
 from pdserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from pdserve.engine.sequence import Sequence as Seq
 
 EXTRA = "structured"
 """The optional dependency set (``pip install 'pdserve[structured]'``) that brings xgrammar."""
@@ -214,18 +211,18 @@ def _vocab_metadata(xgr: ModuleType, tokenizer: Tokenizer) -> dict[str, Any]:
     return {"vocab_type": meta["vocab_type"], "add_prefix_space": meta["add_prefix_space"]}
 
 
-def mask_guided(rows: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
-    """``rows`` ``[C, V]`` (one per sequence of ``seqs``) with the tokens each guided row's
-    grammar forbids at -inf, in place; returns it. One bitmask for the block, filled only for
-    the guided rows (a C++ call each, no Python over the vocabulary), applied once; the other
-    rows are untouched."""
-    guided = [i for i, s in enumerate(seqs) if s.guide is not None]
+def mask_guided(rows: torch.Tensor, guides: Sequence[GuideState | None]) -> torch.Tensor:
+    """``rows`` ``[C, V]`` (one per sequence; ``guides``: each one's grammar state, ``None``
+    where it has none) with the tokens each guided row's grammar forbids at -inf, in place;
+    returns it. One bitmask for the block, filled only for the guided rows (a C++ call each, no
+    Python over the vocabulary), applied once; the other rows are untouched."""
+    guided = [i for i, g in enumerate(guides) if g is not None]
     if not guided:
         return rows
     xgr = load_xgrammar("guide")  # imported already: a guided sequence has a matcher
-    bitmask = xgr.allocate_token_bitmask(len(seqs), rows.shape[-1])
+    bitmask = xgr.allocate_token_bitmask(len(guides), rows.shape[-1])
     for i in guided:
-        state = seqs[i].guide
+        state = guides[i]
         assert state is not None
         state.matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device), indices=guided)

@@ -96,7 +96,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
     if controlled:
         cseqs = [seqs[i] for i in controlled]
         # A copy; the grammars' masks first (as vLLM applies them), then the controls.
-        rows = apply_controls(mask_guided(logits[controlled], cseqs), cseqs)
+        rows = apply_controls(mask_guided(logits[controlled], [s.guide for s in cseqs]), cseqs)
         best = rows.max(dim=-1)
         tokens[controlled] = best.indices
         for j, i in enumerate(controlled):

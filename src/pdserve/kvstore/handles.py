@@ -1,22 +1,39 @@
 """Handles on one entry of the KV store: an open read (``ReadHandle``) and a write in progress
-(``PendingPut``). Both call back into their ``KVStore``, whose bookkeeping they change."""
+(``PendingPut``). Both call back into their store (``Ledger``: the ``KVStore`` that made them),
+whose bookkeeping they change."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.errors import InvalidArgumentError, KVTransferError
 
 if TYPE_CHECKING:
     from pdserve.kvstore.entry import Part, StoredPayload, _Entry
-    from pdserve.kvstore.store import KVStore
+
+
+class Ledger(Protocol):
+    """The bookkeeping of a store that its handles change: ``KVStore``'s, named here so that
+    the handles need not import the store that imports them."""
+
+    _clock: Callable[[], float]
+
+    def _unpin(self, entry: _Entry) -> None: ...
+
+    def _reserve(self, write: PendingPut, num_bytes: int) -> None: ...
+
+    def _commit(
+        self, write: PendingPut, parts: tuple[Part, ...], attachment: object | None
+    ) -> float: ...
+
+    def _end_write(self, write: PendingPut) -> None: ...
 
 
 class ReadHandle:
     """An open read of one entry: the entry stays in RAM until ``close()``."""
 
-    def __init__(self, store: KVStore, entry: _Entry, payload: StoredPayload) -> None:
+    def __init__(self, store: Ledger, entry: _Entry, payload: StoredPayload) -> None:
         self._store = store
         self._entry: _Entry | None = entry
         self.payload = payload
@@ -39,7 +56,7 @@ class PendingPut:
 
     def __init__(
         self,
-        store: KVStore,
+        store: Ledger,
         key: str,
         header: bytes,
         lease_s: float,

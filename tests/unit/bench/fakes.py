@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pdserve.bench.serve.features import PLAIN
-from pdserve.bench.serve.targets import Chunk, RejectedError, TargetDownError
+from pdserve_bench.serve.features import PLAIN
+from pdserve_bench.serve.targets import Chunk, RejectedError, TargetDownError
 
 GRAMMAR_ENDS_AFTER = 3
 """Tokens of an answer to a request with ``response_format``: its grammar ends the answer."""

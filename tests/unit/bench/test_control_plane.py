@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.bench.control_plane import Throughput, scheduling_ms
 from pdserve.telemetry.record import SpanRecord
 from pdserve.telemetry.spans import ATTR_REQUEST_ID
+from pdserve_bench.control_plane import Throughput, scheduling_ms
 
 
 def span(trace: str, sid: str, name: str, start_ms: float, end_ms: float, **attrs: str) -> str:

@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.serve import calibrate
-from pdserve.bench.serve.calibrate import measure, other_scales, scaled
-from pdserve.bench.serve.cli import parser
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import CHAT, LONG_PROMPT_HEAVY, SHORT_ONLY
-from pdserve.bench.serve.settings import settings
-from pdserve.bench.serve.sweep import run_all
-from pdserve.bench.serve.targets import Chunk
-from pdserve.bench.serve.timescale import TimeScale
-from pdserve.bench.serve.workload import Load
 from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve import calibrate
+from pdserve_bench.serve.calibrate import measure, other_scales, scaled
+from pdserve_bench.serve.cli import parser
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import CHAT, LONG_PROMPT_HEAVY, SHORT_ONLY
+from pdserve_bench.serve.settings import settings
+from pdserve_bench.serve.sweep import run_all
+from pdserve_bench.serve.targets import Chunk
+from pdserve_bench.serve.timescale import TimeScale
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeTarget
 

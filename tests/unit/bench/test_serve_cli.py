@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.serve.cli import main, parser
-from pdserve.bench.serve.settings import DEFAULT_RATE, DEFAULT_REQUESTS, settings
 from pdserve.cli import main as cli_main
 from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve.cli import main, parser
+from pdserve_bench.serve.settings import DEFAULT_RATE, DEFAULT_REQUESTS, settings
 
 from .fakes import FakeOpenAI, url_of
 
@@ -118,7 +118,7 @@ def test_whole_run_writes_table_json_png_and_html(
 
 
 def test_cluster_options_apply_to_the_config_before_them(tmp_path: Path) -> None:
-    from pdserve.bench.serve.cli_targets import cluster_spec, labels
+    from pdserve_bench.serve.cli_targets import cluster_spec, labels
 
     model = tmp_path / "m"
     args = parser().parse_args(

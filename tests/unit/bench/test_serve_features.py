@@ -9,25 +9,25 @@ from typing import Any
 import jsonschema
 import pytest
 
-from pdserve.bench.serve.cli import parser
-from pdserve.bench.serve.cli_targets import labels
-from pdserve.bench.serve.features import (
+from pdserve.client.request import build_request
+from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve.cli import parser
+from pdserve_bench.serve.cli_targets import labels
+from pdserve_bench.serve.features import (
     JSON_SCHEMA,
     PENALTIES,
     PLAIN,
     RECORD_SCHEMA,
     get_features,
 )
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.openai import OpenAITarget
-from pdserve.bench.serve.records import RequestRecord, Status
-from pdserve.bench.serve.report import feature_costs, format_report
-from pdserve.bench.serve.runner import run_point
-from pdserve.bench.serve.sweep import run_all
-from pdserve.bench.serve.workload import Load
-from pdserve.client.request import build_request
-from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.openai import OpenAITarget
+from pdserve_bench.serve.records import RequestRecord, Status
+from pdserve_bench.serve.report import feature_costs, format_report
+from pdserve_bench.serve.runner import run_point
+from pdserve_bench.serve.sweep import run_all
+from pdserve_bench.serve.workload import Load
 
 from .fakes import GRAMMAR_ENDS_AFTER, FakeOpenAI, FakeTarget, url_of
 

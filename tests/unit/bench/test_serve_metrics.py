@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.bench.serve.metrics import Slo, is_good, summarize
-from pdserve.bench.serve.records import RequestRecord, Status
+from pdserve_bench.serve.metrics import Slo, is_good, summarize
+from pdserve_bench.serve.records import RequestRecord, Status
 
 
 def synthetic(seed: int, n: int = 400, warmup: int = 6) -> list[RequestRecord]:

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.openai import OpenAITarget, sse_data, sse_lines
-from pdserve.bench.serve.records import Status
-from pdserve.bench.serve.runner import run_point
-from pdserve.bench.serve.targets import RejectedError, TargetDownError, TargetError
-from pdserve.bench.serve.workload import Load
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.openai import OpenAITarget, sse_data, sse_lines
+from pdserve_bench.serve.records import Status
+from pdserve_bench.serve.runner import run_point
+from pdserve_bench.serve.targets import RejectedError, TargetDownError, TargetError
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeOpenAI, url_of
 

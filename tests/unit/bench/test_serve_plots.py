@@ -7,11 +7,11 @@ import asyncio
 from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.plots import draw, render_png
-from pdserve.bench.serve.sweep import RunResult, run_all
-from pdserve.bench.serve.workload import Load
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.plots import draw, render_png
+from pdserve_bench.serve.sweep import RunResult, run_all
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeTarget
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.progress import ProgressBar
-from pdserve.bench.serve.report import format_report
-from pdserve.bench.serve.runner import Counters
-from pdserve.bench.serve.sweep import SearchSpec, run_all
-from pdserve.bench.serve.workload import Load
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.progress import ProgressBar
+from pdserve_bench.serve.report import format_report
+from pdserve_bench.serve.runner import Counters
+from pdserve_bench.serve.sweep import SearchSpec, run_all
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeTarget
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.serve.features import PLAIN
-from pdserve.bench.serve.mixes import MULTI_TURN, SHORT_ONLY
-from pdserve.bench.serve.records import RequestRecord, Status
-from pdserve.bench.serve.runner import run_point
-from pdserve.bench.serve.targets import Chunk, TargetError
-from pdserve.bench.serve.workload import Load
+from pdserve_bench.serve.features import PLAIN
+from pdserve_bench.serve.mixes import MULTI_TURN, SHORT_ONLY
+from pdserve_bench.serve.records import RequestRecord, Status
+from pdserve_bench.serve.runner import run_point
+from pdserve_bench.serve.targets import Chunk, TargetError
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeTarget
 

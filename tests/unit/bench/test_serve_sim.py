@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.serve import sweep
-from pdserve.bench.serve.cli import main, parser
-from pdserve.bench.serve.cli_targets import (
+from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve import sweep
+from pdserve_bench.serve.cli import main, parser
+from pdserve_bench.serve.cli_targets import (
     DEFAULT_SIM_LINK,
     DEFAULT_SIM_PROFILE,
     cluster_spec,
@@ -20,14 +21,13 @@ from pdserve.bench.serve.cli_targets import (
     make_targets,
     time_scale_of,
 )
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.records import RequestRecord, Status
-from pdserve.bench.serve.report import format_report
-from pdserve.bench.serve.settings import settings
-from pdserve.bench.serve.timescale import TimeScale
-from pdserve.bench.serve.workload import Load, PointPlan
-from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.records import RequestRecord, Status
+from pdserve_bench.serve.report import format_report
+from pdserve_bench.serve.settings import settings
+from pdserve_bench.serve.timescale import TimeScale
+from pdserve_bench.serve.workload import Load, PointPlan
 
 from .fakes import FakeTarget
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve.mixes import SHORT_ONLY
-from pdserve.bench.serve.sweep import RateSearch, SearchSpec, run_all
-from pdserve.bench.serve.workload import Load
 from pdserve.errors import InvalidArgumentError
+from pdserve_bench.serve.metrics import Slo
+from pdserve_bench.serve.mixes import SHORT_ONLY
+from pdserve_bench.serve.sweep import RateSearch, SearchSpec, run_all
+from pdserve_bench.serve.workload import Load
 
 from .fakes import FakeTarget
 

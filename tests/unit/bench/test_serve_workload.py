@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.serve.mixes import (
+from pdserve.errors import InvalidArgumentError
+from pdserve.trace_file import load_trace, trace_rate
+from pdserve_bench.serve.mixes import (
     CHAT,
     LONG_PROMPT_HEAVY,
     MIXES,
@@ -24,9 +26,7 @@ from pdserve.bench.serve.mixes import (
     Span,
     get_mix,
 )
-from pdserve.bench.serve.workload import Load
-from pdserve.errors import InvalidArgumentError
-from pdserve.trace_file import load_trace, trace_rate
+from pdserve_bench.serve.workload import Load
 
 VOCAB = 32000
 Z = 5.0

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.measure import FIRST_PROMPT_ID, make_prompts
-from pdserve.bench.serve.prefixes import BlockTokens
-from pdserve.bench.serve.workload import Load
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.errors import InvalidArgumentError
 from pdserve.trace_file import PromptPrefix, TraceEntry, load_trace
+from pdserve_bench.measure import FIRST_PROMPT_ID, make_prompts
+from pdserve_bench.serve.prefixes import BlockTokens
+from pdserve_bench.serve.workload import Load
 
 VOCAB = 32000
 BLOCK = 4

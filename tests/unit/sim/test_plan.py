@@ -125,15 +125,15 @@ def test_bad_searches_are_refused() -> None:
 
 
 def test_defaults_are_those_of_bench_serve_and_the_sim_worker() -> None:
-    from pdserve.bench.serve.cli_targets import DEFAULT_SIM_LINK, DEFAULT_SIM_PROFILE
+    from pdserve_bench.serve.cli_targets import DEFAULT_SIM_LINK, DEFAULT_SIM_PROFILE
 
     assert (DEFAULT_PROFILE, DEFAULT_LINK) == (DEFAULT_SIM_PROFILE, DEFAULT_SIM_LINK)
 
 
 def test_each_candidate_is_a_bench_serve_command_line(tmp_path: Path) -> None:
-    from pdserve.bench.serve.cli import parser
-    from pdserve.bench.serve.cli_targets import cluster_spec
-    from pdserve.bench.serve.settings import settings
+    from pdserve_bench.serve.cli import parser
+    from pdserve_bench.serve.cli_targets import cluster_spec
+    from pdserve_bench.serve.settings import settings
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"prompt_tokens": 5, "output_tokens": 2, "arrival_s": 0}\n')

@@ -1,0 +1,149 @@
+"""``pdserve bench sim-footprint``: what a simulated worker costs the machine it runs on.
+
+For each cluster size N it starts a local cluster of N sim workers (half prefill, half
+decode, the real Redis, KV store, scheduler and router), serves a burst of requests through
+it (so every worker has stepped, handed off and heartbeated), lets it sit idle, and reports
+per worker: resident memory (RSS), proportional memory (PSS: shared library pages split
+among the processes mapping them, the figure that adds up to the machine's use) and the
+share of a core spent idle (heartbeats, KV events, janitor), plus start-up time and the
+machine's available memory before and after. This is the figure that says how many
+simulated accelerators fit on one host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.sim.flags import DEFAULT_PROFILE
+from pdserve_bench.engine_bench import load_average, machine_info
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """One cluster size's figures."""
+
+    workers: int
+    startup_s: float
+    served: int
+    """Requests of the burst that completed."""
+    rss_mb_median: float
+    rss_mb_max: float
+    pss_mb_median: float
+    idle_core_pct_median: float
+    idle_core_pct_max: float
+    available_gb_before: float
+    available_gb_after: float
+
+
+def _kb(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1])
+    return 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _available_gb() -> float:
+    return _kb(Path("/proc/meminfo"), "MemAvailable:") / 1024**2
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    return s[len(s) // 2] if s else 0.0
+
+
+async def _burst(address: str, n: int, prompt_len: int, max_tokens: int) -> int:
+    from pdserve.client import AsyncClient
+
+    async with AsyncClient(address, timeout=300) as client:
+        done = await asyncio.gather(
+            *(
+                client.generate(
+                    [16 + (i * 7 + j) % 2000 for j in range(prompt_len)],
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                )
+                for i in range(n)
+            ),
+            return_exceptions=True,
+        )
+    return sum(1 for d in done if not isinstance(d, BaseException))
+
+
+def measure(
+    model: Path, n: int, profile: str, idle_s: float, burst: int, log_dir: Path | None
+) -> Footprint:
+    from pdserve.launcher import Cluster
+
+    before = _available_gb()
+    started = time.perf_counter()
+    with Cluster(
+        model, backend="sim", mode="disaggregated", num_prefill=n // 2, num_decode=n - n // 2,
+        worker_args=["--sim-profile", profile], log_level="WARNING", startup_timeout_s=900.0,
+        log_dir=log_dir,
+    ) as cluster:  # fmt: skip
+        startup = time.perf_counter() - started
+        served = asyncio.run(_burst(cluster.router_address, burst, 200, 32))
+        pids = [s.proc.pid for s in cluster.workers() if s.proc is not None]
+        ticks = {pid: _cpu_ticks(pid) for pid in pids}
+        t0 = time.perf_counter()
+        time.sleep(idle_s)  # the idle window being measured, not synchronisation
+        span = time.perf_counter() - t0
+        idle = [100.0 * (_cpu_ticks(p) - ticks[p]) / CLK_TCK / span for p in pids]
+        rss = [_kb(Path(f"/proc/{p}/status"), "VmRSS:") / 1024 for p in pids]
+        pss = [_kb(Path(f"/proc/{p}/smaps_rollup"), "Pss:") / 1024 for p in pids]
+        after = _available_gb()
+    return Footprint(
+        n, round(startup, 1), served, round(_median(rss), 1), round(max(rss), 1),
+        round(_median(pss), 1), round(_median(idle), 2), round(max(idle), 2),
+        round(before, 2), round(after, 2),
+    )  # fmt: skip
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench sim-footprint", description=__doc__)
+    p.add_argument("--sizes", default="16,32,64", help="cluster sizes (workers), comma-separated")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--idle-s", type=float, default=20.0, help="idle window measured")
+    p.add_argument("--burst", type=int, default=64, help="requests served before idling")
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: the tiny demo model)")
+    p.add_argument("--log-dir", type=Path)
+    p.add_argument("--json", type=Path, help="write the figures here")
+    args = p.parse_args(list(argv))
+    from pdserve.launcher import default_model
+
+    model = args.model or default_model("tiny")
+    machine = {**machine_info(), "load_1min": load_average()}
+    print(f"machine: {json.dumps(machine)}", flush=True)
+    rows = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        print(f"starting {n} sim workers ...", flush=True)
+        log_dir = args.log_dir / f"{n}w" if args.log_dir else None
+        row = measure(model, n, args.profile, args.idle_s, args.burst, log_dir)
+        rows.append(row)
+        print(
+            f"{n:>3} workers: start {row.startup_s:.0f} s, served {row.served}/{args.burst}; "
+            f"per worker RSS {row.rss_mb_median:.0f} MB (max {row.rss_mb_max:.0f}), "
+            f"PSS {row.pss_mb_median:.0f} MB, idle {row.idle_core_pct_median:.2f}% of a core "
+            f"(max {row.idle_core_pct_max:.2f}%); available memory "
+            f"{row.available_gb_before:.1f} -> {row.available_gb_after:.1f} GB",
+            flush=True,
+        )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
+    return 0
