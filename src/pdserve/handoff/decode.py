@@ -54,6 +54,7 @@ from pdserve.handoff.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, P
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
+from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
@@ -130,6 +131,8 @@ class DecodeConnector:
         self.transfer_timeout_s = transfer_timeout_s
         self.security = security
         self.links = Links(self.host)
+        self.bandwidth = BandwidthMeter()
+        """The live bytes/s of this worker's reads, per (prefill host, transport)."""
         self.prefetches = Prefetches()
         self._stores: dict[str, KVStoreClient] = {}
         # Checks the K half of shm layers beside the reading thread's V half.
@@ -308,6 +311,8 @@ class Incoming:
                 )
                 if not prefetched:  # a prefetch's read is paced by the prefill, not the link
                     self.connector.links.observe(kv.host or kv.address, record)
+                # Its bytes crossed the link all the same.
+                self.connector.bandwidth.record_handoff(kv.host or kv.address, record)
                 return Arrival(payload, record, waited, 0.0)
         record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=reason)
         if not engine.features.kv_payload:  # the backend recomputes as it decodes

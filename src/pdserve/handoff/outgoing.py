@@ -40,6 +40,7 @@ from pdserve.backends import Handoff, NativeKV
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.handoff.plan import HandoffPlan
+from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
 from pdserve.transfer.links import Links
 
@@ -73,14 +74,17 @@ class Outgoing:
         *,
         fingerprint: str,
         links: Links,
+        bandwidth: BandwidthMeter | None = None,
         announce: Announce | None = None,
     ) -> None:
-        """``sender``: begun, for a plan that moves the KV; ``announce``: how to tell the
-        decode worker (a plan that announces)."""
+        """``sender``: begun, for a plan that moves the KV; ``bandwidth``: where its bytes are
+        metered (None: nowhere); ``announce``: how to tell the decode worker (a plan that
+        announces)."""
         self.plan = plan
         self.sender = sender
         self.fingerprint = fingerprint
         self.links = links
+        self.bandwidth = bandwidth
         self._kept: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.handed_over = False
         """The KV is the decode side's now (else leaving the block discards it)."""
@@ -158,6 +162,8 @@ class Outgoing:
             return Sent(location, self._record(compute_end_ns, fallback_reason=str(err)))
         record = self._record(compute_end_ns)
         self.links.observe(plan.peer, record)
+        if self.bandwidth is not None:
+            self.bandwidth.record_handoff(plan.peer, record)
         self.handed_over = True
         location = dataclasses.replace(
             location, model_fingerprint=self.fingerprint, prefix_tokens=plan.prefix_tokens

@@ -46,6 +46,7 @@ from pdserve.handoff.plan import (
 )
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix import decode as decode_prefix
+from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.base import (
     KVLocation,
     KVSender,
@@ -87,6 +88,8 @@ class PrefillConnector:
         self.host = host or socket.gethostname()
         self.options = o = options or TransferOptions()
         self.links = links or Links(self.host)
+        self.bandwidth = BandwidthMeter()
+        """The live bytes/s of this worker's sends, per (decode host, transport)."""
         self.assignments = assignments
         self.peers = DecodePeers(timeout_s=store.timeout_s, security=store.security)
         # shm: one thread copies each layer's K beside the engine thread's V; another unmaps
@@ -214,7 +217,7 @@ class PrefillConnector:
 
         out = Outgoing(
             plan, sender, fingerprint=self.engine.fingerprint, links=self.links,
-            announce=announce if plan.announce else None,
+            bandwidth=self.bandwidth, announce=announce if plan.announce else None,
         )  # fmt: skip
         try:
             yield out

@@ -134,6 +134,14 @@ def test_the_decode_side_gets_the_prompts_kv(tiny_llama_dir: Path, layerwise: bo
             assert arrival.record.transport == "direct" and not arrival.record.fallback_reason
             assert arrival.recompute_ms == 0.0 and isinstance(arrival.payload, KVPayload)
             assert_same_payload(arrival.payload, kv)
+            # Both sides metered the bytes they moved, all of them inside the 10 s window.
+            (sent_rate,) = s.prefill.bandwidth.rates()
+            assert (sent_rate.link, sent_rate.transport) == ("b", "direct")
+            assert sent_rate.average_bps == pytest.approx(sent.num_bytes / 10)
+            (recv_rate,) = s.decode.bandwidth.rates()
+            assert recv_rate.transport == "direct"
+            assert recv_rate.average_bps == pytest.approx(arrival.record.num_bytes / 10)
+            assert recv_rate.peak_bps >= recv_rate.average_bps > 0
 
     run(body)
 
