@@ -23,7 +23,7 @@ from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.worker.observability import WorkerTelemetry
+from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import decode_worker, open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
@@ -38,6 +38,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
     )  # fmt: skip
     stages = StageRecorder(telemetry)  # the calls' spans and transfer metrics
     worker = decode_worker(options, engine)
+    telemetry.watch_bandwidth(RECV, worker.connector.bandwidth, worker.connector.links)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(telemetry.close)
         stack.push_async_callback(engine.close)
@@ -60,6 +61,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.connector.links
+                telemetry.watch_bandwidth(SEND, prefill.connector.bandwidth, links)
                 sweeps.append(("shm slot sweep", prefill.connector.sweep))
                 servicers.append(
                     (

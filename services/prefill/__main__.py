@@ -21,7 +21,7 @@ from pdserve.scheduling import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL
 from pdserve.v1 import prefill_pb2_grpc
-from pdserve.worker.observability import WorkerTelemetry
+from pdserve.worker.observability import SEND, WorkerTelemetry
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
@@ -40,6 +40,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
         ) as store:
             worker = prefill_worker(options, engine, store)
+            telemetry.watch_bandwidth(SEND, worker.connector.bandwidth, worker.connector.links)
             try:
                 servicer = PrefillServicer(worker, StageRecorder(telemetry))
                 await run_worker(

@@ -48,6 +48,9 @@ HTTP_SECONDS = "pdserve_http_request_seconds"
 ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
 SCHEDULER_WAITING = "pdserve_router_scheduler_waiting"
 SCHEDULER_WAIT_SECONDS = "pdserve_router_scheduler_wait_seconds"
+LINK_RATE = "pdserve_kv_transfer_bytes_per_second"
+LINK_PEAK = "pdserve_kv_transfer_peak_bytes_per_second"
+LINK_CAPACITY = "pdserve_kv_link_capacity_bytes_per_second"
 
 METRICS: tuple[str, ...] = (
     TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
@@ -56,6 +59,7 @@ METRICS: tuple[str, ...] = (
     CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS, ENGINE_FAILURES,
     CORE_LENT_SECONDS, SCHEDULER_MODES, ARM_REQUESTS, ARM_TTFT_SECONDS, ARM_ITL_SECONDS,
     PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER, SCHEDULER_WAITING, SCHEDULER_WAIT_SECONDS,
+    LINK_RATE, LINK_PEAK, LINK_CAPACITY,
 )  # fmt: skip
 """Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
@@ -249,6 +253,19 @@ class WorkerMetrics:
             registry=r,
         )  # fmt: skip
         self._lease_seen: tuple[float, ...] = (0,) * 6
+        # Live KV link bandwidth (``transfer.bandwidth``), set at scrape time.
+        link_labels = ["link", "transport", "direction", "window"]
+        self._link_rate = Gauge(
+            LINK_RATE, "KV bytes/s per link over the last 10 s.", link_labels, registry=r
+        )
+        self._link_peak = Gauge(
+            LINK_PEAK, "Busiest 100 ms of KV bytes/s per link within the last 10 s.",
+            link_labels, registry=r,
+        )  # fmt: skip
+        self._link_capacity = Gauge(
+            LINK_CAPACITY, "A KV link's bytes/s as measured by its hand-offs (else the prior).",
+            ["link", "transport"], registry=r,
+        )  # fmt: skip
 
     def record_lease(
         self,
@@ -297,6 +314,26 @@ class WorkerMetrics:
         labels = {"transport": _label("transport", transport), "direction": direction}
         self._bytes.labels(**labels).inc(_non_negative("nbytes", nbytes))
         self._seconds.labels(**labels).observe(_non_negative("seconds", seconds))
+
+    def set_link_rate(
+        self, link: str, transport: str, direction: str, *, average_bps: float, peak_bps: float
+    ) -> None:
+        """One link's live bytes/s: the 10 s average and the 100 ms peak within it."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise InvalidArgumentError("direction", f"must be one of {TRANSFER_DIRECTIONS}")
+        labels = {"link": _label("link", link), "transport": _label("transport", transport)}
+        self._link_rate.labels(**labels, direction=direction, window="10s").set(
+            _non_negative("average_bps", average_bps)
+        )
+        self._link_peak.labels(**labels, direction=direction, window="100ms").set(
+            _non_negative("peak_bps", peak_bps)
+        )
+
+    def set_link_capacity(self, link: str, transport: str, bytes_per_s: float) -> None:
+        """What the link model believes ``(link, transport)`` carries, bytes/s."""
+        self._link_capacity.labels(
+            link=_label("link", link), transport=_label("transport", transport)
+        ).set(_non_negative("bytes_per_s", bytes_per_s))
 
     def count_handoff(self, transport: str, direction: str, *, fallback: bool) -> None:
         """One side of a KV hand-off finished over ``transport``; ``fallback`` when it is not

@@ -9,7 +9,8 @@ Each is a child of the RPC's SERVER span (pass the context captured in the servi
 
 ``WorkerTelemetry`` owns the worker's ``WorkerMetrics``: queue depth and KV blocks are read
 from the engine's published capacity at scrape time (no polling task), heartbeat Redis
-failures from the heartbeat's own counter, and transfers are observed as they finish.
+failures from the heartbeat's own counter, the KV links' live bandwidth from the connectors'
+``BandwidthMeter``s, and transfers are observed as they finish.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ from pdserve.telemetry.spans import (
 )
 from pdserve.telemetry.tracing import perf_to_epoch_ns, record_span
 from pdserve.timing import RequestTiming
+from pdserve.transfer.bandwidth import SAME_HOST, BandwidthMeter
+from pdserve.transfer.handle import TransportKind
+from pdserve.transfer.links import Links
 from pdserve.transfer.record import HandoffRecord
 from pdserve.worker.heartbeat import WorkerHeartbeat
 
@@ -330,6 +334,7 @@ class WorkerTelemetry:
         self._heartbeat: WorkerHeartbeat | None = None
         self._redis_errors_seen = 0
         self._failures_seen = (0, 0)  # the engine's failed steps and requests, counted so far
+        self._bandwidth: list[tuple[str, BandwidthMeter, Links]] = []
         registry = CollectorRegistry()
         if process:
             ProcessCollector(registry=registry)
@@ -374,6 +379,30 @@ class WorkerTelemetry:
         self._heartbeat = heartbeat
         self._redis_errors_seen = heartbeat.errors
 
+    def watch_bandwidth(self, direction: str, meter: BandwidthMeter, links: Links) -> None:
+        """Export ``meter``'s live bytes/s as ``direction`` (send: a prefill connector's,
+        recv: a decode connector's), and the capacity ``links`` believes of each link."""
+        self._bandwidth.append((direction, meter, links))
+
+    def _refresh_bandwidth(self) -> None:
+        kinds = {k.value: k for k in TransportKind}
+        capacity: dict[tuple[str, str], float] = {}
+        for direction, meter, links in self._bandwidth:
+            for rate in meter.rates():
+                self.metrics.set_link_rate(
+                    rate.link, rate.transport, direction,
+                    average_bps=rate.average_bps, peak_bps=rate.peak_bps,
+                )  # fmt: skip
+                kind = kinds.get(rate.transport)
+                if kind is not None:
+                    peer = links.host if rate.link == SAME_HOST else rate.link
+                    bps = links.link(peer, kind).bytes_per_s
+                    key = (rate.link, rate.transport)
+                    # Both sides of a colocated worker: the larger figure of the two.
+                    capacity[key] = max(capacity.get(key, 0.0), bps)
+        for (link, transport), bps in capacity.items():
+            self.metrics.set_link_capacity(link, transport, bps)
+
     def refresh(self) -> None:
         """Bring the gauges (and the heartbeat error count) up to date; runs at every scrape,
         on the metrics server's thread: it reads only snapshots the engine publishes."""
@@ -400,6 +429,7 @@ class WorkerTelemetry:
             self.metrics.count_engine_failures("step", load.failed_steps - steps)
             self.metrics.count_engine_failures("request", load.failed_requests - requests)
             self._failures_seen = (load.failed_steps, load.failed_requests)
+        self._refresh_bandwidth()
         if self._heartbeat is not None:
             errors = self._heartbeat.errors
             for _ in range(errors - self._redis_errors_seen):

@@ -18,6 +18,9 @@ from pdserve.compute import HostLease
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.request_key import RequestKey
 from pdserve.timing import RequestTiming
+from pdserve.transfer.bandwidth import SAME_HOST, BandwidthMeter
+from pdserve.transfer.handle import TransportKind
+from pdserve.transfer.links import PRIORS, Links
 from pdserve.worker import observability as obs
 
 
@@ -278,3 +281,42 @@ def test_transfers_count_bytes_and_seconds_of_their_own_window() -> None:
     assert samples[("pdserve_kv_transfer_bytes_total", labels)] == 1000
     assert samples[("pdserve_kv_transfer_seconds_count", labels)] == 1
     assert samples[("pdserve_kv_transfer_seconds_sum", labels)] == pytest.approx(0.004)
+
+
+def test_link_bandwidth_and_capacity_are_read_at_scrape_time() -> None:
+    now = [20 * 10**9]
+    send, recv = BandwidthMeter(lambda: now[0]), BandwidthMeter(lambda: now[0])
+    links = Links("p-host")
+    links.measure("d-host", TransportKind.DIRECT, 2_000_000, 0.011)  # 2 MB in 10 ms: 200 MB/s
+    telemetry = obs.WorkerTelemetry("mixed", process=False)
+    telemetry.watch_bandwidth(obs.SEND, send, links)
+    telemetry.watch_bandwidth(obs.RECV, recv, Links("p-host"))
+    # 50 MB in 50 ms to d-host; 4 MB over 200 ms read from this host's own shm.
+    send.record("d-host", "direct", 50_000_000, 15 * 10**9, 15 * 10**9 + 50_000_000)
+    recv.record(SAME_HOST, "shm", 4_000_000, 16 * 10**9, 16 * 10**9 + 200_000_000)
+    samples = _samples(telemetry)
+
+    def rate(name: str, link: str, transport: str, direction: str, window: str) -> float:
+        labels = (
+            ("direction", direction), ("link", link), ("transport", transport), ("window", window)
+        )  # fmt: skip
+        return samples[(name, labels)]
+
+    avg, peak = "pdserve_kv_transfer_bytes_per_second", "pdserve_kv_transfer_peak_bytes_per_second"
+    assert rate(avg, "d-host", "direct", "send", "10s") == pytest.approx(5e6)
+    assert rate(peak, "d-host", "direct", "send", "100ms") == pytest.approx(500e6)
+    assert rate(avg, SAME_HOST, "shm", "recv", "10s") == pytest.approx(0.4e6)
+    assert rate(peak, SAME_HOST, "shm", "recv", "100ms") == pytest.approx(20e6)
+    capacity = "pdserve_kv_link_capacity_bytes_per_second"
+    assert samples[(capacity, (("link", "d-host"), ("transport", "direct")))] == pytest.approx(
+        200e6
+    )
+    assert (
+        samples[(capacity, (("link", SAME_HOST), ("transport", "shm")))]
+        == PRIORS[TransportKind.SHM]
+    )
+    now[0] += 10 * 10**9  # ten seconds later the link is idle again
+    assert _samples(telemetry)[
+        ("pdserve_kv_transfer_peak_bytes_per_second",
+         (("direction", "send"), ("link", "d-host"), ("transport", "direct"), ("window", "100ms")))
+    ] == 0.0  # fmt: skip
