@@ -48,6 +48,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         ]
 
         links = None
+        meters = [worker.connector.bandwidth]
         sweeps = [("hand-off sweep", worker.connector.sweep)]
         if options.role is WorkerRole.MIXED:
             servicers.append(
@@ -62,6 +63,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 stack.push_async_callback(prefill.close)
                 links = prefill.connector.links
                 telemetry.watch_bandwidth(SEND, prefill.connector.bandwidth, links)
+                meters.append(prefill.connector.bandwidth)
                 sweeps.append(("shm slot sweep", prefill.connector.sweep))
                 servicers.append(
                     (
@@ -77,6 +79,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             sweeps=sweeps,
             telemetry=telemetry,
             links=links,
+            bandwidth=meters,
         )
 
 

@@ -50,6 +50,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     sweeps=[("shm slot sweep", worker.connector.sweep)],
                     telemetry=telemetry,
                     links=worker.connector.links,
+                    bandwidth=[worker.connector.bandwidth],
                 )
             finally:
                 await worker.close()

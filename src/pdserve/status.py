@@ -14,7 +14,7 @@ from pdserve.errors import WorkerUnavailableError
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect, redacted
 from pdserve.up_state import running, runtime_dir
 
-_ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7}  {}"
+_ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7} {:>15}  {}"
 
 
 async def fetch_workers(redis_url: str, namespace: str = "pdserve") -> list[WorkerInfo]:
@@ -28,18 +28,33 @@ async def fetch_workers(redis_url: str, namespace: str = "pdserve") -> list[Work
 
 def format_workers(workers: Sequence[WorkerInfo], now: float) -> list[str]:
     """A table: id, role, address, load (running sequences, queued tokens), free KV blocks,
-    heartbeat age, the phases it serves now (and a planner's duty, draining)."""
-    lines = [_ROW.format("ID", "ROLE", "ADDRESS", "RUN", "QUEUED", "FREE BLOCKS", "AGE", "SERVES")]
+    heartbeat age, KV link bandwidth (``kv_rate``), the phases it serves now (and a planner's
+    duty, draining)."""
+    lines = [
+        _ROW.format(
+            "ID", "ROLE", "ADDRESS", "RUN", "QUEUED", "FREE BLOCKS", "AGE", "KV MB/s AVG/PEAK",
+            "SERVES",
+        )
+    ]  # fmt: skip
     for w in workers:
         serves = ",".join(w.phases) or "-"
         if w.duty:
             serves += f" (duty {w.duty}{', switching' if w.switching else ''})"
         row = _ROW.format(
             w.id, w.role.value, w.address, w.running_seqs, w.queued_tokens,
-            f"{w.kv_blocks_free}/{w.kv_blocks_total}", f"{now - w.ts:.1f}s", serves,
+            f"{w.kv_blocks_free}/{w.kv_blocks_total}", f"{now - w.ts:.1f}s", kv_rate(w), serves,
         )  # fmt: skip
         lines.append(row + (" draining" if w.draining else ""))
     return lines
+
+
+def kv_rate(worker: WorkerInfo) -> str:
+    """``AVG/PEAK`` in MB/s: the KV bytes its hand-offs moved over the last 10 s, all links
+    together, and the busiest 100 ms of them; ``-`` for a heartbeat without them."""
+    avg, peak = worker.kv_bytes_per_s, worker.kv_peak_bytes_per_s
+    if avg is None or peak is None:
+        return "-"
+    return f"{avg / 1e6:.1f}/{peak / 1e6:.1f}"
 
 
 def main_status(argv: Sequence[str]) -> int:

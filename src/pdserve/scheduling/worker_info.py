@@ -47,6 +47,7 @@ DUTIES = ("", "prefill", "decode")
 colocated requests), or ``""`` (everything it can serve)."""
 
 _FLOAT_FIELDS = ("step_overhead_s", "decode_seq_s", "prefill_token_s", "busy")
+_OPTIONAL_FLOAT_FIELDS = ("kv_bytes_per_s", "kv_peak_bytes_per_s")
 
 _INT_FIELDS = (
     "kv_blocks_total",
@@ -126,6 +127,12 @@ class WorkerInfo:
     transports: tuple[str, ...] = ()
     """The transports its hand-off policy picks from (``transfer.links.allowed_transports``),
     so that the scheduler prices the one it will take; empty: the default policy's."""
+    kv_bytes_per_s: float | None = None
+    """Measured: KV bytes/s its hand-offs moved over the last 10 s, all links together
+    (``transfer.bandwidth``); None: not published (a worker without connectors, or an older
+    one)."""
+    kv_peak_bytes_per_s: float | None = None
+    """Measured: the busiest 100 ms of those 10 s, bytes/s; None: not published."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -176,8 +183,10 @@ class WorkerInfo:
             raise InvalidArgumentError("duty", f"must be one of {DUTIES}, got {self.duty!r}")
         if not isinstance(self.switching, bool):
             raise InvalidArgumentError("switching", f"must be a bool, got {self.switching!r}")
-        for name in _FLOAT_FIELDS:
+        for name in _FLOAT_FIELDS + _OPTIONAL_FLOAT_FIELDS:
             value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FLOAT_FIELDS:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise InvalidArgumentError(name, f"must be a number >= 0, got {value!r}")
         try:

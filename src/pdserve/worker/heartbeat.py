@@ -8,10 +8,12 @@ the duty a planner set for the worker (``duty.Duty``) in the same round trip.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.backends import Capacity, EngineBackend
 from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
+from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.links import Links
 from pdserve.worker.duty import Duty
 
@@ -43,11 +45,13 @@ def worker_info(
     interval_s: float = 0.0,
     duty: Duty | None = None,
     links: tuple[tuple[str, str, float], ...] = (),
+    bandwidth: tuple[float, float] | None = None,
     now: float | None = None,
 ) -> WorkerInfo:
     """One heartbeat from the worker's identity and its engine's load; ``interval_s``: the
     time to the next one (a scheduler takes a worker two intervals late for gone); ``now``
-    (``perf_counter``) ages the busy share over an idle stretch."""
+    (``perf_counter``) ages the busy share over an idle stretch; ``bandwidth``: the KV links'
+    live ``(10 s average, 100 ms peak)`` bytes/s (None: not metered)."""
     serves: tuple[str, ...] = ()
     duty_name, switching = "", False
     if duty is not None:
@@ -82,6 +86,8 @@ def worker_info(
         kv_bytes_per_token=identity.kv_bytes_per_token,
         interactive_tokens=identity.interactive_tokens,
         transports=identity.transports,
+        kv_bytes_per_s=None if bandwidth is None else bandwidth[0],
+        kv_peak_bytes_per_s=None if bandwidth is None else bandwidth[1],
     )
 
 
@@ -103,15 +109,18 @@ class WorkerHeartbeat:
         interval_s: float = 1.0,
         duty: Duty | None = None,
         links: Links | None = None,
+        bandwidth: Sequence[BandwidthMeter] = (),
     ) -> None:
         """``duty``: follow a planner's orders (mixed workers); ``links``: the prefill
-        side's KV links (``transfer.links.Links``)."""
+        side's KV links (``transfer.links.Links``); ``bandwidth``: the connectors' meters,
+        whose live figures each beat publishes (summed)."""
         self.identity = identity
         self.engine = engine
         self.draining = False
         self.interval_s = interval_s
         self.duty = duty
         self.links = links
+        self.bandwidth = tuple(bandwidth)
         self._heartbeater = Heartbeater(
             registry,
             self.current,
@@ -130,7 +139,15 @@ class WorkerHeartbeat:
             interval_s=self.interval_s,
             duty=self.duty,
             links=self.links.published() if self.links is not None else (),
+            bandwidth=self._bandwidth(),
         )
+
+    def _bandwidth(self) -> tuple[float, float] | None:
+        """The meters' ``(average, peak)`` bytes/s added up; None without a meter."""
+        if not self.bandwidth:
+            return None
+        totals = [meter.totals() for meter in self.bandwidth]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
     @property
     def errors(self) -> int:

@@ -46,6 +46,7 @@ from pdserve.rpc.server import (
 )
 from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
 from pdserve.tasks import cancel_and_wait
+from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.janitor import reclaim_orphans
 from pdserve.transfer.links import Links
 from pdserve.transfer.stream.inbox import Inbox
@@ -237,13 +238,15 @@ async def run_worker(
     sweep_interval_s: float = 1.0,
     telemetry: WorkerTelemetry | None = None,
     links: Links | None = None,
+    bandwidth: Sequence[BandwidthMeter] = (),
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
     ``on_bound`` receives the worker's advertised address once the port is bound, before it
     serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
     ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
-    KV links the worker's prefill side measured, for its heartbeats.
+    KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
+    connectors' meters, whose live bytes/s the heartbeats publish.
     """
     server, port, health = build_server(
         servicers,
@@ -283,6 +286,7 @@ async def run_worker(
                 else None
             ),
             links=links,
+            bandwidth=bandwidth,
         )
         if redis is not None
         else None

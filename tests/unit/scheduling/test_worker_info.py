@@ -47,6 +47,16 @@ def test_from_json_ignores_unknown_keys_and_fills_defaults() -> None:
     assert info.reservations == ()
 
 
+def test_kv_bandwidth_round_trips_and_is_absent_from_older_heartbeats() -> None:
+    info = worker("p0", WorkerRole.PREFILL, kv_bytes_per_s=5e6, kv_peak_bytes_per_s=5e8)
+    back = WorkerInfo.from_json(info.to_json())
+    assert (back.kv_bytes_per_s, back.kv_peak_bytes_per_s) == (5e6, 5e8)
+    older = json.loads(info.to_json())
+    del older["kv_bytes_per_s"], older["kv_peak_bytes_per_s"]
+    read = WorkerInfo.from_json(json.dumps(older))
+    assert (read.kv_bytes_per_s, read.kv_peak_bytes_per_s) == (None, None)
+
+
 def test_from_json_names_missing_fields() -> None:
     data = json.loads(worker("d0").to_json())
     del data["block_size"]
@@ -122,6 +132,8 @@ def test_scheduling_fields_round_trip_and_phases_follow_serves() -> None:
         ({"links": (("h", "shm", 0.0),)}, "links"),
         ({"kv_bytes_per_token": -1}, "kv_bytes_per_token"),
         ({"transports": ("pigeon",)}, "transports"),
+        ({"kv_bytes_per_s": -1.0}, "kv_bytes_per_s"),
+        ({"kv_peak_bytes_per_s": "fast"}, "kv_peak_bytes_per_s"),
     ],
 )
 def test_bad_scheduling_fields_name_their_field(overrides: dict[str, object], field: str) -> None:

@@ -34,6 +34,12 @@ def test_the_heartbeat_carries_the_step_model_lane_and_links() -> None:
     assert info.interactive_tokens == 256 and info.transports == ("direct", "recompute")
     assert info.links == (("peer", "shm", 3e9),) and info.reservations == ("r1",)
     assert info.serves == () and info.phases == ("decode", "colocated")  # no duty: by role
+    assert (info.kv_bytes_per_s, info.kv_peak_bytes_per_s) == (None, None)  # no meter
+
+
+def test_the_heartbeat_carries_the_live_kv_bandwidth() -> None:
+    info = worker_info(IDENTITY, snapshot(running=0), draining=False, bandwidth=(5e6, 5e8))
+    assert (info.kv_bytes_per_s, info.kv_peak_bytes_per_s) == (5e6, 5e8)
 
 
 def test_the_heartbeat_reports_a_duty_switch_until_the_engine_is_idle() -> None:
