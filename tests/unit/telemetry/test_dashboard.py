@@ -84,6 +84,9 @@ def test_every_query_names_only_defined_metrics() -> None:
         "pdserve_kv_transfer_seconds",
         "pdserve_scheduler_conflicts",
         "pdserve_redis_errors",
+        "pdserve_kv_transfer_bytes_per_second",
+        "pdserve_kv_transfer_peak_bytes_per_second",
+        "pdserve_kv_link_capacity_bytes_per_second",
     }
 
 
