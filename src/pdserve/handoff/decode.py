@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from pdserve.backends import EngineBackend, Handoff, NativeKV
+from pdserve.backends import EngineBackend, NativeKV, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.request import EngineRequest
 from pdserve.errors import (
@@ -306,7 +306,7 @@ class Incoming:
         if not engine.features.kv_payload:  # the backend recomputes as it decodes
             return Arrival(None, record, transfer_ms, 0.0)
         start = time.perf_counter()
-        payload = await recompute(engine, request)
+        payload = await recompute_kv(engine, request)
         return Arrival(payload, record, transfer_ms, (time.perf_counter() - start) * 1000.0)
 
     async def _receive(self, prompt_ids: Sequence[int], tenant: str) -> KVPayload:
@@ -325,25 +325,3 @@ class Incoming:
                 c.engine, payload, prompt_ids, kv.prefix_tokens, tenant
             )
         return payload
-
-
-async def recompute(engine: EngineBackend, request: EngineRequest) -> KVPayload:
-    """Prefill the prompt on ``engine`` and take its KV, as a transfer would have delivered it
-    (the prefill's first token is kept; seeded sampling draws by output position)."""
-    request_id, held = request.request_id, False
-    try:
-        await engine.prefill(
-            request_id,
-            request.prompt_ids,
-            request.params,
-            handoff=Handoff.HOLD,
-            cache_salt=request.tenant,
-            tag=request.reservation_id,
-        )
-        held = True
-        payload = await engine.export_kv(request_id)
-        held = False
-        return payload
-    finally:
-        if held:
-            engine.abort(request_id)  # releases the held blocks

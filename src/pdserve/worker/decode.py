@@ -74,13 +74,9 @@ class DecodeWorker:
 
         timing = RequestTiming()
         stream = self.engine.decode(
-            request.request_id,
-            request.prompt_ids,
-            request.params,
+            request,
             first_token,
             arrival.payload,
-            cache_salt=request.tenant,
-            tag=request.reservation_id,
             timing=timing,
             coalesce=True,  # a stream that fell behind catches up in one chunk
         )
@@ -103,14 +99,7 @@ class DecodeWorker:
         """Prefill and decode here; the first delta carries the first token."""
         check_request(self.engine, request)
         timing = RequestTiming()
-        stream = self.engine.generate(
-            request.request_id,
-            request.prompt_ids,
-            request.params,
-            cache_salt=request.tenant,
-            tag=request.reservation_id,
-            timing=timing,
-        )
+        stream = self.engine.generate(request, timing=timing)
         async with aclosing(stream):
             async for out in stream:
                 final = None

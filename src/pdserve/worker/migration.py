@@ -60,11 +60,7 @@ async def resume(
     timing = RequestTiming()
     record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=kv.reason)
     stream = engine.generate(
-        request.request_id,
-        request.prompt_ids,
-        request.params,
-        cache_salt=request.tenant,
-        tag=request.reservation_id,
+        request,
         timing=timing,
         coalesce=True,
         generated=resumed.generated,

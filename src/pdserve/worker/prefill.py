@@ -155,12 +155,8 @@ class PrefillWorker:
                 h(layer, keys, values)
 
         done = await self.engine.prefill(
-            request_id,
-            prompt_ids,
-            request.params,
+            request,
             handoff=out.engine_handoff,
-            cache_salt=tenant,
-            tag=request.reservation_id,
             timing=timing,
             layer_hook=hook if hooks else None,
         )

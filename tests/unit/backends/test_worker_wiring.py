@@ -170,7 +170,7 @@ def test_workers_hand_over_natively_and_refuse_transports(
             prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host="h"))
             decode = DecodeWorker(d_engine, DecodeConnector(d_engine, host="h"))
             try:
-                whole = [t async for o in d_engine.generate("w", prompt, GREEDY)
+                whole = [t async for o in d_engine.generate(EngineRequest("w", prompt, GREEDY))
                          for t in o.new_token_ids]  # fmt: skip
                 result = await prefill.prefill(EngineRequest("r", prompt, GREEDY))
                 assert result.kv is not None and result.kv.kind is TransportKind.NATIVE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.backends import TORCH, EngineBackend
+from pdserve.backends import TORCH, EngineBackend, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
@@ -28,7 +28,6 @@ from pdserve.handoff import (
     Sent,
     TransferOptions,
 )
-from pdserve.handoff.decode import recompute
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.transfer.compress import Compression
@@ -120,7 +119,7 @@ def test_the_plan_decides_once_from_the_request_and_the_settings(tiny_llama_dir:
 def test_the_decode_side_gets_the_prompts_kv(tiny_llama_dir: Path, layerwise: bool) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            kv = await recompute(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             async with s.prefill.open(plan_of(layerwise=layerwise)) as out:
                 hook = out.layer_hook
                 assert hook is not None
@@ -145,9 +144,9 @@ def test_the_decode_side_gets_the_prompts_kv(tiny_llama_dir: Path, layerwise: bo
 def test_a_cached_prefix_stays_behind_and_is_joined_on_arrival(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            async for _ in s.engine.generate("warm", PROMPT, ONE, cache_salt="t"):
+            async for _ in s.engine.generate(EngineRequest("warm", PROMPT, ONE, tenant="t")):
                 pass  # the decode side ran this prompt before: its whole blocks are cached
-            kv = await recompute(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             skip = (len(PROMPT) - 1) // s.engine.layout.block_size * s.engine.layout.block_size
             sent = await hand_over(s, plan_of(prefix_tokens=skip), kv)
             assert sent.location.prefix_tokens == skip
@@ -172,7 +171,7 @@ def test_a_failed_hand_off_ends_in_the_same_kv_recomputed(
     async def body() -> None:
         async with sides(tiny_llama_dir, faults=faults) as s:
             # Another tenant: the recompute on arrival finds none of its blocks cached.
-            kv = await recompute(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             sent = await hand_over(s, plan_of(timeout_s=0.2), kv)
             if where == "prefill":
                 assert sent.location.kind is TransportKind.RECOMPUTE and sent.num_bytes == 0
@@ -190,7 +189,7 @@ def test_a_failed_hand_off_ends_in_the_same_kv_recomputed(
 def test_every_path_that_does_not_hand_over_frees_the_hand_off(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            kv = await recompute(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             with pytest.raises(RuntimeError):
                 async with s.prefill.open(plan_of()) as out:  # the prefill failed midway
                     assert s.hub.keys() != []

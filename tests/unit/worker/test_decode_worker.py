@@ -27,7 +27,11 @@ HOST = "h"
 
 
 async def whole(engine: EngineBackend, rid: str) -> list[int]:
-    return [t async for o in engine.generate(rid, PROMPT, GREEDY) for t in o.new_token_ids]
+    return [
+        t
+        async for o in engine.generate(EngineRequest(rid, PROMPT, GREEDY))
+        for t in o.new_token_ids
+    ]
 
 
 def tokens_of(deltas: list[DecodeDelta]) -> list[int]:

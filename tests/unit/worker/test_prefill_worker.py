@@ -43,7 +43,7 @@ def test_prefill_hands_over_through_shm_with_the_engines_first_token(
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
             worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
-                whole = [t async for o in engine.generate("w", PROMPT, GREEDY)
+                whole = [t async for o in engine.generate(EngineRequest("w", PROMPT, GREEDY))
                          for t in o.new_token_ids]  # fmt: skip
                 result = await worker.prefill(
                     EngineRequest("r-shm", PROMPT, GREEDY), HandoffRoute("", HOST, "shm")
