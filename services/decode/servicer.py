@@ -15,8 +15,7 @@ from typing import Any, TypeAlias
 import grpc
 from grpc.aio import ServicerContext
 
-from pdserve.adapters.worker import chunk_to_proto
-from pdserve.convert import sampling_from_proto
+from pdserve.adapters.worker import chunk_to_proto, engine_request
 from pdserve.convert.kv import handle_from_proto
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.kvstore.wire import Chunk, chunk_stream_handler
@@ -44,13 +43,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise InvalidArgumentError("kv", "a KV handle is required")
         call = self.stages.decode(request.request_id)
         stream = self.worker.decode(
-            request.request_id,
-            list(request.prompt_token_ids),
+            engine_request(request, context.time_remaining()),
             (request.first_token_id, request.first_logprob),
-            sampling_from_proto(request.sampling),
             handle_from_proto(request.kv),
-            tenant=request.tenant,
-            reservation_id=request.reservation_id,
             resumed=list(request.resumed_token_ids),
         )
         try:
@@ -136,13 +131,7 @@ class MixedServicer(decode_pb2_grpc.MixedServicer):
         self, request: decode_pb2.ColocatedRequest, context: Context
     ) -> AsyncGenerator[decode_pb2.DecodeChunk, None]:
         call = self.stages.generate(request.request_id, len(request.prompt_token_ids))
-        stream = self.worker.generate(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_from_proto(request.sampling),
-            tenant=request.tenant,
-            reservation_id=request.reservation_id,
-        )
+        stream = self.worker.generate(engine_request(request, context.time_remaining()))
         try:
             async with aclosing(stream):
                 async for delta in stream:

@@ -26,10 +26,11 @@ import torch
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVLayout
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import KVTransferError
-from pdserve.handoff import DecodeConnector, PrefillConnector, TransferOptions
+from pdserve.handoff import DecodeConnector, HandoffRoute, PrefillConnector, TransferOptions
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
@@ -138,15 +139,12 @@ async def hand_off(
     p: Pair, rid: str, prompt: list[int], transport: str
 ) -> tuple[list[int], PrefillResult, object]:
     """Prefill then decode: every token, the prefill's result, the decode's final timing."""
-    result = await p.prefill.prefill(
-        rid, prompt, GREEDY, decode_address=p.inbox_address, decode_host=HOST, transport=transport
-    )
+    request = EngineRequest(rid, tuple(prompt), GREEDY)
+    result = await p.prefill.prefill(request, HandoffRoute(p.inbox_address, HOST, transport))
     assert result.kv is not None
     tokens = [result.first_token_id]
     timing = None
-    stream = p.decode.decode(
-        rid, prompt, (result.first_token_id, result.first_logprob), GREEDY, result.kv
-    )
+    stream = p.decode.decode(request, (result.first_token_id, result.first_logprob), result.kv)
     async with aclosing(stream):
         async for delta in stream:
             tokens += delta.token_ids
@@ -304,10 +302,10 @@ def test_a_cancelled_prefill_leaves_nothing(tiny_llama_dir: Path) -> None:
             for transport in ("store", "direct", "shm"):
                 task = asyncio.create_task(
                     p.prefill.prefill(
-                        f"cancel-{transport}", prompt, GREEDY,
-                        decode_address=p.inbox_address, decode_host=HOST, transport=transport,
+                        EngineRequest(f"cancel-{transport}", tuple(prompt), GREEDY),
+                        HandoffRoute(p.inbox_address, HOST, transport),
                     )
-                )  # fmt: skip
+                )
                 target = p.store if transport == "store" else p.inbox
                 for _ in range(500):  # until the stalled stream holds a reservation, or shm
                     if transport == "shm" or target.stats().num_writing:
@@ -410,16 +408,15 @@ def test_direct_hand_offs_are_assembled_as_they_land(tiny_llama_dir: Path) -> No
     async def body() -> None:
         async with pair(tiny_llama_dir, TransferOptions()) as p:
             prompt = prompts(4, [45])[0]
-            result = await p.prefill.prefill(
-                "landed", prompt, GREEDY, decode_address=p.inbox_address, transport="direct"
-            )
+            request = EngineRequest("landed", tuple(prompt), GREEDY)
+            route = HandoffRoute(p.inbox_address, transport="direct")
+            result = await p.prefill.prefill(request, route)
             assert result.kv is not None and result.kv.kind is TransportKind.DIRECT
             stats = p.inbox.stats()
             assert (stats.num_entries, stats.num_writing) == (1, 0)
             assert stats.used_bytes == result.timing.transfer_bytes
-            stream = p.decode.decode(
-                "landed", prompt, (result.first_token_id, result.first_logprob), GREEDY, result.kv
-            )
+            first = (result.first_token_id, result.first_logprob)
+            stream = p.decode.decode(request, first, result.kv)
             async with aclosing(stream):
                 async for delta in stream:
                     final = delta.finished
@@ -442,7 +439,8 @@ def test_a_direct_hand_off_discarded_after_its_last_layer_is_dropped_at_the_deco
             prompt = prompts(5, [30])[0]
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
             result = await p.prefill.prefill(
-                "one-token", prompt, one, decode_address=p.inbox_address, transport="direct"
+                EngineRequest("one-token", tuple(prompt), one),
+                HandoffRoute(p.inbox_address, transport="direct"),
             )
             assert result.kv is None or result.kv.kind is not TransportKind.DIRECT
             # pair() checks on exit that the inbox holds nothing.

@@ -8,8 +8,8 @@ from typing import Any, TypeAlias
 
 from grpc.aio import ServicerContext
 
-from pdserve.adapters.worker import prefill_response
-from pdserve.convert import sampling_from_proto
+from pdserve.adapters.worker import engine_request, prefill_response
+from pdserve.handoff import HandoffRoute
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.prefill import PrefillWorker
 from pdserve.worker.stages import StageRecorder
@@ -28,15 +28,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context: Context
     ) -> prefill_pb2.PrefillResponse:
         call = self.stages.prefill(request.request_id, len(request.prompt_token_ids))
-        result = await self.worker.prefill(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_from_proto(request.sampling),
-            tenant=request.tenant,
-            reservation_id=request.reservation_id,
-            decode_address=request.decode_address,
-            decode_host=request.decode_host,
-            transport=request.transport,
-        )
+        route = HandoffRoute(request.decode_address, request.decode_host, request.transport)
+        result = await self.worker.prefill(engine_request(request, context.time_remaining()), route)
         call.returned(result)
         return prefill_response(result)

@@ -1,14 +1,48 @@
-"""The worker services' answers: ``PrefillResult`` -> ``PrefillResponse``, ``DecodeDelta`` ->
-``DecodeChunk``."""
+"""The worker services' requests and answers: a request message -> ``EngineRequest`` (built
+once, here), ``PrefillResult`` -> ``PrefillResponse``, ``DecodeDelta`` -> ``DecodeChunk``."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from pdserve.convert import sampling_from_proto
 from pdserve.convert.common import finish_reason_to_proto, timing_to_proto
 from pdserve.convert.kv import handle_to_proto, transfer_to_proto
 from pdserve.convert.logprobs import prompt_to_proto, top_to_proto, tops_to_proto
-from pdserve.v1 import decode_pb2, prefill_pb2
+from pdserve.engine.request import EngineRequest
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from pdserve.worker.delta import DecodeDelta
 from pdserve.worker.prefill import PrefillResult
+
+
+class RequestMessage(Protocol):
+    """The fields every worker request message has (Prefill, Decode, Mixed)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def sampling(self) -> common_pb2.SamplingParams: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def reservation_id(self) -> str: ...
+
+
+def engine_request(message: RequestMessage, time_remaining: float | None) -> EngineRequest:
+    """The request a worker message carries; ``time_remaining``: the call's
+    (``ServicerContext.time_remaining()``), None without a deadline."""
+    return EngineRequest(
+        request_id=message.request_id,
+        prompt_ids=tuple(message.prompt_token_ids),
+        params=sampling_from_proto(message.sampling),
+        tenant=message.tenant,
+        reservation_id=message.reservation_id,
+        deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+    )
 
 
 def prefill_response(result: PrefillResult) -> prefill_pb2.PrefillResponse:

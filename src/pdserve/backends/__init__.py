@@ -18,6 +18,7 @@ from pdserve.backends.base import (
     Handoff,
     NativeKV,
     Prefilled,
+    recompute_kv,
     refuse,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "Handoff",
     "NativeKV",
     "Prefilled",
+    "recompute_kv",
     "refuse",
 ]

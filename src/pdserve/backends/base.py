@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from pdserve.engine.gate import ComputeGate
     from pdserve.engine.kv_payload import KVLayout, KVPayload
     from pdserve.engine.outputs import RequestOutput
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.request import EngineRequest
     from pdserve.engine.sequence import LayerHook
     from pdserve.timing import RequestTiming
 
@@ -170,20 +170,16 @@ class EngineBackend(Protocol):
 
     def generate(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
         generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         """A whole request: the outputs from the first token on, the last one ``finished``.
 
-        ``cache_salt`` separates tenants in prefix caches; ``tag`` is listed in
-        ``capacity().tags`` while the request is admitted; ``timing`` is filled in as it runs;
+        The request's ``tenant`` separates tenants in prefix caches; its ``reservation_id`` is
+        listed in ``capacity().tags`` while it is admitted; ``timing`` is filled in as it runs;
         ``coalesce`` merges outputs already waiting for a slow consumer into one.
         ``generated``: output tokens another engine drew before the request migrated here
         (they count in ``max_tokens``); the outputs are the tokens after them.
@@ -192,17 +188,14 @@ class EngineBackend(Protocol):
 
     async def prefill(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
         handoff: Handoff,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
     ) -> Prefilled:
-        """Compute the prompt and its first token (``params`` with ``max_tokens=1``).
+        """Compute the prompt and its first token (the request's ``params`` with
+        ``max_tokens=1``).
 
         With ``Handoff.HOLD`` the caller must ``export_kv`` or ``abort`` afterwards;
         cancelling the call aborts the request.
@@ -211,21 +204,17 @@ class EngineBackend(Protocol):
 
     def decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
         kv: KVPayload | NativeKV | None,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The tokens after ``first_token`` (token, logprob), from the prompt's KV.
 
         ``kv`` None: nothing was handed over; the backend computes the prompt first.
-        ``params.max_tokens`` counts the first token, as in a whole request.
+        ``request.params.max_tokens`` counts the first token, as in a whole request.
         """
         ...
 
@@ -257,6 +246,22 @@ class EngineBackend(Protocol):
     async def close(self) -> None:
         """Abort everything and release the engine; idempotent."""
         ...
+
+
+async def recompute_kv(engine: EngineBackend, request: EngineRequest) -> KVPayload:
+    """The KV of the request's prompt, computed on ``engine`` as a transfer would have
+    delivered it (a prefill held, exported, its blocks freed; seeded sampling draws by output
+    position, so the tokens after it are a transfer's). For a backend with ``kv_payload``."""
+    held = False
+    try:
+        await engine.prefill(request, handoff=Handoff.HOLD)
+        held = True
+        payload = await engine.export_kv(request.request_id)
+        held = False
+        return payload
+    finally:
+        if held:
+            engine.abort(request.request_id)  # releases the held blocks
 
 
 async def refuse(error: BaseException) -> AsyncGenerator[RequestOutput, None]:

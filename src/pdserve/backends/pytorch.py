@@ -14,6 +14,7 @@ refused before admission, naming its request field (``sampling.guided_json``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -27,12 +28,14 @@ from pdserve.backends.base import (
     Handoff,
     NativeKV,
     Prefilled,
+    recompute_kv,
     refuse,
 )
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import ComputeGate
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.engine_loop.async_engine import AsyncEngine
@@ -128,51 +131,32 @@ class TorchBackend:
 
     def generate(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
         generated: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]:
         stream = self.engine.generate(
-            request_id,
-            prompt_ids,
-            params,
-            cache_salt=cache_salt,
-            tag=tag,
-            timing=timing,
-            coalesce=coalesce,
-            generated=generated,
+            request, timing=timing, coalesce=coalesce, generated=generated
         )
-        return stream if params.guide is None else self._compiled(params, stream)
+        return stream if request.params.guide is None else self._compiled(request.params, stream)
 
     async def prefill(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
         handoff: Handoff,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
     ) -> Prefilled:
         if handoff is Handoff.NATIVE:
             raise InvalidArgumentError("transport", NO_NATIVE)
-        await self.compile_guide(params)
+        await self.compile_guide(request.params)
         last: RequestOutput | None = None
         stream = self.engine.generate(
-            request_id,
-            prompt_ids,
-            params.first_token_only(),
+            dataclasses.replace(request, params=request.params.first_token_only()),
             hold_kv=handoff is Handoff.HOLD,
-            cache_salt=cache_salt,
-            tag=tag,
             timing=timing,
             layer_hook=layer_hook,
         )
@@ -180,77 +164,52 @@ class TorchBackend:
             async for output in stream:
                 last = output
         if last is None:  # the engine always ends a stream with a finished output or raises
-            raise WorkerUnavailableError(f"the prefill of {request_id!r} ended without output")
+            raise WorkerUnavailableError(
+                f"the prefill of {request.request_id!r} ended without output"
+            )
         return Prefilled(last)
 
     def decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
         kv: KVPayload | NativeKV | None,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        stream = self._decode(
-            request_id, prompt_ids, params, first_token, kv, cache_salt, tag, timing, coalesce
-        )
-        return stream if params.guide is None else self._compiled(params, stream)
+        stream = self._decode(request, first_token, kv, timing, coalesce)
+        return stream if request.params.guide is None else self._compiled(request.params, stream)
 
     def _decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
         kv: KVPayload | NativeKV | None,
-        cache_salt: str,
-        tag: str,
         timing: RequestTiming | None,
         coalesce: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
         if isinstance(kv, NativeKV):
             return refuse(InvalidArgumentError("kv.native", NO_NATIVE))
         if kv is None:
-            return self._recompute_then_decode(
-                request_id, prompt_ids, params, first_token, cache_salt, tag, timing, coalesce
-            )
-        stream = functools.partial(
-            self._from_payload,
-            request_id, prompt_ids, params, first_token, kv, cache_salt, tag, timing, coalesce,
-        )  # fmt: skip
+            return self._recompute_then_decode(request, first_token, timing, coalesce)
+        stream = functools.partial(self._from_payload, request, first_token, kv, timing, coalesce)
         if self._import_delay is not None:
             return self._after(self._import_delay(kv), stream)
         return stream()
 
     def _from_payload(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
         payload: KVPayload,
-        cache_salt: str,
-        tag: str,
         timing: RequestTiming | None,
         coalesce: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The decode after ``first_token`` from the prompt's KV in ``payload`` (handed over,
         or computed here)."""
         return self.engine.generate(
-            request_id,
-            prompt_ids,
-            params,
-            cache_salt=cache_salt,
-            kv=payload,
-            first_token=first_token,
-            tag=tag,
-            timing=timing,
-            coalesce=coalesce,
+            request, kv=payload, first_token=first_token, timing=timing, coalesce=coalesce
         )
 
     @staticmethod
@@ -266,37 +225,16 @@ class TorchBackend:
 
     async def _recompute_then_decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
-        cache_salt: str,
-        tag: str,
         timing: RequestTiming | None,
         coalesce: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Prefill here with the KV held, take it out, and decode from it as if it had been
-        handed over: the tokens are exactly a transfer's (the given first token is kept)."""
-        held = False
-        try:
-            await self.prefill(
-                request_id,
-                prompt_ids,
-                params,
-                handoff=Handoff.HOLD,
-                cache_salt=cache_salt,
-                tag=tag,
-            )
-            held = True
-            payload = await self.engine.export_and_release(request_id)
-            held = False
-        finally:
-            if held:
-                self.engine.abort(request_id)  # releases the held blocks
-        stream = self._from_payload(
-            request_id, prompt_ids, params, first_token, payload, cache_salt, tag, timing,
-            coalesce,
-        )  # fmt: skip
+        """Compute the prompt's KV here (``recompute_kv``) and decode from it as if it had
+        been handed over: the tokens are exactly a transfer's (the given first token is
+        kept)."""
+        payload = await recompute_kv(self, request)
+        stream = self._from_payload(request, first_token, payload, timing, coalesce)
         async with aclosing(stream):
             async for output in stream:
                 yield output

@@ -21,8 +21,8 @@ layer hooks, ``export_kv`` and ``decode`` from a ``KVPayload`` are refused with
 ``InvalidArgumentError`` naming the field. Both sides of a hand-off must be tensorrt-llm
 workers of the same checkpoint, which the fingerprint (``tensorrt-llm/...``) enforces.
 
-``cache_salt`` is not passed on (not every release's ``generate_async`` takes one): tenants
-may share TensorRT-LLM's cached prompt blocks.
+The request's ``tenant`` is not passed on as a cache salt (not every release's
+``generate_async`` takes one): tenants may share TensorRT-LLM's cached prompt blocks.
 
 Capacity comes from the engine's iteration statistics (``get_stats_async``, which needs
 ``enable_iter_perf_stats``), read by a tracked task every ``stats_interval_s``; the engine
@@ -67,6 +67,7 @@ from pdserve.backends.tensorrt_llm_sampling import continued_guide, sampling_par
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import (
@@ -167,7 +168,9 @@ class TensorRTLLMBackend:
         if self._closed:
             raise WorkerUnavailableError("the tensorrt-llm backend is closed")
         warm = self.generate(
-            "warm-up", [0], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            EngineRequest(
+                "warm-up", (0,), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            )
         )
         async with contextlib.aclosing(warm):
             async for _ in warm:
@@ -239,12 +242,8 @@ class TensorRTLLMBackend:
     # -- requests --------------------------------------------------------------------------
     def generate(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
         generated: Sequence[int] = (),
@@ -253,9 +252,16 @@ class TensorRTLLMBackend:
         ``generated`` tokens (a migrated request) join the prompt of one request that draws
         what is left of ``max_tokens``: greedy tokens continue as they would have, seeded
         sampling draws differ."""
+        request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
+        reservation_id = request.reservation_id
         if generated:
             return self._continue(
-                request_id, [*prompt_ids, *generated], params, len(generated), tag, timing
+                request_id,
+                [*prompt_ids, *generated],
+                params,
+                len(generated),
+                reservation_id,
+                timing,
             )
         return self._requests.stream(
             request_id,
@@ -266,7 +272,7 @@ class TensorRTLLMBackend:
                 sampling_params=self._sampling(params, len(prompt_ids)),
                 streaming=True,
             ),
-            tag=tag,
+            reservation_id=reservation_id,
             timing=timing,
         )
 
@@ -276,7 +282,7 @@ class TensorRTLLMBackend:
         tokens: list[int],
         params: SamplingParams,
         done: int,
-        tag: str,
+        reservation_id: str,
         timing: RequestTiming | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """A request whose first ``done`` output tokens (the end of ``tokens``) were drawn
@@ -296,25 +302,22 @@ class TensorRTLLMBackend:
                 sampling_params=self._sampling(rest, len(tokens) - done),
                 streaming=True,
             ),
-            tag=tag,
+            reservation_id=reservation_id,
             timing=timing,
         )
 
     async def prefill(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         *,
         handoff: Handoff,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
     ) -> Prefilled:
+        request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
         if handoff is Handoff.HOLD or layer_hook is not None:
             raise InvalidArgumentError("transport", NO_BLOCK_ACCESS)
-        request = (
+        context_only = (
             self._api.DisaggregatedParams(request_type="context_only")
             if handoff is Handoff.NATIVE
             else None
@@ -328,9 +331,9 @@ class TensorRTLLMBackend:
                 list(prompt_ids),
                 sampling_params=self._sampling(params.first_token_only(), len(prompt_ids)),
                 streaming=False,
-                disaggregated_params=request,
+                disaggregated_params=context_only,
             ),
-            tag=tag,
+            reservation_id=request.reservation_id,
             timing=timing,
             on_finish=kept.append,
         )
@@ -349,23 +352,22 @@ class TensorRTLLMBackend:
 
     def decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
+        request: EngineRequest,
         first_token: tuple[int, float],
         kv: KVPayload | NativeKV | None,
         *,
-        cache_salt: str = "",
-        tag: str = "",
         timing: RequestTiming | None = None,
         coalesce: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
+        request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
+        reservation_id = request.reservation_id
         if isinstance(kv, NativeKV):
-            return self._decode_native(request_id, prompt_ids, params, kv, tag, timing)
+            return self._decode_native(request_id, prompt_ids, params, kv, reservation_id, timing)
         if kv is not None:
             return refuse(InvalidArgumentError("kv.location", NO_BLOCK_ACCESS))
         # Recompute: the prompt and the prefill's first token as one request.
-        return self._continue(request_id, [*prompt_ids, first_token[0]], params, 1, tag, timing)
+        tokens = [*prompt_ids, first_token[0]]
+        return self._continue(request_id, tokens, params, 1, reservation_id, timing)
 
     def _decode_native(
         self,
@@ -373,7 +375,7 @@ class TensorRTLLMBackend:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         kv: NativeKV,
-        tag: str,
+        reservation_id: str,
         timing: RequestTiming | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if kv.backend != self.name:
@@ -392,7 +394,7 @@ class TensorRTLLMBackend:
                 streaming=True,
                 disaggregated_params=generation_params(self._api, kv),
             ),
-            tag=tag,
+            reservation_id=reservation_id,
             timing=timing,
             skip=len(kv.first_gen_tokens),
         )

@@ -24,7 +24,7 @@ class _Live:
     result: Any
     """TensorRT-LLM's ``RequestOutput`` of the request (``abort()``)."""
     prompt_tokens: int
-    tag: str
+    reservation_id: str
     started: bool = False
     """An output came: it is computing, no longer queued."""
 
@@ -58,7 +58,7 @@ class LiveRequests:
             queued_tokens=sum(live.prompt_tokens for live in queued),
             running=len(lives) - len(queued),
             waiting=len(queued),
-            tags=tuple(live.tag for live in lives if live.tag),
+            tags=tuple(live.reservation_id for live in lives if live.reservation_id),
             failed=self.failed,
         )
 
@@ -81,7 +81,7 @@ class LiveRequests:
         params: SamplingParams,
         submit: Callable[[], Any],
         *,
-        tag: str = "",
+        reservation_id: str = "",
         timing: RequestTiming | None = None,
         skip: int = 0,
         on_finish: Callable[[Any], None] | None = None,
@@ -97,7 +97,7 @@ class LiveRequests:
             raise DuplicateRequestError(f"request {request_id!r} is already in flight")
         timing = timing if timing is not None else RequestTiming()
         result = submit()
-        live = self._live[request_id] = _Live(result, len(prompt_ids), tag)
+        live = self._live[request_id] = _Live(result, len(prompt_ids), reservation_id)
         timing.first_step_start = time.perf_counter()  # TensorRT-LLM's queue counts as compute
         emitted, finished = skip, False
         try:

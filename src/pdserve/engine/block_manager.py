@@ -131,7 +131,7 @@ class BlockManager:
             seq.block_hashes += chain_block_hashes(
                 seq.token_ids[: n_full * self.block_size],
                 self.block_size,
-                salt=seq.cache_salt,
+                salt=seq.tenant,
                 parent=seq.block_hashes[-1] if seq.block_hashes else b"",
                 start=len(seq.block_hashes),
             )
@@ -172,7 +172,7 @@ class BlockManager:
             seq.block_hashes += chain_block_hashes(
                 seq.token_ids[: n_full * self.block_size],
                 self.block_size,
-                salt=seq.cache_salt,
+                salt=seq.tenant,
                 parent=seq.block_hashes[-1] if seq.block_hashes else b"",
                 start=len(seq.block_hashes),
             )

@@ -42,6 +42,7 @@ from pdserve.engine.outputs import (
     StepFailedError,
     StepShape,
 )
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
@@ -121,6 +122,29 @@ class Engine:
         return cls(path, EngineConfig(**config), faults=faults, compute=compute)
 
     # -- requests ------------------------------------------------------------------------
+    def add(
+        self,
+        request: EngineRequest,
+        *,
+        hold_kv: bool = False,
+        layer_hook: LayerHook | None = None,
+        kv: KVPayload | None = None,
+        first_token: tuple[int, float] | None = None,
+        generated: Seq[int] = (),
+    ) -> list[int]:
+        """Queue ``request`` as the serving stack hands it down (see ``add_request``)."""
+        return self.add_request(
+            request.request_id,
+            request.prompt_ids,
+            request.params,
+            hold_kv=hold_kv,
+            layer_hook=layer_hook,
+            tenant=request.tenant,
+            kv=kv,
+            first_token=first_token,
+            generated=generated,
+        )
+
     def add_request(
         self,
         request_id: str,
@@ -129,7 +153,7 @@ class Engine:
         *,
         hold_kv: bool = False,
         layer_hook: LayerHook | None = None,
-        cache_salt: str = "",
+        tenant: str = "",
         kv: KVPayload | None = None,
         first_token: tuple[int, float] | None = None,
         generated: Seq[int] = (),
@@ -138,8 +162,8 @@ class Engine:
 
         ``hold_kv``: keep the KV after the request finishes, for ``export_kv``.
         ``layer_hook``: called per layer as the prompt's KV completes (for streaming hand-off).
-        ``cache_salt``: prefix-cache namespace (a tenant): equal prompts with different salts
-        share no blocks. ``kv`` + ``first_token``: continue a request prefilled elsewhere.
+        ``tenant``: the prefix-cache namespace: equal prompts of different tenants share no
+        blocks. ``kv`` + ``first_token``: continue a request prefilled elsewhere.
         ``generated``: output tokens another engine produced before it went away (a migrated
         request; not with ``kv``): the prompt and these are prefilled as a preempted
         sequence is, and the request continues at output position ``len(generated)``, so
@@ -177,7 +201,7 @@ class Engine:
             arrival=self._arrivals,
             hold_kv=hold_kv,
             layer_hook=layer_hook,
-            cache_salt=cache_salt,
+            tenant=tenant,
         )
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)

@@ -65,7 +65,6 @@ class Sequence:
         "arrival",
         "block_hashes",
         "block_table",
-        "cache_salt",
         "enqueued_at",
         "generator",
         "guide",
@@ -81,6 +80,7 @@ class Sequence:
         "request_id",
         "seed",
         "status",
+        "tenant",
         "token_ids",
     )
 
@@ -93,7 +93,7 @@ class Sequence:
         arrival: int,
         hold_kv: bool = False,
         layer_hook: LayerHook | None = None,
-        cache_salt: str = "",
+        tenant: str = "",
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -102,7 +102,8 @@ class Sequence:
         self.arrival = arrival
         self.hold_kv = hold_kv
         self.layer_hook = layer_hook
-        self.cache_salt = cache_salt
+        self.tenant = tenant
+        """The prefix-cache namespace: it salts the block hashes (``block_manager``)."""
         self.status = SequenceStatus.WAITING
         self.enqueued_at = 0.0
         """``time.monotonic()`` when the scheduler first queued it (for waiting-queue aging)."""

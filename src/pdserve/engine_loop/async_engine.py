@@ -47,7 +47,7 @@ from pdserve.engine.gate import ComputeGate
 from pdserve.engine.guided import Guides
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepFailedError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sequence import LayerHook
 from pdserve.engine.step_meter import StepMeter
 from pdserve.engine_loop.batch_window import BatchWindow
@@ -182,15 +182,11 @@ class AsyncEngine:
     # -- the async API ---------------------------------------------------------------------
     async def generate(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
+        request: EngineRequest,
         *,
         hold_kv: bool = False,
-        cache_salt: str = "",
         kv: KVPayload | None = None,
         first_token: tuple[int, float] | None = None,
-        tag: str = "",
         timing: RequestTiming | None = None,
         layer_hook: LayerHook | None = None,
         coalesce: bool = False,
@@ -208,7 +204,7 @@ class AsyncEngine:
         the first ``__anext__``. Closing the iterator early aborts the request. With
         ``hold_kv`` the finished request keeps its blocks: call ``export_and_release`` or
         ``abort``; closing the iterator before it yielded the finished output releases them
-        too. ``tag`` is listed in ``snapshot().tags`` while the request is admitted;
+        too. The request's ``reservation_id`` is listed in ``snapshot().tags`` while it is admitted;
         ``timing`` is filled in as the request runs. ``generated``: output tokens another
         engine drew before the request migrated here (``Engine.add_request``).
 
@@ -218,25 +214,14 @@ class AsyncEngine:
         thread, and never raise (an exception fails the engine's whole batch).
         """
         stream = RequestStream(
-            request_id,
+            request.request_id,
             asyncio.get_running_loop(),
             asyncio.Queue(),
             timing or RequestTiming(),
-            tag,
+            request.reservation_id,
             hold_kv,
         )
-        self._submit(
-            AddCommand(
-                stream,
-                prompt_ids,
-                params or SamplingParams(),
-                cache_salt,
-                kv,
-                first_token,
-                layer_hook,
-                generated,
-            )
-        )
+        self._submit(AddCommand(stream, request, kv, first_token, layer_hook, generated))
         finished = False
         yielded = False
         try:
@@ -255,7 +240,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._submit(AbortCommand(request_id, stream), required=False)
+                self._submit(AbortCommand(request.request_id, stream), required=False)
 
     def abort(self, request_id: str) -> None:
         """Queue an abort (or release of held KV) of ``request_id``; it runs before any later
@@ -361,12 +346,9 @@ class AsyncEngine:
     def _add(self, command: AddCommand) -> None:
         stream = command.stream
         try:
-            self._engine.add_request(
-                stream.request_id,
-                command.prompt_ids,
-                command.params,
+            self._engine.add(
+                command.request,
                 hold_kv=stream.hold_kv,
-                cache_salt=command.cache_salt,
                 kv=command.kv,
                 first_token=command.first_token,
                 layer_hook=command.layer_hook,
@@ -425,7 +407,7 @@ class AsyncEngine:
                 stream.post(why)
 
     def _publish(self) -> None:
-        tags = tuple(s.tag for s in self._streams.values() if s.tag)
+        tags = tuple(s.reservation_id for s in self._streams.values() if s.reservation_id)
         stats, steps = self._engine.stats(), self._meter.reading()
         self._snapshot = self._failures.snapshot(stats, tags, self._num_steps, steps)
 

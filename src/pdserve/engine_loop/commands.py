@@ -18,7 +18,7 @@ from typing import Any
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sequence import LayerHook
 from pdserve.timing import RequestTiming
 
@@ -33,7 +33,7 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     timing: RequestTiming
-    tag: str
+    reservation_id: str
     hold_kv: bool
 
     def post(self, item: RequestOutput | BaseException) -> None:
@@ -48,9 +48,7 @@ class AddCommand:
     """Admit a request (see ``AsyncEngine.generate``)."""
 
     stream: RequestStream
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    cache_salt: str
+    request: EngineRequest
     kv: KVPayload | None
     first_token: tuple[int, float] | None
     layer_hook: LayerHook | None

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from pdserve.handoff.decode import Arrival, DecodeConnector, Incoming
 from pdserve.handoff.outgoing import Outgoing, Sent
-from pdserve.handoff.plan import HandoffPlan, TransferOptions
+from pdserve.handoff.plan import HandoffPlan, HandoffRoute, TransferOptions
 from pdserve.handoff.prefill import PrefillConnector
 
 __all__ = [
     "Arrival",
     "DecodeConnector",
     "HandoffPlan",
+    "HandoffRoute",
     "Incoming",
     "Outgoing",
     "PrefillConnector",

@@ -40,9 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from pdserve.backends import EngineBackend, Handoff, NativeKV
+from pdserve.backends import EngineBackend, NativeKV, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.errors import (
     CapacityError,
     InvalidArgumentError,
@@ -263,17 +263,10 @@ class Incoming:
         self.receiver = receiver
         self.prefetch = prefetch
 
-    async def arrive(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        tenant: str = "",
-        reservation_id: str = "",
-    ) -> Arrival:
-        """The KV of ``prompt_ids``: received (or its prefetch waited for), or recomputed when
-        nothing was sent or the receive failed."""
+    async def arrive(self, request: EngineRequest) -> Arrival:
+        """The KV of the request's prompt: received (or its prefetch waited for), or
+        recomputed when nothing was sent or the receive failed."""
+        request_id, prompt_ids = request.request_id, request.prompt_ids
         kv, engine = self.kv, self.connector.engine
         # A recompute handle moves no KV: one without a fingerprint (a migrated colocated
         # request) has nothing to mismatch.
@@ -298,7 +291,7 @@ class Incoming:
         if self.receiver is not None:
             start = time.perf_counter()
             try:
-                payload = await self._receive(prompt_ids, tenant)
+                payload = await self._receive(prompt_ids, request.tenant)
             except FALLBACK_ERRORS as err:
                 transfer_ms = (time.perf_counter() - start) * 1000.0
                 reason = f"{kv.kind} receive failed: {err}"
@@ -318,7 +311,7 @@ class Incoming:
         if not engine.features.kv_payload:  # the backend recomputes as it decodes
             return Arrival(None, record, transfer_ms, 0.0)
         start = time.perf_counter()
-        payload = await recompute(engine, request_id, prompt_ids, params, tenant, reservation_id)
+        payload = await recompute_kv(engine, request)
         return Arrival(payload, record, transfer_ms, (time.perf_counter() - start) * 1000.0)
 
     async def _receive(self, prompt_ids: Sequence[int], tenant: str) -> KVPayload:
@@ -337,32 +330,3 @@ class Incoming:
                 c.engine, payload, prompt_ids, kv.prefix_tokens, tenant
             )
         return payload
-
-
-async def recompute(
-    engine: EngineBackend,
-    request_id: str,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    tenant: str,
-    reservation_id: str,
-) -> KVPayload:
-    """Prefill the prompt on ``engine`` and take its KV, as a transfer would have delivered it
-    (the prefill's first token is kept; seeded sampling draws by output position)."""
-    held = False
-    try:
-        await engine.prefill(
-            request_id,
-            prompt_ids,
-            params,
-            handoff=Handoff.HOLD,
-            cache_salt=tenant,
-            tag=reservation_id,
-        )
-        held = True
-        payload = await engine.export_kv(request_id)
-        held = False
-        return payload
-    finally:
-        if held:
-            engine.abort(request_id)  # releases the held blocks

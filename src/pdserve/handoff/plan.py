@@ -41,6 +41,17 @@ MOVING = (TransportKind.STORE, TransportKind.DIRECT, TransportKind.SHM)
 
 
 @dataclass(frozen=True, slots=True)
+class HandoffRoute:
+    """Where the scheduler sends one prefill's KV (``PrefillRequest``'s hand-off fields): the
+    decode worker it reserved ("" for none known) and the transport asked for."""
+
+    decode_address: str = ""
+    decode_host: str = ""
+    transport: str = ""
+    """"" or ``auto``: the policy's; else a forced transport (``TRANSPORT_CHOICES``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class TransferOptions:
     """A prefill worker's hand-off settings (``--transport`` and friends)."""
 

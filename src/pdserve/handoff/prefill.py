@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from pdserve.backends import EngineBackend
+from pdserve.engine.request import EngineRequest
 from pdserve.errors import CapacityError, KVTransferError
 from pdserve.handoff.assignment import AssignedDecode
 from pdserve.handoff.outgoing import Outgoing
@@ -39,6 +40,7 @@ from pdserve.handoff.peers import DecodePeers
 from pdserve.handoff.plan import (
     AUTO,
     HandoffPlan,
+    HandoffRoute,
     TransferOptions,
     choose_kind,
     in_engine_kind,
@@ -128,23 +130,15 @@ class PrefillConnector:
 
         return Transport(sender=sender)
 
-    async def plan(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        *,
-        tenant: str = "",
-        reservation_id: str = "",
-        decode_address: str = "",
-        decode_host: str = "",
-        transport: str = "",
-    ) -> HandoffPlan:
-        """The hand-off of one prefill: the scheduler's decode worker (``decode_address``,
-        ``decode_host``, under ``reservation_id``), the transport asked for (``transport``:
-        "" or ``auto`` for the policy's), and this worker's settings."""
+    async def plan(self, request: EngineRequest, route: HandoffRoute) -> HandoffPlan:
+        """The hand-off of one prefill: the scheduler's decode worker (``route``, under the
+        request's reservation), the transport asked for (``route.transport``: "" or ``auto``
+        for the policy's), and this worker's settings."""
+        request_id, prompt_ids = request.request_id, request.prompt_ids
+        max_tokens, tenant = request.params.max_tokens, request.tenant
+        decode_address, decode_host = route.decode_address, route.decode_host
         if decode_address and self.assignments is not None:
-            refusal = await self.assignments.refusal(reservation_id, decode_address)
+            refusal = await self.assignments.refusal(request.reservation_id, decode_address)
             if refusal is not None:
                 logger.warning(
                     "%s: decode address %s not used (%s); the KV goes through the store",
@@ -162,7 +156,7 @@ class PrefillConnector:
             layerwise=o.layerwise,
             timeout_s=o.timeout_s,
         )
-        forced = parse_transport(transport)
+        forced = parse_transport(route.transport)
         in_engine = in_engine_kind(engine, forced or parse_transport(o.transport))
         if in_engine is TransportKind.NATIVE:
             return dataclasses.replace(plan, kind=in_engine)

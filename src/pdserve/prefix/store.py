@@ -39,6 +39,7 @@ import torch
 from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.kvstore.client import KVStoreClient
@@ -126,14 +127,13 @@ class PrefixReuse:
         # The throw-away request: its payload lands in the engine's blocks, it finishes on
         # import (max_tokens=1, its "first token" is the prompt's next one) and its blocks stay
         # cached under the prefix's hashes.
-        stream = engine.decode(
+        prefix = EngineRequest(
             f"{request_id}#prefix",
-            list(prompt_ids[:n]),
+            tuple(prompt_ids[:n]),
             SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-            (int(prompt_ids[n]), 0.0),
-            payload,
-            cache_salt=tenant,
+            tenant=tenant,
         )
+        stream = engine.decode(prefix, (int(prompt_ids[n]), 0.0), payload)
         async with aclosing(stream):
             async for _ in stream:
                 pass

@@ -20,9 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 
 from pdserve.backends import EngineBackend
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.handoff import DecodeConnector
 from pdserve.timing import RequestTiming
 from pdserve.transfer.base import KVLocation
@@ -47,27 +48,20 @@ class DecodeWorker:
     # -- Decode ----------------------------------------------------------------------------
     async def decode(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
+        request: EngineRequest,
         first_token: tuple[int, float],
-        params: SamplingParams,
         kv: KVLocation,
         *,
-        tenant: str = "",
-        reservation_id: str = "",
         resumed: Sequence[int] = (),
     ) -> AsyncGenerator[DecodeDelta, None]:
         """The tokens after ``first_token`` (and after ``resumed``, the tokens a decode worker
         that died had streamed); the transport's copy is gone when this ends."""
-        params = params.without_prompt_logprobs()  # they went out with the prefill's answer
+        # The prompt's logprobs went out with the prefill's answer.
+        request = replace(request, params=request.params.without_prompt_logprobs())
         if resumed:
-            check_request(self.engine, request_id, prompt_ids, params)
+            check_request(self.engine, request)
             deltas = resume(
-                self.engine,
-                self.fingerprint,
-                Resumed(request_id, prompt_ids, [first_token[0], *resumed], params, kv),
-                tenant=tenant,
-                reservation_id=reservation_id,
+                self.engine, self.fingerprint, Resumed(request, [first_token[0], *resumed], kv)
             )
             async with aclosing(deltas):
                 async for delta in deltas:
@@ -75,20 +69,14 @@ class DecodeWorker:
             return
         started = time.perf_counter()
         async with self.connector.incoming(kv) as incoming:  # a refused request frees it too
-            check_request(self.engine, request_id, prompt_ids, params)
-            arrival = await incoming.arrive(
-                request_id, prompt_ids, params, tenant=tenant, reservation_id=reservation_id
-            )
+            check_request(self.engine, request)
+            arrival = await incoming.arrive(request)
 
         timing = RequestTiming()
         stream = self.engine.decode(
-            request_id,
-            prompt_ids,
-            params,
+            request,
             first_token,
             arrival.payload,
-            cache_salt=tenant,
-            tag=reservation_id,
             timing=timing,
             coalesce=True,  # a stream that fell behind catches up in one chunk
         )
@@ -107,21 +95,11 @@ class DecodeWorker:
                 yield delta_of(out, final, num_cached_tokens=0)
 
     # -- Mixed -----------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        tenant: str = "",
-        reservation_id: str = "",
-    ) -> AsyncGenerator[DecodeDelta, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[DecodeDelta, None]:
         """Prefill and decode here; the first delta carries the first token."""
-        check_request(self.engine, request_id, prompt_ids, params)
+        check_request(self.engine, request)
         timing = RequestTiming()
-        stream = self.engine.generate(
-            request_id, prompt_ids, params, cache_salt=tenant, tag=reservation_id, timing=timing
-        )
+        stream = self.engine.generate(request, timing=timing)
         async with aclosing(stream):
             async for out in stream:
                 final = None

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pdserve.backends import EngineBackend
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import EngineRequest
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
 from pdserve.timing import RequestTiming
 from pdserve.transfer.base import HandoffRecord, KVLocation, TransportKind
@@ -26,13 +26,11 @@ from pdserve.worker.delta import DecodeDelta, Finished, delta_of
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """A migrated request: its prompt and every output token streamed so far."""
+    """A migrated request and every output token streamed so far."""
 
-    request_id: str
-    prompt_ids: Sequence[int]
+    request: EngineRequest
     generated: Sequence[int]
     """The first token (the prefill's) and the ones the dead decode worker streamed."""
-    params: SamplingParams
     kv: KVLocation
     """Must be a recompute handle; its fingerprint, when set, names the model that drew the
     tokens so far."""
@@ -41,10 +39,7 @@ class Resumed:
 async def resume(
     engine: EngineBackend,
     fingerprint: str,
-    request: Resumed,
-    *,
-    tenant: str = "",
-    reservation_id: str = "",
+    resumed: Resumed,
 ) -> AsyncGenerator[DecodeDelta, None]:
     """Recompute prompt + generated tokens on ``engine`` and stream the tokens after them.
 
@@ -52,7 +47,7 @@ async def resume(
     (``KVPayloadMismatchError``): it would not continue them as the first one would have.
     """
     started = time.perf_counter()
-    kv = request.kv
+    kv, request = resumed.kv, resumed.request
     if kv.kind is not TransportKind.RECOMPUTE:
         raise InvalidArgumentError(
             "resumed_token_ids", f"only with a recompute KV handle, not {kv.kind}"
@@ -65,14 +60,10 @@ async def resume(
     timing = RequestTiming()
     record = HandoffRecord(TransportKind.RECOMPUTE.value, fallback_reason=kv.reason)
     stream = engine.generate(
-        request.request_id,
-        request.prompt_ids,
-        request.params,
-        cache_salt=tenant,
-        tag=reservation_id,
+        request,
         timing=timing,
         coalesce=True,
-        generated=request.generated,
+        generated=resumed.generated,
     )
     async with aclosing(stream):
         async for out in stream:

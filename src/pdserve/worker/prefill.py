@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +21,10 @@ import torch
 from pdserve.backends import EngineBackend, Prefilled
 from pdserve.convert import check_sampling_against, check_token_ids
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVTransferError
-from pdserve.handoff import Outgoing, PrefillConnector
+from pdserve.handoff import HandoffRoute, Outgoing, PrefillConnector
 from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.prefix.store import PrefixReuse
 from pdserve.timing import RequestTiming, Timing
@@ -33,10 +33,9 @@ from pdserve.transfer.base import HandoffRecord, KVLocation
 logger = logging.getLogger(__name__)
 
 
-def check_request(
-    engine: EngineBackend, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-) -> None:
+def check_request(engine: EngineBackend, request: EngineRequest) -> None:
     """Raise ``InvalidArgumentError`` naming the (proto) field the engine would refuse."""
+    request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
     if not request_id:
         raise InvalidArgumentError("request_id", "must not be empty")
     check_token_ids(prompt_ids, vocab_size=engine.vocab_size, field="prompt_token_ids")
@@ -109,28 +108,16 @@ class PrefillWorker:
         await self.connector.close()
 
     async def prefill(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        tenant: str = "",
-        reservation_id: str = "",
-        decode_address: str = "",
-        decode_host: str = "",
-        transport: str = "",
+        self, request: EngineRequest, route: HandoffRoute | None = None
     ) -> PrefillResult:
-        check_request(self.engine, request_id, prompt_ids, params)
-        plan = await self.connector.plan(
-            request_id, prompt_ids, params.max_tokens, tenant=tenant,
-            reservation_id=reservation_id, decode_address=decode_address,
-            decode_host=decode_host, transport=transport,
-        )  # fmt: skip
+        """Prefill ``request`` and hand its KV over as ``route`` says (None: no decode worker
+        known, the policy's transport; see the module docstring)."""
+        params, prompt_ids = request.params, request.prompt_ids
+        check_request(self.engine, request)
+        plan = await self.connector.plan(request, route or HandoffRoute())
         async with self.connector.open(plan) as out:
             timing = RequestTiming()
-            done, compute_end_ns = await self._run(
-                request_id, prompt_ids, params, tenant, reservation_id, timing, out
-            )
+            done, compute_end_ns = await self._run(request, timing, out)
             last = done.output
             reason = finish_at_first(last, params, len(prompt_ids), self.engine.max_model_len)
             sent = None if reason is not None else await out.hand_over(compute_end_ns, done.native)
@@ -152,16 +139,10 @@ class PrefillWorker:
         )
 
     async def _run(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        tenant: str,
-        reservation_id: str,
-        timing: RequestTiming,
-        out: Outgoing,
+        self, request: EngineRequest, timing: RequestTiming, out: Outgoing
     ) -> tuple[Prefilled, int]:
         """Prefill with the hooks; what the engine answered and when the compute ended."""
+        request_id, prompt_ids, tenant = request.request_id, request.prompt_ids, request.tenant
         publisher = None
         # The KV store's prefix chunks enter an engine that takes KV as bytes only.
         if self.prefix is not None and self.engine.features.kv_payload:
@@ -174,12 +155,8 @@ class PrefillWorker:
                 h(layer, keys, values)
 
         done = await self.engine.prefill(
-            request_id,
-            prompt_ids,
-            params,
+            request,
             handoff=out.engine_handoff,
-            cache_salt=tenant,
-            tag=reservation_id,
             timing=timing,
             layer_hook=hook if hooks else None,
         )

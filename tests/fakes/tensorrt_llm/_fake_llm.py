@@ -32,6 +32,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.guide import Guide
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams as PdSamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from tensorrt_llm._fake_params import (
@@ -248,9 +249,7 @@ class LLM:
         logprobs: list[Any] = []
         text = ""
         stream = self._engine.generate(
-            str(out.request_id),
-            out.prompt_token_ids,
-            params,
+            EngineRequest(str(out.request_id), out.prompt_token_ids, params),
             kv=kv,
             first_token=(first, 0.0) if first is not None else None,
         )
@@ -268,7 +267,7 @@ class LLM:
         rid = str(out.request_id)
         last = None
         stream = self._engine.generate(
-            rid, out.prompt_token_ids, params.first_token_only(), hold_kv=True
+            EngineRequest(rid, out.prompt_token_ids, params.first_token_only()), hold_kv=True
         )
         async with aclosing(stream):
             async for o in stream:

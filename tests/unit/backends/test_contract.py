@@ -31,6 +31,7 @@ from pdserve.backends import (
 from pdserve.backends.tensorrt_llm_sampling import unsupported
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import DuplicateRequestError, InvalidArgumentError, WorkerUnavailableError
 from tests.unit.backends.conftest import open_backend, reference_engine, run
@@ -79,7 +80,7 @@ async def barrier(backend: EngineBackend) -> None:
     output; a call after that output runs on the engine thread once that publish is done.
     """
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    await collect(backend.generate(f"settle-{next(_settles)}", [5, 6], one))
+    await collect(backend.generate(EngineRequest(f"settle-{next(_settles)}", [5, 6], one)))
     await backend.cached_prefix_blocks([])
 
 
@@ -121,7 +122,10 @@ def test_generate_matches_the_engine_alone(backend_kind: str, tiny_llama_dir: Pa
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
             got = await asyncio.gather(
-                *(collect(backend.generate(f"g{i}", p, GREEDY)) for i, p in enumerate(ps))
+                *(
+                    collect(backend.generate(EngineRequest(f"g{i}", p, GREEDY)))
+                    for i, p in enumerate(ps)
+                )
             )
         for ref, (tokens, logprobs, outs) in zip(reference, got, strict=True):
             assert tokens == ref.token_ids
@@ -139,12 +143,18 @@ def test_prefill_then_decode_equals_whole(backend_kind: str, tiny_llama_dir: Pat
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
             for i, p in enumerate(ps):
-                whole, whole_lps, _ = await collect(backend.generate(f"w{i}", p, GREEDY))
-                pre = await backend.prefill(f"s{i}", p, GREEDY, handoff=handoff_of(backend))
+                whole, whole_lps, _ = await collect(
+                    backend.generate(EngineRequest(f"w{i}", p, GREEDY))
+                )
+                pre = await backend.prefill(
+                    EngineRequest(f"s{i}", p, GREEDY), handoff=handoff_of(backend)
+                )
                 first = (pre.output.new_token_ids[0], pre.output.new_logprobs[0])
                 assert pre.output.finished and pre.output.finish_reason is FinishReason.LENGTH
                 kv = await handed_over(backend, pre, f"s{i}")
-                rest, rest_lps, outs = await collect(backend.decode(f"s{i}", p, GREEDY, first, kv))
+                rest, rest_lps, outs = await collect(
+                    backend.decode(EngineRequest(f"s{i}", p, GREEDY), first, kv)
+                )
                 assert [first[0], *rest] == whole
                 assert [first[1], *rest_lps] == pytest.approx(whole_lps, abs=1e-4)
                 assert outs[-1].finish_reason is FinishReason.LENGTH
@@ -159,8 +169,10 @@ def test_decode_without_kv_recomputes(backend_kind: str, tiny_llama_dir: Path) -
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
-            whole, _, _ = await collect(backend.generate("w", p, GREEDY))
-            rest, _, outs = await collect(backend.decode("r", p, GREEDY, (whole[0], 0.0), None))
+            whole, _, _ = await collect(backend.generate(EngineRequest("w", p, GREEDY)))
+            rest, _, outs = await collect(
+                backend.decode(EngineRequest("r", p, GREEDY), (whole[0], 0.0), None)
+            )
             assert rest == whole[1:]
             assert outs[-1].finish_reason is FinishReason.LENGTH
 
@@ -175,7 +187,9 @@ def test_decode_of_a_one_token_request_ends_at_once(
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
             one = SamplingParams(temperature=0.0, max_tokens=1)
-            outs = [o async for o in backend.decode("x", [5, 6, 7], one, (8, 0.0), None)]
+            outs = [
+                o async for o in backend.decode(EngineRequest("x", [5, 6, 7], one), (8, 0.0), None)
+            ]
             assert len(outs) == 1 and outs[0].new_token_ids == []
             assert outs[0].finish_reason is FinishReason.LENGTH
 
@@ -191,8 +205,10 @@ def test_a_migrated_request_continues_after_its_tokens(
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
-            whole, _, _ = await collect(backend.generate("w", p, GREEDY))
-            rest, _, outs = await collect(backend.generate("m", p, GREEDY, generated=whole[:4]))
+            whole, _, _ = await collect(backend.generate(EngineRequest("w", p, GREEDY)))
+            rest, _, outs = await collect(
+                backend.generate(EngineRequest("m", p, GREEDY), generated=whole[:4])
+            )
             assert rest == whole[4:]
             assert outs[-1].finish_reason is FinishReason.LENGTH
 
@@ -205,9 +221,11 @@ def test_a_stop_token_ends_the_prefill(backend_kind: str, tiny_llama_dir: Path) 
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
-            whole, _, _ = await collect(backend.generate("w", p, GREEDY))
+            whole, _, _ = await collect(backend.generate(EngineRequest("w", p, GREEDY)))
             stopping = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(whole[0],))
-            pre = await backend.prefill("s", p, stopping, handoff=handoff_of(backend))
+            pre = await backend.prefill(
+                EngineRequest("s", p, stopping), handoff=handoff_of(backend)
+            )
             assert pre.output.new_token_ids == [whole[0]]
             assert pre.output.finish_reason is FinishReason.STOP
             assert pre.native is None
@@ -238,19 +256,23 @@ def test_logits_controls_hold_on_every_path(backend_kind: str, tiny_llama_dir: P
         field = refusal(backend, params)
         if field is not None:
             with pytest.raises(InvalidArgumentError) as err:
-                await collect(backend.generate(f"{rid}-w", p, params))
+                await collect(backend.generate(EngineRequest(f"{rid}-w", p, params)))
             assert err.value.field == field
             return []
-        whole, _, _ = await collect(backend.generate(f"{rid}-w", p, params))
-        pre = await backend.prefill(f"{rid}-s", p, params, handoff=handoff_of(backend))
+        whole, _, _ = await collect(backend.generate(EngineRequest(f"{rid}-w", p, params)))
+        pre = await backend.prefill(
+            EngineRequest(f"{rid}-s", p, params), handoff=handoff_of(backend)
+        )
         first = pre.output.new_token_ids[0]
         kv = await handed_over(backend, pre, f"{rid}-s")
-        rest, _, _ = await collect(backend.decode(f"{rid}-s", p, params, (first, 0.0), kv))
+        rest, _, _ = await collect(
+            backend.decode(EngineRequest(f"{rid}-s", p, params), (first, 0.0), kv)
+        )
         return [whole, [first, *rest]]
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
-            plain, _, _ = await collect(backend.generate("plain", p, GREEDY))
+            plain, _, _ = await collect(backend.generate(EngineRequest("plain", p, GREEDY)))
             forced = plain[3]  # a token that greedy draws, but not first
             biased = SamplingParams(
                 temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={forced: 100.0}
@@ -259,7 +281,7 @@ def test_logits_controls_hold_on_every_path(backend_kind: str, tiny_llama_dir: P
                 assert tokens == [forced] * 5
             stop = plain[0]  # ends a request at once, but for min_tokens
             held = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop,))
-            assert (await collect(backend.generate("stops", p, held)))[0] == [stop]
+            assert (await collect(backend.generate(EngineRequest("stops", p, held))))[0] == [stop]
             held = dataclasses.replace(held, min_tokens=3)
             for tokens in await both_ways(backend, "min", held):
                 assert len(tokens) >= 3 and stop not in tokens[:3], tokens
@@ -284,7 +306,7 @@ def test_capacity_follows_requests(backend_kind: str, tiny_llama_dir: Path) -> N
             assert idle.blocks_total > 0 and idle.block_size > 0
             assert 0 <= idle.blocks_free <= idle.blocks_total
             assert (idle.running, idle.waiting, idle.queued_tokens, idle.tags) == (0, 0, 0, ())
-            stream = backend.generate("c", p, long, tag="resv-7")
+            stream = backend.generate(EngineRequest("c", p, long, reservation_id="resv-7"))
             async with aclosing(stream):
                 first = await anext(stream)
                 assert first.new_token_ids and not first.finished
@@ -294,8 +316,8 @@ def test_capacity_follows_requests(backend_kind: str, tiny_llama_dir: Path) -> N
                 assert busy.running == 1 and busy.waiting == 0
             # Closed early: the request is aborted and forgotten; its id is free again, and
             # the engine still computes the same tokens.
-            again, _, _ = await collect(backend.generate("c", p, GREEDY))
-            other, _, _ = await collect(backend.generate("d", p, GREEDY))
+            again, _, _ = await collect(backend.generate(EngineRequest("c", p, GREEDY)))
+            other, _, _ = await collect(backend.generate(EngineRequest("d", p, GREEDY)))
             assert again == other and len(again) == GREEDY.max_tokens
             await barrier(backend)
             after = backend.capacity()
@@ -316,7 +338,7 @@ def test_abort_frees_held_kv(backend_kind: str, tiny_llama_dir: Path) -> None:
                 return
             await barrier(backend)
             total = backend.capacity().blocks_total
-            await backend.prefill("h", p, GREEDY, handoff=Handoff.HOLD)
+            await backend.prefill(EngineRequest("h", p, GREEDY), handoff=Handoff.HOLD)
             await barrier(backend)
             assert backend.capacity().blocks_free <= total - 2  # 41 tokens in blocks of 16
             backend.abort("h")
@@ -332,11 +354,11 @@ def test_a_request_id_in_flight_is_refused(backend_kind: str, tiny_llama_dir: Pa
 
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
-            stream = backend.generate("dup", p, long)
+            stream = backend.generate(EngineRequest("dup", p, long))
             async with aclosing(stream):
                 await anext(stream)
                 with pytest.raises(DuplicateRequestError):
-                    await collect(backend.generate("dup", p, GREEDY))
+                    await collect(backend.generate(EngineRequest("dup", p, GREEDY)))
 
     run(body)
 
@@ -347,7 +369,7 @@ def test_closed_backend_refuses_work(backend_kind: str, tiny_llama_dir: Path) ->
             pass
         await backend.close()  # idempotent
         with pytest.raises(WorkerUnavailableError):
-            await collect(backend.generate("late", [5, 6, 7], GREEDY))
+            await collect(backend.generate(EngineRequest("late", [5, 6, 7], GREEDY)))
 
     run(body)
 
@@ -363,27 +385,29 @@ def test_what_a_backend_cannot_do_is_refused_by_field(
             f = backend.features
             if not f.native_kv:
                 with pytest.raises(InvalidArgumentError) as err:
-                    await backend.prefill("n", p, GREEDY, handoff=Handoff.NATIVE)
+                    await backend.prefill(EngineRequest("n", p, GREEDY), handoff=Handoff.NATIVE)
                 assert err.value.field == "transport"
                 native = NativeKV(backend="tensorrt-llm", ctx_request_id=1, first_gen_tokens=(5,))
                 with pytest.raises(InvalidArgumentError) as err:
-                    await collect(backend.decode("n", p, GREEDY, (5, 0.0), native))
+                    await collect(backend.decode(EngineRequest("n", p, GREEDY), (5, 0.0), native))
                 assert err.value.field == "kv.native"
             if not f.kv_payload:
                 with pytest.raises(InvalidArgumentError) as err:
-                    await backend.prefill("h", p, GREEDY, handoff=Handoff.HOLD)
+                    await backend.prefill(EngineRequest("h", p, GREEDY), handoff=Handoff.HOLD)
                 assert err.value.field == "transport"
                 with pytest.raises(InvalidArgumentError) as err:
                     await backend.export_kv("h")
                 assert err.value.field == "kv.location"
                 payload = _payload_for(backend, len(p))
                 with pytest.raises(InvalidArgumentError) as err:
-                    await collect(backend.decode("h", p, GREEDY, (5, 0.0), payload))
+                    await collect(backend.decode(EngineRequest("h", p, GREEDY), (5, 0.0), payload))
                 assert err.value.field == "kv.location"
             if not f.layer_hook:
                 with pytest.raises(InvalidArgumentError) as err:
                     await backend.prefill(
-                        "l", p, GREEDY, handoff=Handoff.RELEASE, layer_hook=lambda *a: None
+                        EngineRequest("l", p, GREEDY),
+                        handoff=Handoff.RELEASE,
+                        layer_hook=lambda *a: None,
                     )
                 assert err.value.field == "transport"
             if not f.prefix_cache:

@@ -17,6 +17,7 @@ import pytest
 from pdserve.backends import TENSORRT_LLM
 from pdserve.engine.guide import Guide
 from pdserve.engine.outputs import FinishReason
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.tokenizer import Tokenizer
@@ -47,41 +48,49 @@ def test_a_guided_output_holds_on_every_path(
             trt = backend.name == TENSORRT_LLM
             for seed in range(3):
                 params = sampled(guide, seed)
-                whole, _, outs = await collect(backend.generate(f"w{seed}", p, params))
+                whole, _, outs = await collect(
+                    backend.generate(EngineRequest(f"w{seed}", p, params))
+                )
                 assert outs[-1].finish_reason is FinishReason.STOP
                 assert whole[-1] in tokenizer.eos_token_ids  # where the grammar is complete
                 jsonschema.validate(json.loads(tokenizer.decode(whole)), SCHEMA)
                 # The backend's own hand-off: the same seeded tokens, so the decode side
                 # continued the grammar where the prefill's first token left it.
                 rid = f"s{seed}"
-                pre = await backend.prefill(rid, p, params, handoff=handoff_of(backend))
+                pre = await backend.prefill(
+                    EngineRequest(rid, p, params), handoff=handoff_of(backend)
+                )
                 first = pre.output.new_token_ids[0]
                 kv = await handed_over(backend, pre, rid)
-                rest, _, outs = await collect(backend.decode(rid, p, params, (first, 0.0), kv))
+                rest, _, outs = await collect(
+                    backend.decode(EngineRequest(rid, p, params), (first, 0.0), kv)
+                )
                 assert [first, *rest] == whole and outs[-1].finish_reason is FinishReason.STOP
                 # Tokens drawn elsewhere (recompute, migration) replayed into the grammar.
                 if trt:
                     for stream in (
-                        backend.decode(f"r{seed}", p, params, (first, 0.0), None),
-                        backend.generate(f"m{seed}", p, params, generated=whole[:5]),
+                        backend.decode(EngineRequest(f"r{seed}", p, params), (first, 0.0), None),
+                        backend.generate(EngineRequest(f"m{seed}", p, params), generated=whole[:5]),
                     ):
                         with pytest.raises(InvalidArgumentError) as err:
                             await collect(stream)
                         assert err.value.field == "sampling.guided_json"
                     continue
                 rest, _, _ = await collect(
-                    backend.decode(f"r{seed}", p, params, (first, 0.0), None)
+                    backend.decode(EngineRequest(f"r{seed}", p, params), (first, 0.0), None)
                 )
                 assert [first, *rest] == whole
                 moved, _, _ = await collect(
-                    backend.generate(f"m{seed}", p, params, generated=whole[:5])
+                    backend.generate(EngineRequest(f"m{seed}", p, params), generated=whole[:5])
                 )
                 assert moved == whole[5:]
             for guide_, ok in (
                 (Guide.regex(REGEX), lambda t: re.fullmatch(REGEX, t)),
                 (Guide.choice(["yes", "no", "maybe so"]), lambda t: t in ("yes", "no", "maybe so")),
             ):
-                tokens, _, outs = await collect(backend.generate("g", p, sampled(guide_, 1, 32)))
+                tokens, _, outs = await collect(
+                    backend.generate(EngineRequest("g", p, sampled(guide_, 1, 32)))
+                )
                 assert outs[-1].finish_reason is FinishReason.STOP
                 assert ok(tokenizer.decode(tokens)), tokenizer.decode(tokens)
             await barrier(backend)
@@ -107,8 +116,8 @@ def test_a_guide_that_does_not_compile_is_refused_by_field(
     async def body() -> None:
         async with open_backend(backend_kind, tiny_llama_dir) as backend:
             for attempt in (
-                collect(backend.generate("g", p, params)),
-                backend.prefill("p", p, params, handoff=handoff_of(backend)),
+                collect(backend.generate(EngineRequest("g", p, params))),
+                backend.prefill(EngineRequest("p", p, params), handoff=handoff_of(backend)),
             ):
                 with pytest.raises(InvalidArgumentError) as err:
                     await attempt

@@ -30,6 +30,7 @@ from pdserve.backends.tensorrt_llm_api import (
 from pdserve.backends.tensorrt_llm_sampling import sampling_params
 from pdserve.engine.guide import JSON_OBJECT_SCHEMA, Guide
 from pdserve.engine.outputs import FinishReason
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
     InvalidArgumentError,
@@ -119,14 +120,14 @@ def test_what_tensorrt_llm_cannot_express_is_refused_by_name(
 
     async def body() -> None:
         async with open_backend(TENSORRT_LLM, tiny_llama_dir) as backend:
-            stream = backend.generate("g", [5, 6, 7], params)
+            stream = backend.generate(EngineRequest("g", [5, 6, 7], params))
             with pytest.raises(InvalidArgumentError) as e:
                 async with aclosing(stream):
                     async for _ in stream:
                         pass
             assert e.value.field == field
             with pytest.raises(InvalidArgumentError) as e:
-                await backend.prefill("p", [5, 6, 7], params, handoff=Handoff.NATIVE)
+                await backend.prefill(EngineRequest("p", [5, 6, 7], params), handoff=Handoff.NATIVE)
             assert e.value.field == field
 
     run(body)
@@ -167,15 +168,25 @@ def test_controls_reach_the_engine(fake_tensorrt_llm: Path, tiny_llama_dir: Path
         async with open_backend(TENSORRT_LLM, tiny_llama_dir) as backend:
             forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={42: 100.0})
             tokens = [
-                t async for o in backend.generate("b", prompt, forced) for t in o.new_token_ids
+                t
+                async for o in backend.generate(EngineRequest("b", prompt, forced))
+                for t in o.new_token_ids
             ]
             assert tokens == [42] * 5
             # A bias of +100 on the end token ends the request at once, unless min_tokens.
             eos = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={2: 100.0})
-            ended = [t async for o in backend.generate("e", prompt, eos) for t in o.new_token_ids]
+            ended = [
+                t
+                async for o in backend.generate(EngineRequest("e", prompt, eos))
+                for t in o.new_token_ids
+            ]
             assert ended == [2]
             held = dataclasses.replace(eos, min_tokens=4)
-            tokens = [t async for o in backend.generate("m", prompt, held) for t in o.new_token_ids]
+            tokens = [
+                t
+                async for o in backend.generate(EngineRequest("m", prompt, held))
+                for t in o.new_token_ids
+            ]
             assert len(tokens) == 5 and 2 not in tokens[:4] and tokens[4] == 2
 
     run(body)
@@ -277,17 +288,23 @@ def test_hand_off_between_two_engines(fake_tensorrt_llm: Path, tiny_llama_dir: P
             open_backend(TENSORRT_LLM, tiny_llama_dir) as prefill,
             open_backend(TENSORRT_LLM, tiny_llama_dir) as decode,
         ):
-            whole = [t async for o in decode.generate("w", prompt, GREEDY) for t in o.new_token_ids]
-            pre = await prefill.prefill("r", prompt, GREEDY, handoff=Handoff.NATIVE)
+            whole = [
+                t
+                async for o in decode.generate(EngineRequest("w", prompt, GREEDY))
+                for t in o.new_token_ids
+            ]
+            pre = await prefill.prefill(EngineRequest("r", prompt, GREEDY), handoff=Handoff.NATIVE)
             assert pre.native is not None and list(fake_tensorrt_llm.iterdir())
             first = (pre.output.new_token_ids[0], pre.output.new_logprobs[0])
-            stream = decode.decode("r", prompt, GREEDY, first, pre.native, tag="t")
+            stream = decode.decode(
+                EngineRequest("r", prompt, GREEDY, reservation_id="t"), first, pre.native
+            )
             async with aclosing(stream):
                 rest = [t async for o in stream for t in o.new_token_ids]
             assert [first[0], *rest] == whole
             assert not list(fake_tensorrt_llm.iterdir())  # read once, then gone
             # The same handle again: its KV is gone, and the transfer fails clearly.
-            again = decode.decode("r2", prompt, GREEDY, first, pre.native)
+            again = decode.decode(EngineRequest("r2", prompt, GREEDY), first, pre.native)
             with pytest.raises(KVTransferError, match="timed out"):
                 async with aclosing(again):
                     async for _ in again:
@@ -302,7 +319,7 @@ def test_handle_of_another_backend_is_refused(
     async def body() -> None:
         async with open_backend(TENSORRT_LLM, tiny_llama_dir) as backend:
             other = NativeKV(backend="elsewhere", ctx_request_id=1, first_gen_tokens=(5,))
-            stream = backend.decode("x", [5, 6, 7], GREEDY, (5, 0.0), other)
+            stream = backend.decode(EngineRequest("x", [5, 6, 7], GREEDY), (5, 0.0), other)
             with pytest.raises(InvalidArgumentError) as err:
                 async with aclosing(stream):
                     async for _ in stream:

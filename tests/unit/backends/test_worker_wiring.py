@@ -10,9 +10,10 @@ import pytest
 
 from pdserve.backends import TENSORRT_LLM, TORCH, NativeKV
 from pdserve.convert.kv import handle_from_proto, handle_to_proto
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
-from pdserve.handoff import DecodeConnector, PrefillConnector
+from pdserve.handoff import DecodeConnector, HandoffRoute, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.scheduling import WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
@@ -158,7 +159,7 @@ def test_workers_hand_over_natively_and_refuse_transports(
 ) -> None:
     """A prefill and a decode worker on the tensorrt-llm backend (two engines): the hand-off is
     native, the tokens those of a whole request; pdserve's transports are refused by field."""
-    prompt = [7, 300, 41, 1000, 5, 5, 12, 99, 1500]
+    prompt = (7, 300, 41, 1000, 5, 5, 12, 99, 1500)
 
     async def body() -> None:
         async with (
@@ -169,23 +170,30 @@ def test_workers_hand_over_natively_and_refuse_transports(
             prefill = PrefillWorker(p_engine, PrefillConnector(p_engine, store, host="h"))
             decode = DecodeWorker(d_engine, DecodeConnector(d_engine, host="h"))
             try:
-                whole = [t async for o in d_engine.generate("w", prompt, GREEDY)
+                whole = [t async for o in d_engine.generate(EngineRequest("w", prompt, GREEDY))
                          for t in o.new_token_ids]  # fmt: skip
-                result = await prefill.prefill("r", prompt, GREEDY)
+                result = await prefill.prefill(EngineRequest("r", prompt, GREEDY))
                 assert result.kv is not None and result.kv.kind is TransportKind.NATIVE
                 assert result.transfer is not None and result.transfer.transport == "native"
                 first = (result.first_token_id, result.first_logprob)
-                deltas = [d async for d in decode.decode("r", prompt, first, GREEDY, result.kv)]
+                deltas = [
+                    d
+                    async for d in decode.decode(
+                        EngineRequest("r", prompt, GREEDY), first, result.kv
+                    )
+                ]
                 assert [first[0], *(t for d in deltas for t in d.token_ids)] == whole
                 assert deltas[-1].timing is not None and deltas[-1].timing.transport == "native"
                 for transport in ("store", "direct", "shm"):
                     with pytest.raises(InvalidArgumentError) as err:
-                        await prefill.prefill("x", prompt, GREEDY, transport=transport)
+                        await prefill.prefill(
+                            EngineRequest("x", prompt, GREEDY), HandoffRoute(transport=transport)
+                        )
                     assert err.value.field == "transport"
                 stored = KVLocation(TransportKind.STORE, "s", len(prompt), 10, decode.fingerprint,
                                     address="127.0.0.1:1", key="kv/s")  # fmt: skip
                 with pytest.raises(InvalidArgumentError) as err:
-                    async for _ in decode.decode("s", prompt, first, GREEDY, stored):
+                    async for _ in decode.decode(EngineRequest("s", prompt, GREEDY), first, stored):
                         pass
                 assert err.value.field == "kv.location"
             finally:
@@ -203,7 +211,9 @@ def test_a_torch_prefill_worker_refuses_native(tiny_llama_dir: Path) -> None:
             prefill = PrefillWorker(engine, PrefillConnector(engine, store, host="h"))
             try:
                 with pytest.raises(InvalidArgumentError) as err:
-                    await prefill.prefill("x", [5, 6, 7], GREEDY, transport="native")
+                    await prefill.prefill(
+                        EngineRequest("x", (5, 6, 7), GREEDY), HandoffRoute(transport="native")
+                    )
                 assert err.value.field == "transport"
             finally:
                 await prefill.close()

@@ -167,7 +167,7 @@ def test_randomized_add_step_abort_leaks_nothing(tiny_llama_dir: Path) -> None:
                 temperature=rnd.choice([0.0, 1.0]), max_tokens=rnd.randint(1, 20), seed=op
             )
             hold = rnd.random() < 0.2
-            eng.add_request(rid, prompt, params, hold_kv=hold, cache_salt=rnd.choice(["", "t1"]))
+            eng.add_request(rid, prompt, params, hold_kv=hold, tenant=rnd.choice(["", "t1"]))
             live.add(rid)
         elif r < 0.35 and (live or held):
             rid = rnd.choice(sorted(live | held))

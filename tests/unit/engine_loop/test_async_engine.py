@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import FinishReason, RequestOutput
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.engine_loop.batch_window import BatchWindow
@@ -43,7 +44,7 @@ async def collect(
     ae: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams
 ) -> list[RequestOutput]:
     outs = []
-    async with aclosing(ae.generate(rid, prompt, params)) as stream:
+    async with aclosing(ae.generate(EngineRequest(rid, prompt, params))) as stream:
         async for out in stream:
             outs.append(out)
     return outs
@@ -88,7 +89,9 @@ def test_cancel_mid_stream_frees_blocks(tiny_llama_dir: Path, how: str) -> None:
 
         async def consume() -> None:
             n = 0
-            async with aclosing(ae.generate("long", prompts(1, [30])[0], long)) as stream:
+            async with aclosing(
+                ae.generate(EngineRequest("long", prompts(1, [30])[0], long))
+            ) as stream:
                 async for _ in stream:
                     n += 1
                     if n == 2:
@@ -172,7 +175,7 @@ def test_errors_reach_the_caller_and_spare_others(tiny_llama_dir: Path) -> None:
         with pytest.raises(InvalidArgumentError, match="prompt_token_ids"):
             await collect(ae, "oov", [1, 10**6], params)
         # A duplicate id fails without aborting the request that holds the id.
-        stream = ae.generate("dup", prompts(4, [10])[0], params)
+        stream = ae.generate(EngineRequest("dup", prompts(4, [10])[0], params))
         async with aclosing(stream):
             first = await anext(stream)
             with pytest.raises(DuplicateRequestError):
@@ -195,7 +198,10 @@ def test_hold_kv_export_and_release(tiny_llama_dir: Path) -> None:
 
     async def body() -> None:
         outs = [
-            o async for o in ae.generate("h", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+            o
+            async for o in ae.generate(
+                EngineRequest("h", prompt, SamplingParams(max_tokens=1)), hold_kv=True
+            )
         ]
         assert outs[-1].finished
         held = await ae.call(lambda e: e.stats())
@@ -216,7 +222,7 @@ def test_close_aborts_in_flight_requests(tiny_llama_dir: Path) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
     async def body() -> None:
-        stream = ae.generate("long", prompts(6, [12])[0], long)
+        stream = ae.generate(EngineRequest("long", prompts(6, [12])[0], long))
         async with aclosing(stream):
             await anext(stream)
             await ae.close()
@@ -259,7 +265,7 @@ def test_layer_hook_sees_each_layer_of_the_whole_prompt_once(tiny_llama_dir: Pat
 
     async def body() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        stream = ae.generate("hooked", prompt, params, hold_kv=True, layer_hook=hook)
+        stream = ae.generate(EngineRequest("hooked", prompt, params), hold_kv=True, layer_hook=hook)
         async with aclosing(stream):
             async for _ in stream:
                 pass
@@ -283,7 +289,7 @@ def test_held_kv_is_released_when_its_consumer_leaves_before_the_end(tiny_llama_
 
     async def body() -> None:
         stream = ae.generate(
-            "held", prompts(8, [40])[0], SamplingParams(max_tokens=1), hold_kv=True
+            EngineRequest("held", prompts(8, [40])[0], SamplingParams(max_tokens=1)), hold_kv=True
         )
         task = asyncio.create_task(anext(stream))
         await asyncio.sleep(0)  # let the task submit the request (one loop turn, no waiting)
@@ -315,7 +321,9 @@ def test_coalesce_merges_what_waited_and_sends_the_first_output_alone(
 
     async def body() -> None:
         try:
-            async with aclosing(ae.generate("c", prompt, GREEDY, coalesce=True)) as stream:
+            async with aclosing(
+                ae.generate(EngineRequest("c", prompt, GREEDY), coalesce=True)
+            ) as stream:
                 first = await anext(stream)
                 # Read nothing until the engine has run the request to its end: every later
                 # output is then waiting in the queue.

@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.backends import TORCH, EngineBackend
+from pdserve.backends import TORCH, EngineBackend, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.handoff import (
     Arrival,
     DecodeConnector,
     HandoffPlan,
+    HandoffRoute,
     PrefillConnector,
     Sent,
     TransferOptions,
 )
-from pdserve.handoff.decode import recompute
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.transfer.compress import Compression
@@ -36,7 +37,7 @@ from tests.unit.backends.conftest import open_backend, run
 from tests.unit.transfer.conftest import assert_same_payload
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-PROMPT = [(7 * i + 3) % 1000 for i in range(41)]
+PROMPT = tuple((7 * i + 3) % 1000 for i in range(41))
 DECODE = "10.0.0.2:1"
 
 
@@ -80,7 +81,11 @@ async def hand_over(s: Sides, plan: HandoffPlan, kv: KVPayload) -> Sent:
 
 async def arrive(s: Sides, rid: str, location: KVLocation, tenant: str = "") -> Arrival:
     async with s.decode.incoming(location) as incoming:
-        return await incoming.arrive(rid, PROMPT, ONE, tenant=tenant)
+        return await incoming.arrive(EngineRequest(rid, PROMPT, ONE, tenant=tenant))
+
+
+def request(max_tokens: int) -> EngineRequest:
+    return EngineRequest("r", PROMPT, SamplingParams(max_tokens=max_tokens))
 
 
 def plan_of(kind: TransportKind = TransportKind.DIRECT, **changes: object) -> HandoffPlan:
@@ -91,21 +96,19 @@ def plan_of(kind: TransportKind = TransportKind.DIRECT, **changes: object) -> Ha
 def test_the_plan_decides_once_from_the_request_and_the_settings(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir, compression=Compression.INT8, layerwise=False) as s:
-            plan = await s.prefill.plan("r", PROMPT, 8, decode_address=DECODE, decode_host="b")
+            plan = await s.prefill.plan(request(8), HandoffRoute(DECODE, "b"))
             assert (plan.kind, plan.compression, plan.layerwise) == (
                 TransportKind.DIRECT, Compression.INT8, False
             )  # fmt: skip
             assert plan.decodes and not plan.announce and plan.peer == "b"
-            same_host = await s.prefill.plan("r", PROMPT, 8, decode_address=DECODE, decode_host="a")
+            same_host = await s.prefill.plan(request(8), HandoffRoute(DECODE, "a"))
             assert same_host.kind is TransportKind.SHM
             assert same_host.compression is Compression.NONE  # shm moves the bytes as they are
-            unknown = await s.prefill.plan("r", PROMPT, 1)  # no decode worker named
+            unknown = await s.prefill.plan(request(1), HandoffRoute())  # no decode worker named
             assert unknown.kind is TransportKind.STORE and not unknown.decodes
-            forced = await s.prefill.plan("r", PROMPT, 8, transport="direct")
+            forced = await s.prefill.plan(request(8), HandoffRoute(transport="direct"))
             assert forced.kind is TransportKind.STORE  # nowhere to push to: the store
-            asked = await s.prefill.plan(
-                "r", PROMPT, 8, decode_address=DECODE, transport="recompute"
-            )
+            asked = await s.prefill.plan(request(8), HandoffRoute(DECODE, transport="recompute"))
             assert asked.kind is TransportKind.RECOMPUTE
             assert asked.reason == "recompute was asked for"
 
@@ -116,7 +119,7 @@ def test_the_plan_decides_once_from_the_request_and_the_settings(tiny_llama_dir:
 def test_the_decode_side_gets_the_prompts_kv(tiny_llama_dir: Path, layerwise: bool) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            kv = await recompute(s.engine, "ref", PROMPT, ONE, "ref", "")
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             async with s.prefill.open(plan_of(layerwise=layerwise)) as out:
                 hook = out.layer_hook
                 assert hook is not None
@@ -149,9 +152,9 @@ def test_the_decode_side_gets_the_prompts_kv(tiny_llama_dir: Path, layerwise: bo
 def test_a_cached_prefix_stays_behind_and_is_joined_on_arrival(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            async for _ in s.engine.generate("warm", PROMPT, ONE, cache_salt="t"):
+            async for _ in s.engine.generate(EngineRequest("warm", PROMPT, ONE, tenant="t")):
                 pass  # the decode side ran this prompt before: its whole blocks are cached
-            kv = await recompute(s.engine, "ref", PROMPT, ONE, "ref", "")
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             skip = (len(PROMPT) - 1) // s.engine.layout.block_size * s.engine.layout.block_size
             sent = await hand_over(s, plan_of(prefix_tokens=skip), kv)
             assert sent.location.prefix_tokens == skip
@@ -176,7 +179,7 @@ def test_a_failed_hand_off_ends_in_the_same_kv_recomputed(
     async def body() -> None:
         async with sides(tiny_llama_dir, faults=faults) as s:
             # Another tenant: the recompute on arrival finds none of its blocks cached.
-            kv = await recompute(s.engine, "ref", PROMPT, ONE, "ref", "")
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             sent = await hand_over(s, plan_of(timeout_s=0.2), kv)
             if where == "prefill":
                 assert sent.location.kind is TransportKind.RECOMPUTE and sent.num_bytes == 0
@@ -194,7 +197,7 @@ def test_a_failed_hand_off_ends_in_the_same_kv_recomputed(
 def test_every_path_that_does_not_hand_over_frees_the_hand_off(tiny_llama_dir: Path) -> None:
     async def body() -> None:
         async with sides(tiny_llama_dir) as s:
-            kv = await recompute(s.engine, "ref", PROMPT, ONE, "ref", "")
+            kv = await recompute_kv(s.engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
             with pytest.raises(RuntimeError):
                 async with s.prefill.open(plan_of()) as out:  # the prefill failed midway
                     assert s.hub.keys() != []

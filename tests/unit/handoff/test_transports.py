@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.backends import TORCH
+from pdserve.backends import TORCH, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.request import EngineRequest
 from pdserve.errors import InvalidArgumentError
 from pdserve.handoff import DecodeConnector, HandoffPlan, PrefillConnector
-from pdserve.handoff.decode import recompute
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.transfer.janitor import SHM_DIR
@@ -82,7 +82,7 @@ def test_an_shm_hand_off_between_the_connectors(tiny_llama_dir: Path) -> None:
             prefill = PrefillConnector(engine, store, host="h1")
             decode = DecodeConnector(engine, host="h1")
             try:
-                kv = await recompute(engine, "ref", PROMPT, ONE, "", "")
+                kv = await recompute_kv(engine, EngineRequest("ref", PROMPT, ONE))
                 async with prefill.open(
                     HandoffPlan("r", len(PROMPT), SHM, decode_host="h1")
                 ) as out:
@@ -93,7 +93,7 @@ def test_an_shm_hand_off_between_the_connectors(tiny_llama_dir: Path) -> None:
                     sent = await out.hand_over(time.monotonic_ns())
                 assert sent.location.kind is SHM and sent.location.host == "h1"
                 async with decode.incoming(sent.location) as incoming:
-                    arrival = await incoming.arrive("r", PROMPT, ONE)
+                    arrival = await incoming.arrive(EngineRequest("r", PROMPT, ONE))
                 assert arrival.record.transport == "shm" and not arrival.record.fallback_reason
                 assert isinstance(arrival.payload, KVPayload)
                 assert_same_payload(arrival.payload, kv)

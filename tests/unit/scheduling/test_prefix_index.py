@@ -13,7 +13,7 @@ BLOCK = 16
 
 def computed(bm: BlockManager, request_id: str, tokens: list[int], salt: str = "") -> Sequence:
     """A sequence whose prompt the engine computed (its full blocks are in the cache)."""
-    seq = Sequence(request_id, tokens, SamplingParams(), arrival=0, cache_salt=salt)
+    seq = Sequence(request_id, tokens, SamplingParams(), arrival=0, tenant=salt)
     assert bm.allocate(seq, len(tokens))
     seq.num_computed_tokens = len(tokens)
     bm.register_computed_blocks(seq)
@@ -22,7 +22,7 @@ def computed(bm: BlockManager, request_id: str, tokens: list[int], salt: str = "
 
 def engine_hits(bm: BlockManager, tokens: list[int], salt: str = "") -> int:
     """Prompt tokens the engine's prefix cache would serve to a new request."""
-    probe = Sequence("probe", tokens, SamplingParams(), arrival=1, cache_salt=salt)
+    probe = Sequence("probe", tokens, SamplingParams(), arrival=1, tenant=salt)
     return len(bm.match_prefix(probe)) * BLOCK
 
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from pdserve.backends import TORCH
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import KVTransferError
 from pdserve.handoff import DecodeConnector
@@ -40,7 +41,7 @@ def test_cached_prefix_answers_from_the_engine_and_checks_its_fields(
             clients = DecodePeers(timeout_s=10)
             address = f"127.0.0.1:{port}"
             try:
-                async for _ in engine.generate("warm", prompt, ONE, cache_salt="t"):
+                async for _ in engine.generate(EngineRequest("warm", prompt, ONE, tenant="t")):
                     pass  # this worker ran the prompt before: its blocks are cached
                 layout = engine.layout
                 bs = layout.block_size

@@ -16,6 +16,7 @@ import torch
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError, UnknownRequestError
@@ -68,7 +69,7 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
 def test_engine_reports_and_exports_its_cached_prefix(tiny_llama_dir: Path) -> None:
     engine = load(tiny_llama_dir)
     ids = prompt(1, 45)  # 5 whole blocks of 8 before the last token
-    engine.add_request("a", ids, ONE, cache_salt="t1")
+    engine.add_request("a", ids, ONE, tenant="t1")
     while engine.has_unfinished():
         engine.step()
     hashes = decode_prefix.prompt_block_hashes(ids, 8, "t1")
@@ -134,7 +135,7 @@ def test_decode_worker_answers_and_joins(tiny_llama_dir: Path) -> None:
         ae.start()
         backend = TorchBackend(ae)
         try:
-            async for _ in ae.generate("warm", ids, ONE, cache_salt="t"):
+            async for _ in ae.generate(EngineRequest("warm", ids, ONE, tenant="t")):
                 pass  # the decode worker ran this prompt before: its blocks are cached
             oracle = decode_prefix.DecodePrefixOracle(backend)
             query = decode_prefix.prefix_query(ae.layout, ids, "t")

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.backends import TORCH, EngineBackend
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
-from pdserve.handoff import DecodeConnector, PrefillConnector
+from pdserve.handoff import DecodeConnector, HandoffRoute, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.worker.decode import DecodeWorker
@@ -21,12 +22,16 @@ from pdserve.worker.prefill import PrefillWorker
 from tests.unit.backends.conftest import open_backend, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-PROMPT = [7, 300, 41, 1000, 5, 5, 12, 99, 1500, 3, 8]
+PROMPT = (7, 300, 41, 1000, 5, 5, 12, 99, 1500, 3, 8)
 HOST = "h"
 
 
 async def whole(engine: EngineBackend, rid: str) -> list[int]:
-    return [t async for o in engine.generate(rid, PROMPT, GREEDY) for t in o.new_token_ids]
+    return [
+        t
+        async for o in engine.generate(EngineRequest(rid, PROMPT, GREEDY))
+        for t in o.new_token_ids
+    ]
 
 
 def tokens_of(deltas: list[DecodeDelta]) -> list[int]:
@@ -47,15 +52,11 @@ def test_decode_after_a_hand_off_gives_the_whole_requests_tokens(
             decode = DecodeWorker(d_engine, DecodeConnector(d_engine, host=HOST))
             try:
                 expected = await whole(d_engine, "w")
-                result = await prefill.prefill(
-                    f"r-{transport}", PROMPT, GREEDY, decode_host=HOST, transport=transport
-                )
+                request = EngineRequest(f"r-{transport}", PROMPT, GREEDY)
+                result = await prefill.prefill(request, HandoffRoute("", HOST, transport))
                 assert result.kv is not None
                 first = (result.first_token_id, result.first_logprob)
-                deltas = [
-                    d
-                    async for d in decode.decode(f"r-{transport}", PROMPT, first, GREEDY, result.kv)
-                ]
+                deltas = [d async for d in decode.decode(request, first, result.kv)]
                 assert [first[0], *tokens_of(deltas)] == expected
                 assert all(d.finished is None for d in deltas[:-1])
                 last = deltas[-1].finished
@@ -81,7 +82,7 @@ def test_generate_runs_the_whole_request_here(tiny_llama_dir: Path) -> None:
             decode = DecodeWorker(engine, DecodeConnector(engine, host=HOST))
             try:
                 expected = await whole(engine, "w")
-                deltas = [d async for d in decode.generate("g", PROMPT, GREEDY)]
+                deltas = [d async for d in decode.generate(EngineRequest("g", PROMPT, GREEDY))]
                 assert tokens_of(deltas) == expected
                 last = deltas[-1].finished
                 assert last is not None and last.transfer is None
@@ -99,18 +100,19 @@ def test_kv_of_another_model_is_refused(tiny_llama_dir: Path) -> None:
         async with open_backend(TORCH, tiny_llama_dir) as engine:
             decode = DecodeWorker(engine, DecodeConnector(engine, host=HOST))
             try:
+                request = EngineRequest("r", PROMPT, GREEDY)
                 foreign = KVLocation(
                     TransportKind.SHM, "r", len(PROMPT), 10, "another-model",
                     key="seg", host=HOST, capability=bytes(16),
                 )  # fmt: skip
                 with pytest.raises((KVPayloadMismatchError, InvalidArgumentError)):
-                    async for _ in decode.decode("r", PROMPT, (1, 0.0), GREEDY, foreign):
+                    async for _ in decode.decode(request, (1, 0.0), foreign):
                         pass
                 mismatched = KVLocation(
                     TransportKind.RECOMPUTE, "r", len(PROMPT) + 1, 0, decode.fingerprint
                 )
                 with pytest.raises(InvalidArgumentError) as err:
-                    async for _ in decode.decode("r", PROMPT, (1, 0.0), GREEDY, mismatched):
+                    async for _ in decode.decode(request, (1, 0.0), mismatched):
                         pass
                 assert err.value.field == "kv.num_tokens"
             finally:

@@ -12,16 +12,17 @@ import pytest
 
 from pdserve.backends import TORCH
 from pdserve.engine.outputs import FinishReason
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
-from pdserve.handoff import PrefillConnector
+from pdserve.handoff import HandoffRoute, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.transfer.base import TransportKind
 from pdserve.worker.prefill import PrefillWorker
 from tests.unit.backends.conftest import open_backend, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-PROMPT = [7, 300, 41, 1000, 5, 5, 12, 99, 1500, 3, 8]
+PROMPT = (7, 300, 41, 1000, 5, 5, 12, 99, 1500, 3, 8)
 HOST = "h"
 
 
@@ -42,10 +43,10 @@ def test_prefill_hands_over_through_shm_with_the_engines_first_token(
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)  # never dialled
             worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
-                whole = [t async for o in engine.generate("w", PROMPT, GREEDY)
+                whole = [t async for o in engine.generate(EngineRequest("w", PROMPT, GREEDY))
                          for t in o.new_token_ids]  # fmt: skip
                 result = await worker.prefill(
-                    "r-shm", PROMPT, GREEDY, decode_host=HOST, transport="shm"
+                    EngineRequest("r-shm", PROMPT, GREEDY), HandoffRoute("", HOST, "shm")
                 )
                 assert result.first_token_id == whole[0]
                 assert result.finish_reason is None
@@ -71,7 +72,9 @@ def test_recompute_sends_nothing(tiny_llama_dir: Path) -> None:
             store = KVStoreClient("127.0.0.1:1", timeout_s=1)
             worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
-                result = await worker.prefill("r-rc", PROMPT, GREEDY, transport="recompute")
+                result = await worker.prefill(
+                    EngineRequest("r-rc", PROMPT, GREEDY), HandoffRoute(transport="recompute")
+                )
                 assert result.kv is not None and result.kv.kind is TransportKind.RECOMPUTE
                 assert result.timing.transfer_bytes == 0
                 assert result.transfer is not None
@@ -91,7 +94,7 @@ def test_a_request_that_ends_at_its_first_token_hands_nothing_over(tiny_llama_di
             try:
                 one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
                 result = await worker.prefill(
-                    "r-one", PROMPT, one, decode_host=HOST, transport="shm"
+                    EngineRequest("r-one", PROMPT, one), HandoffRoute("", HOST, "shm")
                 )
                 assert result.finish_reason is FinishReason.LENGTH
                 assert result.kv is None and result.timing.transfer_bytes == 0
@@ -120,7 +123,10 @@ def test_bad_requests_are_refused_by_field(
             worker = PrefillWorker(engine, PrefillConnector(engine, store, host=HOST))
             try:
                 with pytest.raises(InvalidArgumentError) as err:
-                    await worker.prefill(request_id, prompt, GREEDY, transport=transport)
+                    await worker.prefill(
+                        EngineRequest(request_id, tuple(prompt), GREEDY),
+                        HandoffRoute(transport=transport),
+                    )
                 assert err.value.field == field
             finally:
                 await worker.close()
