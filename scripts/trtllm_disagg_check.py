@@ -30,6 +30,7 @@ from pathlib import Path
 from pdserve.backends import Handoff
 from pdserve.backends.tensorrt_llm import TensorRTLLMBackend
 from pdserve.backends.tensorrt_llm_api import TensorRTLLMConfig, unavailable
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -70,15 +71,17 @@ async def check(
         for i, n in enumerate(lengths):
             prompt = [rng.randrange(4, prefill.vocab_size) for _ in range(n)]
             whole: list[int] = []
-            async with aclosing(prefill.generate(f"whole-{i}", prompt, greedy)) as stream:
+            whole_request = EngineRequest(f"whole-{i}", tuple(prompt), greedy)
+            async with aclosing(prefill.generate(whole_request)) as stream:
                 async for out in stream:
                     whole += out.new_token_ids
-            pre = await prefill.prefill(f"disagg-{i}", prompt, greedy, handoff=Handoff.NATIVE)
+            request = EngineRequest(f"disagg-{i}", tuple(prompt), greedy)
+            pre = await prefill.prefill(request, handoff=Handoff.NATIVE)
             if pre.native is None:
                 raise RuntimeError(f"prompt {i}: the context-only request kept no KV")
             first = (pre.output.new_token_ids[0], pre.output.new_logprobs[0])
             got = [first[0]]
-            stream = decode.decode(f"disagg-{i}", prompt, greedy, first, pre.native)
+            stream = decode.decode(request, first, pre.native)
             async with aclosing(stream):
                 async for out in stream:
                     got += out.new_token_ids
