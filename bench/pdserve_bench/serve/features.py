@@ -49,36 +49,44 @@ class Features:
 
     name: str
     summary: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    """Fields added to every request, as the OpenAI body and the SDK's keywords name them."""
+    schema: Mapping[str, Any] | None = None
+    """A JSON schema the answer must follow (``response_format``; the SDK's ``guided_json``)."""
+    penalties: Mapping[str, float] = field(default_factory=dict)
+    """Penalties by the name the OpenAI body and the SDK's keywords share."""
     min_tokens_is_max: bool = False
     """Send ``min_tokens`` equal to the request's ``max_tokens``."""
-    exact_length: bool = True
-    """An answer must have exactly ``max_tokens`` tokens (False: up to that many)."""
+
+    @property
+    def exact_length(self) -> bool:
+        """An answer must have exactly ``max_tokens`` tokens (False: a grammar may end it)."""
+        return self.schema is None
 
     @property
     def salt(self) -> str:
         """What sets this target's prompt tokens apart from a plain target's (``Load.plan``)."""
         return "" if self.name == "plain" else self.name
 
-    def openai_fields(self, max_tokens: int) -> dict[str, Any]:
-        """The fields added to a ``/v1/completions`` body."""
-        out = dict(self.fields)
+    def _shared(self, max_tokens: int) -> dict[str, Any]:
+        """The fields both APIs name alike."""
+        out: dict[str, Any] = dict(self.penalties)
         if self.min_tokens_is_max:
             out["min_tokens"] = max_tokens
         return out
 
+    def openai_fields(self, max_tokens: int) -> dict[str, Any]:
+        """The fields added to a ``/v1/completions`` body."""
+        out = self._shared(max_tokens)
+        if self.schema is not None:
+            out["response_format"] = {
+                "type": "json_schema", "json_schema": {"name": "record", "schema": self.schema},
+            }  # fmt: skip
+        return out
+
     def sdk_options(self, max_tokens: int) -> RequestOptions:
         """The same fields as the pdserve SDK's request keywords."""
-        options = RequestOptions()
-        schema = self.fields.get("response_format", {}).get("json_schema", {}).get("schema")
-        if schema is not None:
-            options["guided_json"] = schema
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if name in self.fields:
-                options[name] = self.fields[name]
-        if self.min_tokens_is_max:
-            options["min_tokens"] = max_tokens
+        options = RequestOptions(**self._shared(max_tokens))  # type: ignore[typeddict-item]
+        if self.schema is not None:
+            options["guided_json"] = self.schema
         return options
 
 
@@ -86,15 +94,13 @@ PLAIN = Features("plain", "nothing added")
 JSON_SCHEMA = Features(
     "json-schema",
     "response_format json_schema (a bounded record; the answer ends with the object)",
-    {"response_format": {"type": "json_schema",
-                         "json_schema": {"name": "record", "schema": RECORD_SCHEMA}}},
-    exact_length=False,
-)  # fmt: skip
+    schema=RECORD_SCHEMA,
+)
 PENALTIES = Features(
     "penalties",
     f"presence {PRESENCE_PENALTY}, frequency {FREQUENCY_PENALTY}, repetition "
     f"{REPETITION_PENALTY} penalties and min_tokens = max_tokens",
-    {
+    penalties={
         "presence_penalty": PRESENCE_PENALTY,
         "frequency_penalty": FREQUENCY_PENALTY,
         "repetition_penalty": REPETITION_PENALTY,

@@ -126,11 +126,12 @@ def feature_costs(result: RunResult, targets: Sequence[Target]) -> list[list[str
     cell = {(p.target, p.rate): p.summary for p in result.points}
     rows = [["target", "against", "req/s", "tok/s", "TPOT p50", "ITL p50", "TTFT p50",
              "tokens per answer"]]  # fmt: skip
+    points = by_target(result)
     for t in targets:
         base = plain.get(_endpoint(t))
         if t.features.name == "plain" or base is None:
             continue
-        for p in by_target(result).get(t.label, []):
+        for p in points.get(t.label, []):
             b = cell.get((base, p.rate))
             if b is None:
                 continue
