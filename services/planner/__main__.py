@@ -83,8 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
         metrics.set_leader(result.leading)
         if result.pressure is not None:
             metrics.set_pressure(result.pressure.prefill, result.pressure.decode)
-        if result.move is not None:
-            metrics.count_move(result.move.duty, result.move.reason)
+        for move in result.moves:
+            metrics.count_move(move.duty, move.reason)
 
     loop = PlannerLoop(
         redis, KeySpace(args.namespace), config, holder=args.id, interval_s=args.interval_s,

@@ -120,6 +120,22 @@ SHORT_ONLY = Mix(
 """The short class of ``long-prompt-heavy`` alone (prompts 35-110, outputs 48-96): the
 baseline without long prefills."""
 
+PREFILL_HEAVY = Mix(
+    "prefill-heavy",
+    "long documents in, short answers out",
+    (RequestClass("document", 1.0, Span(3000, 5000), Span(8, 16)),),
+)
+"""Prompts of 3,000-5,000 tokens, answers of 8-16 tokens (extraction, classification): almost
+all prefill. With ``decode-heavy`` it makes the shifting workload of the P:D planner's
+benchmark, whose two halves want opposite splits."""
+
+DECODE_HEAVY = Mix(
+    "decode-heavy",
+    "short questions, long answers",
+    (RequestClass("generate", 1.0, Span(32, 96), Span(128, 256)),),
+)
+"""Prompts of 32-96 tokens, answers of 128-256 tokens (generation): almost all decode."""
+
 MULTI_TURN = Mix(
     "multi-turn",
     "conversations whose turns repeat the whole history (prefix-cache workload)",
@@ -136,7 +152,10 @@ answer and 30-120 new user tokens; answers are 32-128 tokens. Turn ``k+1`` is se
 arrival time or when turn ``k`` has finished, whichever is later, so a prefix cache can serve
 the history. A fifth turn's context stays under 1.8K tokens (prompt and answer)."""
 
-MIXES: dict[str, Mix] = {m.name: m for m in (LONG_PROMPT_HEAVY, CHAT, SHORT_ONLY, MULTI_TURN)}
+MIXES: dict[str, Mix] = {
+    m.name: m
+    for m in (LONG_PROMPT_HEAVY, CHAT, SHORT_ONLY, PREFILL_HEAVY, DECODE_HEAVY, MULTI_TURN)
+}
 
 
 def get_mix(name: str) -> Mix:

@@ -159,6 +159,11 @@ class EngineBackend(Protocol):
         ...
 
     @property
+    def max_num_seqs(self) -> int:
+        """Sequences one engine step carries at most (0: the engine does not say)."""
+        ...
+
+    @property
     def gate(self) -> ComputeGate:
         """How the engine shares its device with the host's other engines (``UNGATED``: it
         does not take part)."""

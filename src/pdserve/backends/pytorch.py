@@ -78,6 +78,7 @@ class TorchBackend:
         self.vocab_size: int = engine.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.max_num_batched_tokens: int = engine.max_num_batched_tokens
+        self.max_num_seqs: int = engine.max_num_seqs
 
     @classmethod
     def from_pretrained(

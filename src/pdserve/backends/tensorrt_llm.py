@@ -105,6 +105,7 @@ class TensorRTLLMBackend:
         vocab_size: int,
         max_model_len: int,
         max_num_batched_tokens: int,
+        max_num_seqs: int = 0,
         stats_interval_s: float = 0.5,
     ) -> None:
         self._llm = llm
@@ -115,6 +116,8 @@ class TensorRTLLMBackend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        """0 where not configured: TensorRT-LLM sizes its batch itself."""
         self._stats_interval_s = stats_interval_s
         self._kv = KVStats(0, 0, layout.block_size)
         self._requests = LiveRequests()
@@ -157,6 +160,7 @@ class TensorRTLLMBackend:
                 shape.max_position_embeddings,
             ),
             max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_NUM_TOKENS,
+            max_num_seqs=config.max_num_seqs or 0,
             stats_interval_s=config.stats_interval_s,
         )
 

@@ -95,6 +95,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self.max_model_len: int = engine.max_model_len
         self.max_num_batched_tokens: int = engine.config.max_num_batched_tokens
+        self.max_num_seqs: int = engine.config.max_num_seqs
         self.guides: Guides = engine.guides  # thread-safe: compile guides ahead, off the thread
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # Guards "accepting" together with the put, so that no command lands in the queue

@@ -5,16 +5,24 @@ offline profile): through the cost model (``costmodel``),
 
 * **prefill pressure**: the predicted wait of a new prompt on the prefill side (the least
   loaded prefill-duty worker's queue, reservations included) over the TTFT SLO;
-* **decode pressure**: the predicted gap between tokens on the busiest decode-duty worker
-  (its decode step, plus what a step carrying the prompt tokens queued there adds: a
-  decode-duty mixed worker also serves colocated requests) over the ITL SLO, or the share of
-  its KV blocks in use, whichever is larger.
+* **decode pressure**: the largest of: the predicted gap between tokens on the busiest
+  decode-duty worker (its decode step, plus what a step carrying the prompt tokens queued
+  there adds: a decode-duty mixed worker also serves colocated requests) over the ITL SLO;
+  the share of KV blocks in use on the fullest one; and the share of the decode side's batch
+  slots taken, counting the sequences that wait for one (running plus waiting over the
+  engines' ``max_num_seqs``). The last is what saturates first on an accelerator, whose
+  decode step hardly grows with the batch: with every slot taken, new streams queue though
+  no step is slow.
 
-So 1 means "at the SLO" (or "KV full"). The engines' busy shares are not terms: on a host
-whose engines share the cores, every engine looks busy while it waits for them. When one
-side is above ``high`` and the other below ``high`` and either below ``low`` or at most half
-as loaded, one switchable worker (a mixed worker with a KV store: ``WorkerInfo.switchable``)
-moves over: the least loaded of the relaxed side.
+So 1 means "at the SLO" (or "KV full", or "every slot taken"). The engines' busy shares are
+not terms: on a host whose engines share the cores, every engine looks busy while it waits
+for them. When one side is above ``high`` and the other below ``high`` and either below
+``low`` or at most half as loaded, switchable workers (mixed workers with a KV store:
+``WorkerInfo.switchable``) move over, the least loaded of the relaxed side first: as many
+as bring the asking side's pressure, spread over more workers, down to the middle of
+``low`` and ``high``, while the giving side's, spread over fewer, stays below ``high``
+(``moves_for``). Moving them together costs one drain rather than one per worker: a mix
+that shifts needs the new split before the queue it builds outlasts the shift.
 Counts stay within ``min_*``/``max_*`` (by default at least one worker on each side; a
 time-of-day ``Profile`` may set them per hour); after a move the planner waits ``cooldown_s``
 and for every worker to finish switching. It acts only on a settled view: the same workers
@@ -29,6 +37,7 @@ nothing in flight is lost. Several planner replicas may run: one leads at a time
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -157,8 +166,16 @@ def pressure(views: Sequence[WorkerView], model: CostModel, config: PlannerConfi
             if decoding(v)
         ]
         used = max(1 - v.free_blocks / max(1, v.info.kv_blocks_total) for v in decodes)
-        d = max(max(steps, default=0.0) / config.itl_slo_s, used)
+        d = max(max(steps, default=0.0) / config.itl_slo_s, used, slots_taken(decodes))
     return Pressure(p, d, len(prefills), len(decodes))
+
+
+def slots_taken(decodes: Sequence[WorkerView]) -> float:
+    """Sequences running or waiting for a batch slot on the decode side, over its slots (0
+    where no worker publishes its ``max_seqs``). Above 1, streams queue for a slot."""
+    sized = [v.info for v in decodes if v.info.max_seqs > 0]
+    slots = sum(i.max_seqs for i in sized)
+    return sum(i.running_seqs + i.waiting_seqs for i in sized) / slots if slots else 0.0
 
 
 def _relaxed(asking: float, giving: float, config: PlannerConfig) -> bool:
@@ -176,11 +193,12 @@ def decide(
     config: PlannerConfig,
     *,
     hour: int,
-) -> Move | None:
-    """At most one move for the cluster ``views`` (see the module docstring)."""
+) -> tuple[Move, ...]:
+    """The moves for the cluster ``views`` (none, one, or several that go together: see
+    the module docstring)."""
     switchable = [v for v in views if v.info.switchable and not v.info.draining]
     if not switchable or any(v.info.switching for v in switchable):
-        return None
+        return ()
     bounds = config.bounds_at(hour)
     on = {PREFILL: [v for v in switchable if duty_of(v) == PREFILL],
           DECODE: [v for v in switchable if duty_of(v) == DECODE]}  # fmt: skip
@@ -189,21 +207,45 @@ def decide(
     n_d = len(on[DECODE]) + sum("decode" in v.info.phases for v in fixed)
     # Bounds first: a profile that just began may ask for another split outright.
     if (n_p < bounds.min_prefill or n_d > bounds.max_decode) and n_d > bounds.min_decode:
-        return Move(_least_busy(on[DECODE]).id, PREFILL, "bounds")
+        return (Move(_least_busy(on[DECODE])[0].id, PREFILL, "bounds"),)
     if (n_d < bounds.min_decode or n_p > bounds.max_prefill) and n_p > bounds.min_prefill:
-        return Move(_least_busy(on[PREFILL]).id, DECODE, "bounds")
+        return (Move(_least_busy(on[PREFILL])[0].id, DECODE, "bounds"),)
     pr = pressure(views, model, config)
-    can_give_decode = n_d > bounds.min_decode and n_p < bounds.max_prefill and on[DECODE]
-    if can_give_decode and _relaxed(pr.prefill, pr.decode, config):
-        return Move(_least_busy(on[DECODE]).id, PREFILL, "prefill pressure")
-    can_give_prefill = n_p > bounds.min_prefill and n_d < bounds.max_decode and on[PREFILL]
-    if can_give_prefill and _relaxed(pr.decode, pr.prefill, config):
-        return Move(_least_busy(on[PREFILL]).id, DECODE, "decode pressure")
-    return None
+    for asking, giving, to, n_to, n_from, room, reason in (
+        (pr.prefill, pr.decode, PREFILL, n_p, n_d,
+         min(n_d - bounds.min_decode, bounds.max_prefill - n_p), "prefill pressure"),
+        (pr.decode, pr.prefill, DECODE, n_d, n_p,
+         min(n_p - bounds.min_prefill, bounds.max_decode - n_d), "decode pressure"),
+    ):  # fmt: skip
+        source = on[DECODE if to == PREFILL else PREFILL]
+        if source and _relaxed(asking, giving, config):
+            k = moves_for(asking, n_to, giving, n_from, min(room, len(source)), config)
+            if k:
+                return tuple(Move(v.id, to, reason) for v in _least_busy(source)[:k])
+    return ()
 
 
-def _least_busy(views: Sequence[WorkerView]) -> WorkerView:
-    return min(views, key=lambda v: (v.info.running_seqs + v.pending_tokens, v.info.busy, v.id))
+def moves_for(
+    asking: float, n_ask: int, giving: float, n_give: int, room: int, config: PlannerConfig
+) -> int:
+    """How many workers move from the giving side (pressure ``giving`` over ``n_give``
+    workers) to the asking one, at most ``room``: enough that the asking side's pressure,
+    taken as its load spread over more workers, falls to the middle of ``low`` and
+    ``high``, but never so many that the giving side's rises to ``high``. At least one
+    (the caller found the sides relaxed for one)."""
+    if room < 1:
+        return 0
+    target = (config.low + config.high) / 2
+    need = math.ceil(max(1, n_ask) * asking / target) - n_ask
+    k = max(1, min(need, room))
+    while k > 1 and (k >= n_give or giving * n_give / (n_give - k) >= config.high):
+        k -= 1
+    return k
+
+
+def _least_busy(views: Sequence[WorkerView]) -> list[WorkerView]:
+    """``views``, the least loaded first."""
+    return sorted(views, key=lambda v: (v.info.running_seqs + v.pending_tokens, v.info.busy, v.id))
 
 
 class LeaderLease:

@@ -3,10 +3,11 @@
 ``PlannerLoop.run`` until cancelled (the service runs it as one task beside its health
 server). Each pass: hold the leader lease (``planner.LeaderLease``); if this replica leads
 and no cooldown runs, read every heartbeat and the live reservations, let ``planner.decide``
-pick at most one move and write it to the worker's duty key; report pressures, moves and
-leadership to ``on_pass``. It moves nothing until it has seen the same workers for
-``settle_passes`` passes in a row. A Redis outage is logged once and retried on the next pass.
-The lease is given up on the way out, so another replica takes over at once.
+pick the moves (none, one, or several together) and write each to its worker's duty key;
+report pressures, moves and leadership to ``on_pass``. It moves nothing until it has seen
+the same workers for ``settle_passes`` passes in a row. A Redis outage is logged once and
+retried on the next pass. The lease is given up on the way out, so another replica takes
+over at once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Pass:
 
     leading: bool
     pressure: Pressure | None
-    move: Move | None
+    moves: tuple[Move, ...] = ()
 
 
 class PlannerLoop:
@@ -110,7 +111,7 @@ class PlannerLoop:
             logger.info("planner %s %s", self.lease.holder, "leads" if leading else "follows")
             self._leading = leading
         if not leading:
-            return Pass(False, None, None)
+            return Pass(False, None)
         infos = await self.registry.list_workers()
         reserved, now_s = await self.ledger.reserved_on(infos)
         views = [WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos]
@@ -120,9 +121,9 @@ class PlannerLoop:
         self._workers = workers
         logger.debug("pressure: prefill %.2f, decode %.2f", pr.prefill, pr.decode)
         if time.monotonic() < self._quiet_until or self._settled < self.settle_passes:
-            return Pass(True, pr, None)
-        move = decide(views, self.model, self.config, hour=local_hour())
-        if move is not None:
+            return Pass(True, pr)
+        moves = decide(views, self.model, self.config, hour=local_hour())
+        for move in moves:
             logger.info(
                 "move %s to %s duty (%s; prefill pressure %.2f over %d workers, decode %.2f "
                 "over %d)%s", move.worker_id, move.duty, move.reason, pr.prefill,
@@ -132,5 +133,6 @@ class PlannerLoop:
             if not self.dry_run:
                 await self.redis.set(self.keys.duty(move.worker_id), move.duty)
             self.moves.append(move)
+        if moves:
             self._quiet_until = time.monotonic() + self.config.cooldown_s
-        return Pass(True, pr, move)
+        return Pass(True, pr, moves)

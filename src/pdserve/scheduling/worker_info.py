@@ -56,6 +56,8 @@ _INT_FIELDS = (
     "max_batch_tokens",
     "queued_tokens",
     "running_seqs",
+    "waiting_seqs",
+    "max_seqs",
     "kv_bytes_per_token",
     "interactive_tokens",
 )
@@ -87,6 +89,11 @@ class WorkerInfo:
     queued_tokens: int = 0
     """Prompt tokens admitted but not yet prefilled."""
     running_seqs: int = 0
+    waiting_seqs: int = 0
+    """Requests admitted but not running: prompts waiting to prefill, handed-over KV waiting
+    for a batch slot."""
+    max_seqs: int = 0
+    """Sequences one engine step carries at most (its batch slots); 0: unknown."""
     draining: bool = False
     """True once the worker finishes what it has and takes nothing new."""
     ts: float = 0.0

@@ -29,6 +29,8 @@ class WorkerIdentity:
     host: str
     model_fingerprint: str
     max_batch_tokens: int
+    max_seqs: int = 0
+    """The engine's batch slots (``EngineBackend.max_num_seqs``; 0: unknown)."""
     lane: str = "any"
     kv_bytes_per_token: int = 0
     interactive_tokens: int = 0
@@ -70,6 +72,8 @@ def worker_info(
         max_batch_tokens=identity.max_batch_tokens,
         queued_tokens=load.queued_tokens,
         running_seqs=load.running,
+        waiting_seqs=load.waiting,
+        max_seqs=identity.max_seqs,
         draining=draining,
         reservations=load.tags,
         interval_s=interval_s,

@@ -266,6 +266,7 @@ async def run_worker(
         host=options.host_name,
         model_fingerprint=engine.fingerprint,
         max_batch_tokens=engine.max_num_batched_tokens,
+        max_seqs=engine.max_num_seqs,
         lane=options.scheduling.lane,
         kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,

@@ -85,7 +85,18 @@ def test_long_prompt_heavy_is_the_issues_mix() -> None:
     long, short = LONG_PROMPT_HEAVY.classes
     assert (long.share, long.prompt, long.output) == (0.3, Span(1600, 2400), Span(8, 16))
     assert (short.share, short.prompt, short.output) == (0.7, Span(35, 110), Span(48, 96))
-    assert set(MIXES) == {"long-prompt-heavy", "chat", "short-only", "multi-turn"}
+    assert set(MIXES) == {
+        "long-prompt-heavy", "chat", "short-only", "prefill-heavy", "decode-heavy", "multi-turn"
+    }  # fmt: skip
+
+
+def test_the_planner_mixes_want_opposite_splits() -> None:
+    # prefill-heavy: every prompt at least 187x its answer; decode-heavy: every answer longer
+    # than its prompt (the planner's benchmark relies on that contrast).
+    (doc,) = get_mix("prefill-heavy").classes
+    (gen,) = get_mix("decode-heavy").classes
+    assert doc.prompt.lo >= 187 * doc.output.hi
+    assert gen.output.lo > gen.prompt.hi
 
 
 def test_poisson_gaps_have_the_rate_as_mean_and_unit_coefficient_of_variation() -> None:
