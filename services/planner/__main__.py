@@ -16,7 +16,8 @@ import socket
 from pathlib import Path
 
 from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling import CapacityLimits, KeySpace, connect
+from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES
 from pdserve.scheduling.planner import Bounds, PlannerConfig, Profile
 from pdserve.scheduling.planner_loop import Pass, PlannerLoop
 from pdserve.tasks import cancel_and_wait
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="append", default=[], metavar="H-H:prefill=A..B,decode=C..D",
         help="bounds for some hours of the day (local time), repeatable",
     )  # fmt: skip
+    p.add_argument(
+        "--prefill-queue-batches", type=float, default=PREFILL_QUEUE_BATCHES,
+        help="the scheduler's flag of that name: a full queue is prefill pressure 1",
+    )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="log moves, order none")
     p.add_argument("--grace-s", type=float, default=2.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
@@ -68,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
         cooldown_s=args.cooldown_s,
         bounds=Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode),
         profiles=tuple(Profile.parse(spec) for spec in args.profile),
+        limits=CapacityLimits(prefill_queue_batches=args.prefill_queue_batches),
     )
 
 

@@ -31,6 +31,7 @@ from pdserve.scheduling import (
     kept_fresh,
     redacted,
 )
+from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES
 from pdserve.scheduling.prefix_index import following
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import add_security_args, security_from_args
@@ -112,7 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decode KV blocks reserved per tenant at most (default quota; 0: no cap)",
     )  # fmt: skip
     p.add_argument("--max-retries", type=int, default=8)
-    p.add_argument("--prefill-queue-batches", type=float, default=4.0)
+    p.add_argument(
+        "--prefill-queue-batches", type=float, default=PREFILL_QUEUE_BATCHES,
+        help="a prefill worker's queue holds at most this many forward batches of prompt tokens",
+    )  # fmt: skip
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     add_telemetry_args(p, os.environ)

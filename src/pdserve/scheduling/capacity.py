@@ -114,11 +114,16 @@ class WorkerView:
         return WorkerView(self.info, reserved, self.heartbeat_age_s)
 
 
+PREFILL_QUEUE_BATCHES = 4.0
+"""The default of ``CapacityLimits.prefill_queue_batches`` (the scheduler's and the planner's
+``--prefill-queue-batches``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CapacityLimits:
     """Admission limits on top of the KV block budget."""
 
-    prefill_queue_batches: float = 4.0
+    prefill_queue_batches: float = PREFILL_QUEUE_BATCHES
     """A worker's pending prompt tokens may reach this many of its forward batches
     (``max_batch_tokens``); beyond that a request waits less elsewhere."""
 

@@ -4,7 +4,10 @@ Inputs, every ``interval_s``, from the workers' heartbeats and the live reservat
 offline profile): through the cost model (``costmodel``),
 
 * **prefill pressure**: the predicted wait of a new prompt on the prefill side (the least
-  loaded prefill-duty worker's queue, reservations included) over the TTFT SLO;
+  loaded prefill-duty worker's queue, reservations included) over the TTFT SLO, or that
+  queue's share of the scheduler's admission limit (``CapacityLimits``), whichever is
+  larger: the scheduler refuses prompts beyond the limit, so a side that sheds load shows it
+  as pressure 1 though its queue, held short, predicts a short wait;
 * **decode pressure**: the largest of: the predicted gap between tokens on the busiest
   decode-duty worker (its decode step, plus what a step carrying the prompt tokens queued
   there adds: a decode-duty mixed worker also serves colocated requests) over the ITL SLO;
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling.capacity import WorkerView
+from pdserve.scheduling.capacity import CapacityLimits, WorkerView
 from pdserve.scheduling.costmodel import CostModel, decoding
 from pdserve.scheduling.keys import KeySpace, text
 
@@ -112,6 +115,8 @@ class PlannerConfig:
     cooldown_s: float = 10.0
     bounds: Bounds = field(default_factory=Bounds)
     profiles: tuple[Profile, ...] = ()
+    limits: CapacityLimits = field(default_factory=CapacityLimits)
+    """The scheduler's admission limits (its ``--prefill-queue-batches``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.high:
@@ -157,7 +162,13 @@ def pressure(views: Sequence[WorkerView], model: CostModel, config: PlannerConfi
     decodes = [v for v in views if "decode" in v.info.phases or v.info.duty == DECODE]
     p = 0.0
     if prefills:
-        p = min(model.queue_s(v) for v in prefills) / config.ttft_slo_s
+        p = min(
+            max(
+                model.queue_s(v) / config.ttft_slo_s,
+                v.pending_tokens / max(1, config.limits.max_pending_tokens(v.info)),
+            )
+            for v in prefills
+        )
     d = 0.0
     if decodes:
         steps = [

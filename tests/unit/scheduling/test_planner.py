@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import CostModel, WorkerRole, WorkerView
+from pdserve.scheduling import CapacityLimits, CostModel, WorkerRole, WorkerView
 from pdserve.scheduling.planner import (
     Bounds,
     PlannerConfig,
@@ -165,3 +165,19 @@ def test_the_giving_side_keeps_enough_workers_for_its_own_load() -> None:
     assert moves_for(0.7, 4, 0.0, 4, room=3, config=CONFIG) == 3  # 4 x 0.7 / 0.45 -> 7
     assert moves_for(0.61, 1, 0.29, 1, room=1, config=CONFIG) == 1  # one is always allowed
     assert moves_for(3.0, 2, 0.0, 4, room=0, config=CONFIG) == 0
+
+
+def test_a_prefill_side_that_sheds_load_is_under_pressure() -> None:
+    # Fast prefill (1 ms of queue per 1,000 tokens) keeps the predicted wait far under the
+    # TTFT SLO, but every prefill queue is at the scheduler's admission limit (4 batches of
+    # 2,048 tokens): new prompts are refused, so the side asks for a worker.
+    fast = {"prefill_token_s": 0.000001, "step_overhead_s": 0.0001}
+    full = [on_prefill(f"p{i}", queued_tokens=8192, **fast) for i in range(2)]
+    decodes = [on_decode(f"d{i}", running_seqs=1, **fast) for i in range(4)]
+    pr = pressure(full + decodes, MODEL, CONFIG)
+    assert pr.prefill == pytest.approx(1.0)
+    moves = decide(full + decodes, MODEL, CONFIG, hour=12)
+    assert moves and all(m.duty == "prefill" for m in moves)
+    # A larger limit (the scheduler's --prefill-queue-batches) makes the same queues half full.
+    roomy = PlannerConfig(limits=CapacityLimits(prefill_queue_batches=8.0))
+    assert pressure(full + decodes, MODEL, roomy).prefill == pytest.approx(0.5)
