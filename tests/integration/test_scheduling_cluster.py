@@ -21,10 +21,20 @@ import redis as sync_redis
 from pdserve.client import AsyncClient, Client
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import CapacityError
 from pdserve.launcher import Cluster, read_heartbeats
 from pdserve.models.demo import init_checkpoint
 from pdserve.router.rollout import Rollout, write_rollout
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, WorkerRole, connect
+from pdserve.scheduling import (
+    CapacityLimits,
+    ClusterScheduler,
+    KeySpace,
+    Mode,
+    RedisWorkerRegistry,
+    WorkerInfo,
+    WorkerRole,
+    connect,
+)
 from pdserve.scheduling.planner import LeaderLease, PlannerConfig
 from pdserve.scheduling.planner_loop import PlannerLoop
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -233,6 +243,46 @@ def _mixed(worker_id: str, **kw: Any) -> WorkerInfo:
     }  # fmt: skip
     fields.update(kw)
     return WorkerInfo(**fields)
+
+
+def test_load_the_scheduler_refuses_moves_workers_its_queues_do_not_show(
+    redis_url: str,
+) -> None:
+    # The scheduler holds prefill queues to 2 batches; the planner's view of the same queue
+    # (prefill fast, its default limit of 4 batches) is half full and a short wait: no move.
+    # Once the scheduler refuses a prompt for want of prefill room, the planner takes the
+    # prefill side as saturated and moves every decode worker it can spare.
+    keys = KeySpace(f"shed-{time.monotonic_ns()}")
+
+    async def scenario() -> None:
+        redis = connect(redis_url)
+        try:
+            registry = RedisWorkerRegistry(redis, keys=keys)
+            await registry.heartbeat(_mixed("p", serves=("prefill",), duty="prefill",
+                                            queued_tokens=4000, prefill_token_s=1e-5),
+                                     ttl_s=60)  # fmt: skip
+            for name in ("d1", "d2", "d3"):
+                await registry.heartbeat(_mixed(name, serves=("decode", "colocated"),
+                                                duty="decode"), ttl_s=60)  # fmt: skip
+            planner = PlannerLoop(redis, keys, PlannerConfig(cooldown_s=0.0), holder="a",
+                                  settle_passes=0)  # fmt: skip
+            assert (await planner.run_once()).moves == ()
+            scheduler = ClusterScheduler(
+                redis, keys=keys, default_mode=Mode.DISAGGREGATED,
+                limits=CapacityLimits(prefill_queue_batches=2.0),
+            )  # fmt: skip
+            with pytest.raises(CapacityError, match="every prefill worker is full"):
+                await scheduler.assign("r", 500, 8)
+            assert await redis.hgetall(keys.refused) == {b"prefill": b"1"}
+            moves = (await planner.run_once()).moves
+            assert len(moves) == 2  # min_decode keeps one of the three
+            assert all(m.duty == "prefill" and m.reason == "prefill pressure" for m in moves)
+            # Counted once: the next pass sees no new refusal, and the view has not changed.
+            assert (await planner.run_once()).moves == ()
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_one_planner_leads_and_orders_a_move(redis_url: str) -> None:

@@ -83,6 +83,12 @@ class KeySpace:
         return f"{self.namespace}:planner:leader"
 
     @property
+    def refused(self) -> str:
+        """Hash of requests the schedulers refused for want of capacity, by phase (a
+        counter the planner reads: load shed is demand no worker's queue shows)."""
+        return f"{self.namespace}:refused"
+
+    @property
     def rollout(self) -> str:
         """The routers' traffic split between serving modes."""
         return f"{self.namespace}:rollout"

@@ -17,7 +17,10 @@ offline profile): through the cost model (``costmodel``),
   decode step hardly grows with the batch: with every slot taken, new streams queue though
   no step is slow.
 
-So 1 means "at the SLO" (or "KV full", or "every slot taken"). The engines' busy shares are
+So 1 means "at the SLO" (or "KV full", or "every slot taken"). A side is *saturated* when
+its pressure reaches 1 or the schedulers refused requests for want of its capacity since the
+last pass (``Shed``, from ``KeySpace.refused``): then its pressure hides how much more it
+needs, so it takes as many workers as the other side can spare. The engines' busy shares are
 not terms: on a host whose engines share the cores, every engine looks busy while it waits
 for them. When one side is above ``high`` and the other below ``high`` and either below
 ``low`` or at most half as loaded, switchable workers (mixed workers with a KV store:
@@ -140,6 +143,24 @@ class Pressure:
 
 
 @dataclass(frozen=True, slots=True)
+class Shed:
+    """Requests the schedulers refused for want of each side's capacity since the last pass
+    (prefill; decode, colocated requests included: decode-duty workers serve them)."""
+
+    prefill: int = 0
+    decode: int = 0
+
+    @classmethod
+    def between(cls, before: dict[str, int], after: dict[str, int]) -> Shed:
+        """From two readings of the ``refused`` counters (phase -> count)."""
+
+        def grew(*phases: str) -> int:
+            return sum(max(0, after.get(p, 0) - before.get(p, 0)) for p in phases)
+
+        return cls(grew("prefill"), grew("decode", "colocated"))
+
+
+@dataclass(frozen=True, slots=True)
 class Move:
     """One duty order: ``worker_id`` to ``duty``, and why."""
 
@@ -204,9 +225,10 @@ def decide(
     config: PlannerConfig,
     *,
     hour: int,
+    shed: Shed = Shed(),
 ) -> tuple[Move, ...]:
     """The moves for the cluster ``views`` (none, one, or several that go together: see
-    the module docstring)."""
+    the module docstring); ``shed``: what the schedulers refused since the last pass."""
     switchable = [v for v in views if v.info.switchable and not v.info.draining]
     if not switchable or any(v.info.switching for v in switchable):
         return ()
@@ -222,10 +244,13 @@ def decide(
     if (n_d < bounds.min_decode or n_p > bounds.max_prefill) and n_p > bounds.min_prefill:
         return (Move(_least_busy(on[PREFILL])[0].id, DECODE, "bounds"),)
     pr = pressure(views, model, config)
+    # A side that shed load is at least at pressure 1, whatever its queues show.
+    p_ask = max(pr.prefill, 1.0) if shed.prefill else pr.prefill
+    d_ask = max(pr.decode, 1.0) if shed.decode else pr.decode
     for asking, giving, to, n_to, n_from, room, reason in (
-        (pr.prefill, pr.decode, PREFILL, n_p, n_d,
+        (p_ask, pr.decode, PREFILL, n_p, n_d,
          min(n_d - bounds.min_decode, bounds.max_prefill - n_p), "prefill pressure"),
-        (pr.decode, pr.prefill, DECODE, n_d, n_p,
+        (d_ask, pr.prefill, DECODE, n_d, n_p,
          min(n_p - bounds.min_prefill, bounds.max_decode - n_d), "decode pressure"),
     ):  # fmt: skip
         source = on[DECODE if to == PREFILL else PREFILL]
@@ -242,12 +267,13 @@ def moves_for(
     """How many workers move from the giving side (pressure ``giving`` over ``n_give``
     workers) to the asking one, at most ``room``: enough that the asking side's pressure,
     taken as its load spread over more workers, falls to the middle of ``low`` and
-    ``high``, but never so many that the giving side's rises to ``high``. At least one
-    (the caller found the sides relaxed for one)."""
+    ``high``, but never so many that the giving side's rises to ``high``. A saturated side
+    (``asking`` >= 1) hides its need, so it gets all that the giving side can spare. At
+    least one (the caller found the sides relaxed for one)."""
     if room < 1:
         return 0
     target = (config.low + config.high) / 2
-    need = math.ceil(max(1, n_ask) * asking / target) - n_ask
+    need = room if asking >= 1 else math.ceil(max(1, n_ask) * asking / target) - n_ask
     k = max(1, min(need, room))
     while k > 1 and (k >= n_give or giving * n_give / (n_give - k) >= config.high):
         k -= 1

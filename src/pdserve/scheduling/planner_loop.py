@@ -23,12 +23,13 @@ from redis.exceptions import RedisError
 
 from pdserve.scheduling.capacity import WorkerView
 from pdserve.scheduling.costmodel import CostModel
-from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.keys import KeySpace, text
 from pdserve.scheduling.planner import (
     LeaderLease,
     Move,
     PlannerConfig,
     Pressure,
+    Shed,
     decide,
     local_hour,
     pressure,
@@ -79,6 +80,7 @@ class PlannerLoop:
         self._leading = False
         self._workers: frozenset[str] = frozenset()
         self._settled = 0  # passes in a row that saw the same workers
+        self._refused: dict[str, int] | None = None  # the schedulers' refusal counters
 
     async def run(self) -> None:
         """Pass every ``interval_s`` until cancelled; then give the lease up."""
@@ -105,6 +107,13 @@ class PlannerLoop:
         except (RedisError, OSError) as err:  # it expires by itself within its TTL
             logger.warning("could not give the planner lease up: %s", err)
 
+    async def _shed(self) -> Shed:
+        """What the schedulers refused since the previous pass (none on the first)."""
+        raw = await self.redis.hgetall(self.keys.refused)
+        now = {text(k): int(v) for k, v in raw.items()}
+        before, self._refused = self._refused, now
+        return Shed() if before is None else Shed.between(before, now)
+
     async def run_once(self) -> Pass:
         leading = await self.lease.hold()
         if leading != self._leading:
@@ -113,6 +122,7 @@ class PlannerLoop:
         if not leading:
             return Pass(False, None)
         infos = await self.registry.list_workers()
+        shed = await self._shed()
         reserved, now_s = await self.ledger.reserved_on(infos)
         views = [WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos]
         pr = pressure(views, self.model, self.config)
@@ -122,7 +132,7 @@ class PlannerLoop:
         logger.debug("pressure: prefill %.2f, decode %.2f", pr.prefill, pr.decode)
         if time.monotonic() < self._quiet_until or self._settled < self.settle_passes:
             return Pass(True, pr)
-        moves = decide(views, self.model, self.config, hour=local_hour())
+        moves = decide(views, self.model, self.config, hour=local_hour(), shed=shed)
         for move in moves:
             logger.info(
                 "move %s to %s duty (%s; prefill pressure %.2f over %d workers, decode %.2f "

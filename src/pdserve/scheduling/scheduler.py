@@ -169,6 +169,7 @@ class ClusterScheduler:
                 "max_retries", f"must be an integer >= 0, got {max_retries!r}"
             )
         self.keys = keys or KeySpace()
+        self.redis = redis
         self.registry = RedisWorkerRegistry(redis, keys=self.keys)
         self.ledger = ReservationLedger(
             redis,
@@ -329,6 +330,7 @@ class ClusterScheduler:
             if isinstance(placed, Refusal):
                 self.rejections += 1
                 self.refusals += 1
+                await self._count_refused(Phase.PREFILL)
                 raise SloRefusalError(
                     f"request {request_id!r} (prompt {prompt_tokens}) refused: predicted time to "
                     f"first token {placed.best_ttft_s:.2f} s on every worker exceeds the "
@@ -336,6 +338,7 @@ class ClusterScheduler:
                 )
             if isinstance(placed, str):
                 self.rejections += 1
+                await self._count_refused(Phase(placed))
                 raise capacity_error(
                     self._views.values(), excluded, _GONE, self.limits,
                     request_id, prompt_tokens, max_tokens, placed,
@@ -394,6 +397,11 @@ class ClusterScheduler:
             f"placed after {self.max_retries + 1} attempts under contention; "
             f"last refusals: {reason}"
         )
+
+    async def _count_refused(self, phase: Phase) -> None:
+        """One more request refused for want of ``phase`` capacity (``KeySpace.refused``):
+        only on refusals, so a cluster with room pays nothing for it."""
+        await self.redis.hincrby(self.keys.refused, phase.value, 1)
 
     def _place(
         self, demands: Mapping[Phase, Demand], mode: Mode, excluded: Mapping[str, str]

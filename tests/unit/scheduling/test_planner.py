@@ -12,6 +12,7 @@ from pdserve.scheduling.planner import (
     Bounds,
     PlannerConfig,
     Profile,
+    Shed,
     decide,
     moves_for,
     pressure,
@@ -181,3 +182,23 @@ def test_a_prefill_side_that_sheds_load_is_under_pressure() -> None:
     # A larger limit (the scheduler's --prefill-queue-batches) makes the same queues half full.
     roomy = PlannerConfig(limits=CapacityLimits(prefill_queue_batches=8.0))
     assert pressure(full + decodes, MODEL, roomy).prefill == pytest.approx(0.5)
+
+
+def test_refusals_count_per_side_between_two_readings() -> None:
+    before = {"prefill": 3, "decode": 1}
+    after = {"prefill": 5, "decode": 1, "colocated": 2}
+    assert Shed.between(before, after) == Shed(prefill=2, decode=2)
+    # A counter that went back (Redis restarted and lost it) counts as no refusal.
+    assert Shed.between(after, {}) == Shed()
+
+
+def test_a_side_that_shed_load_takes_all_the_other_side_can_spare() -> None:
+    # Queues that look calm (refused prompts never reach a queue), but the schedulers
+    # refused prefill work since the last pass: saturated, so every decode worker the decode
+    # side can spare moves (min_decode keeps one), not one by one.
+    views = [on_prefill("p", queued_tokens=10)] + [on_decode(f"d{i}") for i in range(4)]
+    assert decide(views, MODEL, CONFIG, hour=12) == ()
+    moves = decide(views, MODEL, CONFIG, hour=12, shed=Shed(prefill=1))
+    assert len(moves) == 3 and all(m.duty == "prefill" for m in moves)
+    # The decode side sheds instead: the idle prefill side gives what it can (none: one left).
+    assert decide(views, MODEL, CONFIG, hour=12, shed=Shed(decode=1)) == ()
