@@ -20,7 +20,9 @@ Bandwidths: each side's bytes over its busy time, from deferred hand-offs (a sen
 every layer at hand, so its rate is the link's, not the compute's). ``store`` crosses two
 links (prefill -> store, store -> decode), ``direct`` one (into the decode worker's endpoint;
 its read is in-process), ``shm`` none (hash and copy into the segment; the reader maps it
-and checks the hashes: XXH3-64).
+and checks the hashes: XXH3-64), ``nixl`` one (the decode worker's one-sided NIXL reads of the
+prefill worker's registered blocks; asked for, every worker registers a block pool of
+1.25x the largest payload, or of the burst's, with ``--nixl-pool-bytes``).
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.
 
@@ -67,7 +69,7 @@ from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, 
 from pdserve_bench.transfer_report import peak_and_average, report
 from pdserve_bench.transfer_sample import Sample
 
-MOVING = ("shm", "store", "direct")
+MOVING = ("shm", "store", "direct", "nixl")
 CHEAP_TOKENS = 2048
 """A point whose prefill is cheap (reused from the prefix cache, or at most this many tokens:
 seconds a run) runs at least ``--cheap-repeats`` times (default 4): measured here, the first
@@ -262,7 +264,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, help="checkpoint (default: the base demo checkpoint)")
     p.add_argument("--tokens", default="1024,2048,4096,8000,32768", help="prompt sizes")
-    p.add_argument("--transports", default="shm,store,direct,recompute")
+    p.add_argument(
+        "--transports",
+        default="shm,store,direct,recompute",
+        help="any of shm, store, direct, nixl (the pdserve[nixl] extra), recompute",
+    )
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per point; the least disturbed is kept"
     )
@@ -342,6 +348,10 @@ def main(argv: Sequence[str]) -> int:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     kv_per_token *= 2 if dtype in ("bfloat16", "float16") else 4
     kv_cache_bytes = args.kv_cache_bytes or max(2 * 1024 * _MIB, max(sizes) * kv_per_token * 5 // 4)
+    largest = max(max(sizes), args.burst * args.burst_tokens) * kv_per_token
+    nixl_pool = (
+        ["--nixl-pool-bytes", str(largest * 5 // 4 + 16 * _MIB)] if "nixl" in transports else []
+    )
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-"))
         log_dir = args.log_dir or Path(tmp)
@@ -360,7 +370,7 @@ def main(argv: Sequence[str]) -> int:
             "--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-bytes",
             str(kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",
             # Whole payloads: a reused prompt must not shrink to what the decoder lacks.
-            "--no-decode-prefix", "--log-level", "WARNING", *args.worker_arg,
+            "--no-decode-prefix", "--log-level", "WARNING", *nixl_pool, *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
         services = Services.start(args.model, log_dir, worker_args)

@@ -38,6 +38,8 @@ AUTO = "auto"
 TRANSPORT_CHOICES = (AUTO, *(k.value for k in TransportKind))
 MOVING = (TransportKind.STORE, TransportKind.DIRECT, TransportKind.SHM, TransportKind.NIXL)
 """The transports that move the KV's bytes through pdserve."""
+NIXL_POOL_BYTES = 256 * 1024 * 1024
+"""The NIXL block pool of a worker with ``--transport nixl`` and no ``--nixl-pool-bytes``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +79,10 @@ class TransferOptions:
     """Lease of a hand-off entry whose reader never comes."""
     shm_slot_bytes: int = 0
     """``/dev/shm`` bytes of reused shm segments (``transfer.shm.slots``); 0: none."""
-    nixl_pool_bytes: int = 256 * 1024 * 1024
+    nixl_pool_bytes: int = 0
     """nixl: bytes of KV blocks registered with the NIXL agent at start (``transfer.nixl``);
-    a hand-off that does not fit in what is free is recomputed."""
+    0: ``NIXL_POOL_BYTES`` with ``--transport nixl``, else no pool (a request that asks for
+    nixl is then refused). A hand-off that does not fit in what is free is recomputed."""
     nixl_block_bytes: int = 64 * 1024
     """nixl: bytes of one block (a multiple of 4096)."""
     faults: SendFaults | None = None
@@ -98,7 +101,7 @@ class TransferOptions:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {self.lease_s}")
         if self.shm_slot_bytes < 0:
             raise InvalidArgumentError("shm_slot_bytes", f"must be >= 0, got {self.shm_slot_bytes}")
-        if self.nixl_pool_bytes < self.nixl_block_bytes:
+        if 0 < self.nixl_pool_bytes < self.nixl_block_bytes:
             raise InvalidArgumentError(
                 "nixl_pool_bytes", f"must hold one block of {self.nixl_block_bytes} bytes"
             )
@@ -112,9 +115,11 @@ class TransferOptions:
             )
 
     @property
-    def uses_nixl(self) -> bool:
-        """Whether the worker registers a NIXL block pool (``--transport nixl``)."""
-        return TransportKind.NIXL in self.transports
+    def nixl_pool(self) -> int:
+        """Bytes of the NIXL block pool the worker registers at start (0: none)."""
+        if self.nixl_pool_bytes:
+            return self.nixl_pool_bytes
+        return NIXL_POOL_BYTES if TransportKind.NIXL in self.transports else 0
 
     @property
     def transports(self) -> tuple[TransportKind, ...]:

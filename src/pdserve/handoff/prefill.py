@@ -108,9 +108,9 @@ class PrefillConnector:
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
         # nixl: KV blocks registered with a NIXL agent once, for the worker's life.
         self.nixl: NixlPool | None = None
-        if o.uses_nixl and transports is None:
+        if o.nixl_pool and transports is None:
             self.nixl = NixlPool(
-                num_bytes=o.nixl_pool_bytes, block_bytes=o.nixl_block_bytes,
+                num_bytes=o.nixl_pool, block_bytes=o.nixl_block_bytes,
                 lease_s=o.lease_s, host=self.host,
             )  # fmt: skip
         self.transports = transports or TransportRegistry(

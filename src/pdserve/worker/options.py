@@ -112,9 +112,10 @@ class WorkerOptions:
     shm_slot_bytes: int = 1024**3
     """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.shm.slots``);
     0: a fresh segment per hand-off."""
-    nixl_pool_bytes: int = 256 * 1024**2
-    """prefill: KV block bytes registered with the NIXL agent (``--transport nixl``); decode:
-    its landing blocks, registered at its first nixl hand-off."""
+    nixl_pool_bytes: int = 0
+    """prefill: KV block bytes registered with the NIXL agent at start (0: 256 MiB with
+    ``--transport nixl``, else none); decode: its landing blocks, registered at its first nixl
+    hand-off (0: 256 MiB)."""
     nixl_block_bytes: int = 64 * 1024
     janitor_interval_s: float = 60.0
     """How often orphaned shm segments are looked for (also once at start)."""
@@ -338,9 +339,10 @@ def worker_parser(
     t.add_argument(
         "--nixl-pool-bytes",
         type=int,
-        default=int(d("nixl_pool_bytes", 256 * 1024**2)),
-        help="nixl: KV block bytes registered with the NIXL agent at start (prefill), or "
-        "landing blocks registered at the first nixl hand-off (decode)",
+        default=int(d("nixl_pool_bytes", 0)),
+        help="nixl: KV block bytes registered with the NIXL agent at start (prefill; 0: 256 "
+        "MiB with --transport nixl, else none), or landing blocks registered at the first "
+        "nixl hand-off (decode; 0: 256 MiB)",
     )
     t.add_argument(
         "--nixl-block-bytes",
@@ -395,7 +397,7 @@ def check_backend(args: argparse.Namespace) -> None:
     """Refuse flags the chosen backend cannot honour, naming the flag."""
     if args.backend != SIM and args.sim_profile:
         raise InvalidArgumentError("--sim-profile", "needs --backend sim")
-    if args.transport == TransportKind.NIXL.value:
+    if args.transport == TransportKind.NIXL.value or args.nixl_pool_bytes:
         check_nixl(args)
     if args.backend in (TORCH, SIM):
         if args.transport == TransportKind.NATIVE.value:
@@ -424,8 +426,9 @@ def check_backend(args: argparse.Namespace) -> None:
 
 
 def check_nixl(args: argparse.Namespace) -> None:
-    """``--transport nixl`` needs NIXL (the ``pdserve[nixl]`` extra: never a silent fallback)
-    and a backend whose KV leaves its engine as bytes through pdserve (the torch backend)."""
+    """``--transport nixl`` (or a NIXL pool, ``--nixl-pool-bytes``) needs NIXL (the
+    ``pdserve[nixl]`` extra: never a silent fallback) and a backend whose KV leaves its engine
+    as bytes through pdserve (the torch backend)."""
     if args.backend == SIM:
         raise InvalidArgumentError(
             "--transport",
@@ -436,7 +439,7 @@ def check_nixl(args: argparse.Namespace) -> None:
         return  # tensorrt-llm refuses it below, naming its own transports
     if args.nixl_block_bytes < 4096 or args.nixl_block_bytes % 4096:
         raise InvalidArgumentError("--nixl-block-bytes", "must be a multiple of 4096")
-    if args.nixl_pool_bytes < args.nixl_block_bytes:
+    if 0 < args.nixl_pool_bytes < args.nixl_block_bytes or args.nixl_pool_bytes < 0:
         raise InvalidArgumentError("--nixl-pool-bytes", "must hold at least one block")
     nixl_api("--transport")  # NixlUnavailableError names the extra
 

@@ -36,6 +36,7 @@ from pdserve.engine.kv_payload import DTYPES
 from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.agents import HeartbeatAgents
 from pdserve.handoff.assignment import AssignedDecode
+from pdserve.handoff.plan import NIXL_POOL_BYTES
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
@@ -206,7 +207,7 @@ def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker
         transfer_timeout_s=options.kv_transfer_timeout_s,
         security=options.security,
         agents=agents,
-        nixl_bytes=options.nixl_pool_bytes,
+        nixl_bytes=options.nixl_pool_bytes or NIXL_POOL_BYTES,
         nixl_block_bytes=options.nixl_block_bytes,
     )
     return DecodeWorker(engine, connector)

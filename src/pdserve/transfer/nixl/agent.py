@@ -16,7 +16,9 @@ import base64
 import hashlib
 import importlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -39,9 +41,25 @@ class NixlUnavailableError(InvalidArgumentError):
         )
 
 
+def _skip_absent_rdma() -> None:
+    """UCX loads its InfiniBand module, and with it the wheel's libnl, even on a host without
+    an RDMA device; that libnl's destructor then crashes the process at exit (SIGSEGV in
+    ``rtnl_tc_unregister``, after everything else ran: exit status 139, measured with
+    nixl-cu12 1.5.1). Where no RDMA device exists and nobody chose UCX's modules, UCX is told
+    to leave that module out. It must be in the environment before UCX starts (the first
+    agent), and children inherit it."""
+    if "UCX_MODULES" in os.environ:
+        return
+    devices = Path("/sys/class/infiniband")
+    if devices.is_dir() and any(devices.iterdir()):
+        return
+    os.environ["UCX_MODULES"] = "^ib"
+
+
 def nixl_api(field: str = "--transport") -> ModuleType:
     """The NIXL Python API module (``nixl_agent``, ``nixl_agent_config``); ``field``: what an
     error names."""
+    _skip_absent_rdma()
     errors = []
     for name in _MODULES:
         try:

@@ -29,10 +29,13 @@ loaded afresh next time).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -41,6 +44,7 @@ import torch
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import InvalidArgumentError, KVTransferError
+from pdserve.kvstore.crc import fast_crc32
 from pdserve.transfer.base import HandoffRecord, KVLocation, TransferState, advance
 from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor, fingerprint, nixl_api
 from pdserve.transfer.nixl.blocks import (
@@ -53,7 +57,7 @@ from pdserve.transfer.nixl.blocks import (
     runs,
 )
 from pdserve.transfer.nixl.pool import PAGE, free_message
-from pdserve.transfer.stream.frames import FrameCollector
+from pdserve.transfer.stream.frames import FRAME_HEAD, FrameCollector
 from pdserve.transfer.stream.header import StreamHeader
 
 logger = logging.getLogger(__name__)
@@ -88,6 +92,24 @@ class StaticDirectory:
         self.published.clear()
 
 
+class _GiveBack:
+    """Gives landing blocks back once, from any thread."""
+
+    def __init__(self, reader: NixlReader, blocks: Sequence[int]) -> None:
+        self.reader, self.blocks = reader, list(blocks)
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        with self.reader._lock:
+            self.reader.lent -= len(self.blocks)
+        self.reader.give_back(self.blocks)
+
+
 class NixlReader:
     """A decode worker's NIXL agent and landing blocks (see the module docstring)."""
 
@@ -118,6 +140,9 @@ class NixlReader:
         self.allocator = BlockAllocator(n)
         self.lost: list[int] = []
         """Landing blocks of transfers that could not be released: never reused."""
+        self.lent = 0
+        """Landing blocks that received payloads lie in, until the engine imported them."""
+        self._lock = threading.Lock()
         self._peers: dict[str, str] = {}  # agent name -> fingerprint of the loaded metadata
         self._closed = False
 
@@ -220,6 +245,15 @@ class NixlReader:
                     if not done:  # may still write there: never hand these blocks out again
                         self.lost.extend(local)
                     logger.error("NIXL: releasing a read from %s failed: %r", agent, err)
+
+    def lend(self, payload: KVPayload, blocks: Sequence[int]) -> KVPayload:
+        """``payload``, whose tensors lie in ``blocks``, with a ``release`` that gives them
+        back: called by the engine's import, else when the payload's tensors are gone."""
+        once = _GiveBack(self, blocks)
+        with self._lock:
+            self.lent += len(blocks)
+        weakref.finalize(payload.keys[0], once)
+        return dataclasses.replace(payload, release=once)
 
     def notify_free(self, agent: str, capability: bytes) -> None:
         """Tell ``agent`` the hand-off is read (or given up): it frees the blocks."""
@@ -324,21 +358,30 @@ class NixlReceiver:
         remote = self._check(peer)
         tag_blocks = r.take(len(loc.blocks) * TAG_BYTES)
         data_blocks: list[int] = []
+        lent = False
         try:
             await self._tags_held(peer, tag_blocks, deadline)
             data_blocks = r.take(loc.length)
             data = await r.read(loc.address, remote, data_blocks, deadline)
             await self._tags_held(peer, tag_blocks, deadline)
-            payload = self._parse(data)
+            # Landing blocks in one run: K and V are views over them (no copy), lent until
+            # the engine imported them; else the frames are copied out of a gathered copy.
+            in_place = len(runs(data_blocks)) == 1
+            payload = self._parse(data, in_place=in_place)
+            if in_place:
+                payload, lent = r.lend(payload, data_blocks), True
         finally:
             r.give_back(tag_blocks)
-            r.give_back(data_blocks)
+            if not lent:
+                r.give_back(data_blocks)
         self.record.num_bytes = loc.length
         return payload
 
-    def _parse(self, data: np.ndarray) -> KVPayload:
+    def _parse(self, data: np.ndarray, *, in_place: bool) -> KVPayload:
+        """The payload in ``data``, every layer's CRC-32 checked; ``in_place``: K and V are
+        views over ``data`` (else copies)."""
         loc = self.location
-        view = data.data.cast("B")
+        view = data.data.cast("B").toreadonly()
         (head_len,) = LEN_PREFIX.unpack_from(view, 0)
         at = frames_offset(head_len)
         if at > len(view):
@@ -348,12 +391,18 @@ class NixlReceiver:
             raise KVTransferError(f"nixl payload is not {loc.request_id!r}'s, as its handle says")
         self.compression = header.compression.value
         collector = FrameCollector(header, expected_layout=self.expected_layout)
-        frame = collector.frame_size
+        frame, k_end = collector.frame_size, FRAME_HEAD.size + collector.part
         for layer in range(header.layout.num_layers):
             start = at + layer * frame
             if start + frame > len(view):
                 raise KVTransferError(f"nixl payload of {loc.request_id!r} is cut short")
-            collector.feed(view[start : start + frame])  # checked and copied out
+            if in_place:
+                # The header-and-K and V pieces with their CRCs: the collector keeps them as
+                # they lie and checks the frame's CRC, combined from these, against its header.
+                for piece in (view[start : start + k_end], view[start + k_end : start + frame]):
+                    collector.feed(piece, fast_crc32(piece))
+            else:
+                collector.feed(view[start : start + frame])  # checked and copied out
         return collector.build()
 
     def _notify(self) -> None:

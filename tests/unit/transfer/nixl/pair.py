@@ -29,13 +29,16 @@ def nixl_pair(
 
 def nixl_leftovers(pool: NixlPool, reader: NixlReader) -> list[str]:
     """What the hand-offs left: held hand-offs and blocks not free on either side (after the
-    readers' notifications arrived, within 5 s)."""
+    readers' notifications arrived, within 5 s), but for the landing blocks live payloads
+    lie in."""
     out = []
     held = pool.settle(5.0)
     if held:
         out.append(f"{held} held hand-offs")
     if pool.allocator.num_free != pool.allocator.num_blocks:
         out.append(f"{pool.allocator.num_blocks - pool.allocator.num_free} pool blocks taken")
-    if reader.allocator.num_free != reader.allocator.num_blocks:
-        out.append(f"{reader.allocator.num_blocks - reader.allocator.num_free} landing blocks")
+    # Landing blocks a live payload lies in are its own until the engine imports it.
+    if reader.allocator.num_free + reader.lent != reader.allocator.num_blocks:
+        taken = reader.allocator.num_blocks - reader.allocator.num_free - reader.lent
+        out.append(f"{taken} landing blocks taken, not lent to a payload")
     return out

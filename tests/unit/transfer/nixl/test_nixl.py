@@ -109,6 +109,32 @@ def test_reads_coalesced_and_scattered_blocks_and_frees_them() -> None:
 
 
 @needs_nixl
+def test_a_payload_lies_in_its_landing_blocks_until_imported_or_dropped() -> None:
+    async def main() -> None:
+        with nixl_pair() as (pool, reader):
+            free = reader.allocator.num_free
+            got = await NixlReceiver(
+                reader, await committed(pool, "a"), expected_layout=None
+            ).receive(5.0)
+            base, end = reader.base, reader.base + reader.data.nbytes
+            assert all(base <= t.data_ptr() < end for t in got.keys + got.values)  # no copy
+            assert reader.lent > 0 and reader.allocator.num_free == free - reader.lent
+            assert got.release is not None
+            got.release()  # the engine's import
+            got.release()  # once
+            assert reader.lent == 0 and reader.allocator.num_free == free
+            dropped = await NixlReceiver(
+                reader, await committed(pool, "b"), expected_layout=None
+            ).receive(5.0)
+            assert reader.lent > 0
+            del dropped  # never imported: its tensors going gives the blocks back
+            assert reader.lent == 0 and reader.allocator.num_free == free
+            assert nixl_leftovers(pool, reader) == []
+
+    run(main())
+
+
+@needs_nixl
 def test_metadata_that_does_not_match_the_fingerprint_is_never_loaded() -> None:
     async def main() -> None:
         with nixl_pair() as (pool, reader):
@@ -247,7 +273,8 @@ def test_a_peer_that_vanishes_fails_the_read_and_leaves_nothing_taken() -> None:
             with pytest.raises(KVTransferError):
                 await receiver.receive(10.0)
             assert receiver.state is TransferState.FAILED
-            assert reader.allocator.num_free == reader.allocator.num_blocks
+            # Only the first payload's landing blocks are taken (lent to it).
+            assert reader.allocator.num_free + reader.lent == reader.allocator.num_blocks
             assert reader.lost == []
             await receiver.discard()  # notifies nobody: the peer is gone
 
