@@ -40,7 +40,8 @@ import torch
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.transfer.nixl.agent import nixl_api
 from pdserve.transfer.nixl.pool import NixlPool
-from pdserve.transfer.nixl.reader import NixlReader, NixlReceiver, StaticDirectory
+from pdserve.transfer.nixl.reader import NixlReader, StaticDirectory
+from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.nixl.sender import NixlSender
 
 LAYOUT = KVLayout("bench", "float32", num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)

@@ -67,7 +67,8 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.links import Links
 from pdserve.transfer.nixl.agent import NixlUnavailableError
-from pdserve.transfer.nixl.reader import AgentDirectory, NixlReader, NixlReceiver
+from pdserve.transfer.nixl.reader import AgentDirectory, NixlReader
+from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.shm.handoff import ShmReceiver
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.slots import SlotMappings

@@ -24,7 +24,7 @@ from pdserve.rpc.server import build_server
 from pdserve.transfer.base import KVLocation, KVReceiver, KVSender, TransferState, TransportKind
 from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
 from pdserve.transfer.nixl.agent import nixl_available
-from pdserve.transfer.nixl.reader import NixlReceiver
+from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.nixl.sender import NixlSender
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader

@@ -91,6 +91,34 @@ def pair_ranges(
     return out
 
 
+Pair = tuple[tuple[int, int], tuple[int, int]]
+
+
+def cut_pieces(pairs: Sequence[Pair], piece_bytes: int) -> list[tuple[list[Pair], int]]:
+    """``pairs`` in groups of ``piece_bytes`` (the last one shorter; a pair split where a
+    group ends), each with the payload offset where it ends: one transfer each, posted
+    together, so that the first pieces can be checked while the later ones are on the wire.
+    ``piece_bytes`` 0: one group."""
+    total = sum(n for (_, n), _ in pairs)
+    if piece_bytes <= 0:
+        return [(list(pairs), total)]
+    groups: list[tuple[list[Pair], int]] = []
+    current: list[Pair] = []
+    size = done = 0
+    for (la, n), (ra, _) in pairs:
+        off = 0
+        while off < n:
+            take = min(n - off, piece_bytes - size)
+            current.append(((la + off, take), (ra + off, take)))
+            size, off, done = size + take, off + take, done + take
+            if size == piece_bytes:
+                groups.append((current, done))
+                current, size = [], 0
+    if current:
+        groups.append((current, done))
+    return groups
+
+
 class BlockAllocator:
     """Block ids ``0..num_blocks-1``, taken and given back; thread-safe (the layer hook runs
     on the engine thread, the rest in the event loop)."""

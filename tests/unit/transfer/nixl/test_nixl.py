@@ -16,9 +16,10 @@ import pytest
 from pdserve.errors import CapacityError, InvalidArgumentError, KVTransferError
 from pdserve.transfer.base import KVLocation, TransferState
 from pdserve.transfer.nixl.agent import AgentDescriptor, fingerprint, nixl_available
-from pdserve.transfer.nixl.blocks import BlockAllocator, pair_ranges, ranges, runs
+from pdserve.transfer.nixl.blocks import BlockAllocator, cut_pieces, pair_ranges, ranges, runs
 from pdserve.transfer.nixl.pool import NixlPool
-from pdserve.transfer.nixl.reader import NixlReader, NixlReceiver, StaticDirectory
+from pdserve.transfer.nixl.reader import NixlReader, StaticDirectory
+from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.nixl.sender import NixlSender
 from tests.unit.transfer.conftest import assert_same_payload, make_layout, random_payload
 from tests.unit.transfer.nixl import _child
@@ -57,6 +58,16 @@ def test_pair_ranges_cut_both_layouts_at_every_boundary() -> None:
     assert pairs == [((0, 10), (1000, 10)), ((10, 15), (2000, 15)), ((100, 15), (2015, 15))]
     with pytest.raises(InvalidArgumentError):
         pair_ranges([(0, 5)], [(0, 6)])
+
+
+def test_pieces_cut_the_pairs_at_their_size_and_say_where_each_ends() -> None:
+    pairs = [((0, 10), (1000, 10)), ((100, 25), (2000, 25))]
+    pieces = cut_pieces(pairs, 12)
+    assert [end for _, end in pieces] == [12, 24, 35]
+    assert pieces[0][0] == [((0, 10), (1000, 10)), ((100, 2), (2000, 2))]
+    assert pieces[1][0] == [((102, 12), (2002, 12))]
+    assert pieces[2][0] == [((114, 11), (2014, 11))]
+    assert cut_pieces(pairs, 0) == [(pairs, 35)]
 
 
 def test_the_allocator_prefers_a_run_and_refuses_past_capacity() -> None:
@@ -103,6 +114,30 @@ def test_reads_coalesced_and_scattered_blocks_and_frees_them() -> None:
             got = await NixlReceiver(reader, loc, expected_layout=payload.layout).receive(5.0)
             assert_same_payload(got, payload)
             pool.free(big + holes[0] + holes[2] + holes[4] + holes[5])
+            assert nixl_leftovers(pool, reader) == []
+
+    run(main())
+
+
+@needs_nixl
+def test_a_payload_of_many_pieces_is_checked_as_they_land_and_read_back_whole() -> None:
+    async def main() -> None:
+        with nixl_pair(pool_bytes=32 << 20, reader_bytes=32 << 20) as (pool, reader):
+            payload = random_payload(make_layout(num_layers=5), 40_000)  # 25.6 MB: 7 pieces
+            sender = NixlSender(pool)
+            sender.begin("big", payload.layout, 40_000)
+            for i in range(5):
+                sender.send_layer(i, payload.keys[i], payload.values[i])
+            loc = await sender.commit(5.0)
+            got = await NixlReceiver(reader, loc, expected_layout=payload.layout).receive(30.0)
+            assert_same_payload(got, payload)
+            del got
+            # A flipped byte in the last layer's V fails the read (its CRC), not a silent KV.
+            again = await committed(pool, "flip", num_tokens=40)
+            bad = pool.data[again.blocks[0] * pool.block_bytes + again.length - 1 :]
+            bad[0] ^= 0xFF
+            with pytest.raises(KVTransferError, match=r"(?i)crc|checksum"):
+                await NixlReceiver(reader, again, expected_layout=None).receive(5.0)
             assert nixl_leftovers(pool, reader) == []
 
     run(main())
