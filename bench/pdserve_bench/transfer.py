@@ -41,14 +41,13 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import random
 import socket
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -56,18 +55,20 @@ import grpc
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
 from pdserve.rpc import allocator
-from pdserve.service_process import ServiceProcess, healthy, terminate
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
 )
 from pdserve_bench.transfer_paired import Pair, Reference, rounds
 from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, serve_sink
 from pdserve_bench.transfer_report import peak_and_average, report
 from pdserve_bench.transfer_sample import Sample
+from pdserve_bench.transfer_services import Services, wait_for
 
 MOVING = ("shm", "store", "direct", "nixl")
 CHEAP_TOKENS = 2048
@@ -78,59 +79,35 @@ two 16K hand-offs of a process pair took 3x and 1.5x the steady time (shm), 3.6x
 _MIB = 1024 * 1024
 
 
-# -- the cluster ---------------------------------------------------------------------------------
-@dataclass
-class Services:
-    """KV store, decode worker, layer-wise and deferred prefill workers."""
-
-    processes: list[ServiceProcess]
-
-    def address(self, name: str) -> str:
-        return next(p for p in self.processes if p.name == name).address
-
-    @classmethod
-    def start(cls, model: Path, log_dir: Path, worker_args: Sequence[str]) -> Services:
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-
-        def proc(name: str, module: str, args: list[str]) -> ServiceProcess:
-            return ServiceProcess(
-                name, module, args, log_dir / f"{name}.port", log_dir / f"{name}.log"
-            )
-
-        store = proc("kvstore", "services.kvstore", ["--capacity-bytes", str(8 * 1024 * _MIB)])
-        store.spawn(env)
-        _wait([store])
-        common = ["--model", str(model), "--kvstore", store.address, *worker_args]
-        workers = [
-            proc("decode", "services.decode", common),
-            proc("prefill", "services.prefill", common),
-            proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
-        ]
-        for w in workers:
-            w.spawn(env)
-        _wait(workers)
-        return cls([store, *workers])
-
-    def stop(self) -> None:
-        terminate([p.proc for p in self.processes if p.proc is not None], 10.0)
-
-
-def _wait(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        while not (p.read_port() and healthy(p.address)):
-            p.check_alive()
-            if time.monotonic() > deadline:
-                raise WorkerUnavailableError(f"{p.name} did not start; see {p.log_file}")
-            time.sleep(0.1)  # polling a child's port file: nothing to block on
-
-
 async def one(
     s: Services, prefill: str, prompt: list[int], transport: str, *, reused: bool = False
 ) -> Sample:
-    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rid = f"bench-{transport}-{random.getrandbits(48):x}"
-    decode = s.address("decode")
+    decode, reservation = s.address("decode"), ""
+    if s.scheduler:
+        async with grpc.aio.insecure_channel(s.scheduler) as sch:
+            assigned = await scheduler_pb2_grpc.SchedulerStub(sch).Assign(
+                scheduler_pb2.AssignRequest(
+                    request_id=rid, prompt_tokens=len(prompt), max_tokens=2
+                ),
+                timeout=60,
+            )
+        decode, reservation = assigned.decode.address, assigned.reservation_id
+    try:
+        return await _one(s, prefill, prompt, transport, rid, decode, reservation, reused)
+    finally:
+        if reservation:
+            async with grpc.aio.insecure_channel(s.scheduler) as sch:
+                await scheduler_pb2_grpc.SchedulerStub(sch).Release(
+                    scheduler_pb2.ReleaseRequest(reservation_id=reservation), timeout=60
+                )
+
+
+async def _one(
+    s: Services, prefill: str, prompt: list[int], transport: str, rid: str, decode: str,
+    reservation: str, reused: bool,
+) -> Sample:  # fmt: skip
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     async with (
         grpc.aio.insecure_channel(s.address(prefill)) as pch,
         grpc.aio.insecure_channel(decode, options=[("grpc.max_receive_message_length", -1)]) as dch,
@@ -140,6 +117,7 @@ async def one(
             prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=params,
                 decode_address=decode, decode_host=socket.gethostname(), transport=transport,
+                reservation_id=reservation,
             )
         )  # fmt: skip
         rpc_ms = (time.perf_counter() - start) * 1e3
@@ -148,6 +126,7 @@ async def one(
             decode_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
                 first_logprob=resp.first_logprob, sampling=params, kv=resp.kv,
+                reservation_id=reservation,
             )
         ):  # fmt: skip
             if chunk.HasField("timing"):
@@ -357,7 +336,7 @@ def main(argv: Sequence[str]) -> int:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         size = args.reference_mib * _MIB
-        sink = stack.enter_context(GrpcSink(log_dir, _wait))
+        sink = stack.enter_context(GrpcSink(log_dir, wait_for))
 
         def references(when: str) -> References:
             print(f"measuring memcpy, loopback TCP and raw gRPC ({when}) ...", file=sys.stderr)
@@ -373,7 +352,7 @@ def main(argv: Sequence[str]) -> int:
             "--no-decode-prefix", "--log-level", "WARNING", *nixl_pool, *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
-        services = Services.start(args.model, log_dir, worker_args)
+        services = Services.start(args.model, log_dir, worker_args, redis="nixl" in transports)
         try:
             samples, bursts, pairs = asyncio.run(
                 measure(
