@@ -181,15 +181,17 @@ class NixlReader:
         *,
         on_piece: Callable[[int], None] | None = None,
         piece_bytes: int = 0,
+        notif: bytes = b"",
     ) -> np.ndarray:
         """READ ``remote`` ranges into ``local_blocks`` (in order) before ``deadline``
         (monotonic); the landed bytes, contiguous (a view when the blocks are one run, else
         a copy). ``piece_bytes``: READ in pieces of that size, all posted at once, and call
-        ``on_piece(end offset)`` as each one lands, in order (0: one READ)."""
+        ``on_piece(end offset)`` as each one lands, in order (0: one READ). ``notif``: a
+        notification the peer gets once the (last) READ is done."""
         total = sum(n for _, n in remote)
         local = ranges(local_blocks, self.base, self.block_bytes, total)
         pieces = cut_pieces(pair_ranges(local, remote), piece_bytes)
-        await self._transfer(agent, pieces, local_blocks, deadline, on_piece)
+        await self._transfer(agent, pieces, local_blocks, deadline, on_piece, notif)
         return self.landing(local_blocks, total)
 
     def landing(self, blocks: Sequence[int], length: int) -> np.ndarray:
@@ -208,13 +210,14 @@ class NixlReader:
         local: Sequence[int],
         deadline: float,
         on_piece: Callable[[int], None] | None,
+        notif: bytes,
     ) -> None:
         handles: list[Any] = []
         done = 0
         try:
             try:
                 states = []
-                for pairs, _ in pieces:
+                for i, (pairs, _) in enumerate(pieces):
                     ld = np.array([(a, n, 0) for (a, n), _ in pairs], dtype=np.uint64)
                     rd = np.array([(a, n, 0) for _, (a, n) in pairs], dtype=np.uint64)
                     handles.append(
@@ -223,6 +226,7 @@ class NixlReader:
                             self.agent.get_xfer_descs(ld, "DRAM"),
                             self.agent.get_xfer_descs(rd, "DRAM"),
                             agent,
+                            notif if i == len(pieces) - 1 else b"",
                         )
                     )
                     states.append(self.agent.transfer(handles[-1]))

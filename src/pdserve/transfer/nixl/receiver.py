@@ -17,9 +17,9 @@ A read of one location:
 4. The payload is checked as a layer stream (``FrameCollector``: CRC-32 per layer, the
    layout against this engine's). Landing blocks in one run: K and V are views over them,
    lent to the payload until the engine imported it; else copied out, the blocks back.
-5. The prefill agent is notified (``pool.free_message``), and frees the blocks. ``discard``
-   notifies too when the read did not finish: a hand-off given up is freed at once, not at
-   its lease's end.
+5. The prefill agent is notified (``pool.free_message``, carried by the last READ), and frees
+   the blocks. A read that fails before, and ``discard`` of a hand-off never read, notify on
+   their own: a hand-off given up is freed at once, not at its lease's end.
 
 Every transfer is polled on the event loop until it is done, failed, or the deadline passed;
 one that cannot be released is left with its landing blocks (never reused), so no late write
@@ -39,6 +39,7 @@ from pdserve.kvstore.crc import fast_crc32
 from pdserve.transfer.base import HandoffRecord, KVLocation, TransferState, advance
 from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor
 from pdserve.transfer.nixl.blocks import LEN_PREFIX, blocks_for, frames_offset, ranges, runs
+from pdserve.transfer.nixl.pool import free_message
 from pdserve.transfer.nixl.reader import NixlReader
 from pdserve.transfer.stream.frames import FRAME_HEAD, FrameCollector
 from pdserve.transfer.stream.header import StreamHeader
@@ -169,11 +170,16 @@ class NixlReceiver:
         return ranges(blocks, peer.data_addr, peer.block_bytes, loc.length)
 
     async def _tags_held(
-        self, peer: AgentDescriptor, local: Sequence[int], deadline: float
+        self, peer: AgentDescriptor, local: Sequence[int], deadline: float, *, last: bool = False
     ) -> None:
+        """Every block's tag is the handle's capability; ``last``: the read's last READ, which
+        carries the notification that frees the blocks (a notification of its own would hold
+        up this worker's next transfer by milliseconds)."""
         loc, r = self.location, self.reader
         remote = [(peer.tags_addr + b * TAG_BYTES, n * TAG_BYTES) for b, n in runs(loc.blocks)]
-        tags = await r.read(loc.address, remote, local, deadline)
+        notif = free_message(loc.capability) if last else b""
+        tags = await r.read(loc.address, remote, local, deadline, notif=notif)
+        self._notified = self._notified or last
         tags = tags.reshape(-1, TAG_BYTES)
         # In run order, which is the handle's block order.
         cap = loc.capability
@@ -211,7 +217,7 @@ class NixlReceiver:
                 parser.view = data.data.cast("B").toreadonly()
                 parser.arrived(loc.length)
             # Accepted only if the blocks were still this hand-off's after the read.
-            await self._tags_held(peer, tag_blocks, deadline)
+            await self._tags_held(peer, tag_blocks, deadline, last=True)
             payload = parser.build()
             self.compression = parser.compression
             if in_place:
