@@ -179,6 +179,11 @@ def test_greedy_tokens_over_nixl_equal_the_engine_alone(nodes: Nodes, engine: En
             assert timing.transfer.recv_end_ns > timing.transfer.recv_start_ns
 
     asyncio.run(asyncio.wait_for(main(), 120))
+    # The link model learns nixl from the decode worker's reads, not from the prefill
+    # worker's copies into its blocks (nothing crossed the link then).
+    heartbeats = read_heartbeats(nodes.redis_url)
+    prefill = next(w for w in heartbeats if w.host == "node-a")
+    assert not [link for link in prefill.links if link[1] == "nixl"]
 
 
 def test_every_hand_off_gives_its_blocks_back(nodes: Nodes, engine: Engine) -> None:
