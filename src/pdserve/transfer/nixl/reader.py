@@ -129,12 +129,17 @@ class NixlReader:
         self.lent = 0
         """Landing blocks that received payloads lie in, until the engine imported them."""
         self._lock = threading.Lock()
-        self._peers: dict[str, str] = {}  # agent name -> fingerprint of the loaded metadata
+        # Agent name -> the fingerprint and descriptor of the metadata loaded for it.
+        self._peers: dict[str, tuple[str, AgentDescriptor]] = {}
         self._closed = False
 
     async def peer(self, location: KVLocation) -> AgentDescriptor:
-        """The descriptor of the location's agent, loaded (step 1 of the module docstring)."""
+        """The descriptor of the location's agent, loaded: looked up and checked once per
+        fingerprint (later hand-offs naming the same one need no look-up)."""
         agent, expected = location.address, location.key
+        cached = self._peers.get(agent)
+        if cached is not None and cached[0] == expected:
+            return cached[1]
         found = await self.directory.lookup(agent)
         if found is None:
             raise KVTransferError(f"NIXL agent {agent!r} publishes no descriptor (gone?)")
@@ -153,15 +158,13 @@ class NixlReader:
         descriptor = AgentDescriptor.decode(text)
         if descriptor.agent != agent:
             raise KVTransferError(f"descriptor published for {agent!r} names {descriptor.agent!r}")
-        if self._peers.get(agent) != actual:
-            if agent in self._peers:
-                self.forget(agent)
-            loaded = self.agent.add_remote_agent(descriptor.metadata)
-            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if name != agent:
-                self.agent.remove_remote_agent(name)
-                raise KVTransferError(f"metadata published for {agent!r} is agent {name!r}")
-            self._peers[agent] = actual
+        self.forget(agent)  # another fingerprint was loaded for it: a restarted worker
+        loaded = self.agent.add_remote_agent(descriptor.metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != agent:
+            self.agent.remove_remote_agent(name)
+            raise KVTransferError(f"metadata published for {agent!r} is agent {name!r}")
+        self._peers[agent] = (actual, descriptor)
         return descriptor
 
     def forget(self, agent: str) -> None:

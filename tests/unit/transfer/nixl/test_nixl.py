@@ -190,6 +190,11 @@ def test_metadata_that_does_not_match_the_fingerprint_is_never_loaded() -> None:
             directory.publish(pool.name, pool.published, pool.fingerprint)
             got = await NixlReceiver(reader, loc, expected_layout=None).receive(5.0)
             assert got.num_tokens == 40
+            assert reader._peers[pool.name][0] == pool.fingerprint  # loaded, once
+            # A later handle naming the fingerprint loaded already needs no look-up.
+            directory.published.clear()
+            again = await committed(pool, "r2")
+            assert (await NixlReceiver(reader, again, expected_layout=None).receive(5.0)).num_tokens
             assert nixl_leftovers(pool, reader) == []
 
     run(main())
