@@ -12,8 +12,8 @@ from pdserve.transfer.nixl.sender import NixlSender
 from tests.unit.transfer.conftest import make_layout, random_payload
 
 
-def serve(conn: Connection, num_tokens: int) -> None:
-    pool = NixlPool(num_bytes=64 << 20, block_bytes=64 << 10)
+def serve(conn: Connection, num_tokens: int, pool_bytes: int = 64 << 20) -> None:
+    pool = NixlPool(num_bytes=pool_bytes, block_bytes=64 << 10)
     conn.send((pool.name, pool.published, pool.fingerprint))
     payload = random_payload(make_layout(num_layers=4), num_tokens)
     n = 0

@@ -327,6 +327,54 @@ def test_a_peer_that_vanishes_fails_the_read_and_leaves_nothing_taken() -> None:
 
 
 @needs_nixl
+def test_a_peer_killed_mid_read_fails_the_read_and_the_reader_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # TCP (both processes): a 100 MB read takes long enough to kill its peer during it.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    ctx = multiprocessing.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child.serve, args=(child_end, 200_000, 128 << 20), daemon=True)
+    child.start()
+    try:
+        name, published, fp = parent.recv()
+        directory = StaticDirectory()
+        directory.publish(name, published, fp)
+        reader = NixlReader(directory, num_bytes=128 << 20, block_bytes=64 << 10)
+        total = reader.allocator.num_blocks
+
+        async def main() -> None:
+            parent.send("hand-off")
+            loc = parent.recv()
+            receiver = NixlReceiver(reader, loc, expected_layout=None)
+            reading = asyncio.create_task(receiver.receive(60.0))
+            # Its landing blocks are taken just before its READs are posted.
+            while reader.allocator.num_free > total - 2 and not reading.done():
+                await asyncio.sleep(0)  # the read's own polls yield here
+            assert not reading.done()  # its READs are posted, not done
+            os.kill(child.pid or 0, signal.SIGKILL)
+            with pytest.raises(KVTransferError):
+                await reading
+            assert receiver.state is TransferState.FAILED
+            assert reader.allocator.num_free + len(reader.lost) == total
+            # The reader goes on with another peer.
+            with nixl_pair() as (pool, _):
+                directory.publish(pool.name, pool.published, pool.fingerprint)
+                got = await NixlReceiver(
+                    reader, await committed(pool, "next"), expected_layout=None
+                ).receive(10.0)
+                assert got.num_tokens == 40
+
+        run(main())
+        child.join(10)
+        reader.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
+@needs_nixl
 def test_a_read_past_its_deadline_fails_and_its_blocks_come_back() -> None:
     async def main() -> None:
         with nixl_pair(pool_bytes=64 << 20, reader_bytes=64 << 20) as (pool, reader):
