@@ -137,7 +137,7 @@ class NixlReceiver:
         self.state = advance(self.state, TransferState.RECEIVING)
         self.record.recv_start_ns = time.monotonic_ns()
         try:
-            payload = await self._receive(time.monotonic() + timeout_s)
+            payload = await self._receive(timeout_s)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
             self._notify()
@@ -190,10 +190,13 @@ class NixlReceiver:
                 f"{loc.request_id!r} (released, expired, or another's)"
             )
 
-    async def _receive(self, deadline: float) -> KVPayload:
+    async def _receive(self, timeout_s: float) -> KVPayload:
         loc, r = self.location, self.reader
         peer = await r.peer(loc)
         self._reached = True
+        # The bound is the transfer's: this worker's first nixl hand-off registers its
+        # landing blocks, and a new peer's metadata is loaded, before it starts.
+        deadline = time.monotonic() + timeout_s
         remote = self._check(peer)
         tag_blocks = r.take(len(loc.blocks) * TAG_BYTES)
         data_blocks: list[int] = []
