@@ -20,7 +20,9 @@ Bandwidths: each side's bytes over its busy time, from deferred hand-offs (a sen
 every layer at hand, so its rate is the link's, not the compute's). ``store`` crosses two
 links (prefill -> store, store -> decode), ``direct`` one (into the decode worker's endpoint;
 its read is in-process), ``shm`` none (hash and copy into the segment; the reader maps it
-and checks the hashes: XXH3-64).
+and checks the hashes: XXH3-64), ``nixl`` one (the decode worker's one-sided NIXL reads of the
+prefill worker's registered blocks; asked for, every worker registers a block pool of
+1.25x the largest payload, or of the burst's, with ``--nixl-pool-bytes``).
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.
 
@@ -39,14 +41,13 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import random
 import socket
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -54,20 +55,22 @@ import grpc
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
 from pdserve.rpc import allocator
-from pdserve.service_process import ServiceProcess, healthy, terminate
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
 )
 from pdserve_bench.transfer_paired import Pair, Reference, rounds
 from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, serve_sink
 from pdserve_bench.transfer_report import peak_and_average, report
 from pdserve_bench.transfer_sample import Sample
+from pdserve_bench.transfer_services import Services, wait_for
 
-MOVING = ("shm", "store", "direct")
+MOVING = ("shm", "store", "direct", "nixl")
 CHEAP_TOKENS = 2048
 """A point whose prefill is cheap (reused from the prefix cache, or at most this many tokens:
 seconds a run) runs at least ``--cheap-repeats`` times (default 4): measured here, the first
@@ -76,59 +79,35 @@ two 16K hand-offs of a process pair took 3x and 1.5x the steady time (shm), 3.6x
 _MIB = 1024 * 1024
 
 
-# -- the cluster ---------------------------------------------------------------------------------
-@dataclass
-class Services:
-    """KV store, decode worker, layer-wise and deferred prefill workers."""
-
-    processes: list[ServiceProcess]
-
-    def address(self, name: str) -> str:
-        return next(p for p in self.processes if p.name == name).address
-
-    @classmethod
-    def start(cls, model: Path, log_dir: Path, worker_args: Sequence[str]) -> Services:
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-
-        def proc(name: str, module: str, args: list[str]) -> ServiceProcess:
-            return ServiceProcess(
-                name, module, args, log_dir / f"{name}.port", log_dir / f"{name}.log"
-            )
-
-        store = proc("kvstore", "services.kvstore", ["--capacity-bytes", str(8 * 1024 * _MIB)])
-        store.spawn(env)
-        _wait([store])
-        common = ["--model", str(model), "--kvstore", store.address, *worker_args]
-        workers = [
-            proc("decode", "services.decode", common),
-            proc("prefill", "services.prefill", common),
-            proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
-        ]
-        for w in workers:
-            w.spawn(env)
-        _wait(workers)
-        return cls([store, *workers])
-
-    def stop(self) -> None:
-        terminate([p.proc for p in self.processes if p.proc is not None], 10.0)
-
-
-def _wait(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        while not (p.read_port() and healthy(p.address)):
-            p.check_alive()
-            if time.monotonic() > deadline:
-                raise WorkerUnavailableError(f"{p.name} did not start; see {p.log_file}")
-            time.sleep(0.1)  # polling a child's port file: nothing to block on
-
-
 async def one(
     s: Services, prefill: str, prompt: list[int], transport: str, *, reused: bool = False
 ) -> Sample:
-    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rid = f"bench-{transport}-{random.getrandbits(48):x}"
-    decode = s.address("decode")
+    decode, reservation = s.address("decode"), ""
+    if s.scheduler:
+        async with grpc.aio.insecure_channel(s.scheduler) as sch:
+            assigned = await scheduler_pb2_grpc.SchedulerStub(sch).Assign(
+                scheduler_pb2.AssignRequest(
+                    request_id=rid, prompt_tokens=len(prompt), max_tokens=2
+                ),
+                timeout=60,
+            )
+        decode, reservation = assigned.decode.address, assigned.reservation_id
+    try:
+        return await _one(s, prefill, prompt, transport, rid, decode, reservation, reused)
+    finally:
+        if reservation:
+            async with grpc.aio.insecure_channel(s.scheduler) as sch:
+                await scheduler_pb2_grpc.SchedulerStub(sch).Release(
+                    scheduler_pb2.ReleaseRequest(reservation_id=reservation), timeout=60
+                )
+
+
+async def _one(
+    s: Services, prefill: str, prompt: list[int], transport: str, rid: str, decode: str,
+    reservation: str, reused: bool,
+) -> Sample:  # fmt: skip
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     async with (
         grpc.aio.insecure_channel(s.address(prefill)) as pch,
         grpc.aio.insecure_channel(decode, options=[("grpc.max_receive_message_length", -1)]) as dch,
@@ -138,6 +117,7 @@ async def one(
             prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=params,
                 decode_address=decode, decode_host=socket.gethostname(), transport=transport,
+                reservation_id=reservation,
             )
         )  # fmt: skip
         rpc_ms = (time.perf_counter() - start) * 1e3
@@ -146,6 +126,7 @@ async def one(
             decode_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
                 first_logprob=resp.first_logprob, sampling=params, kv=resp.kv,
+                reservation_id=reservation,
             )
         ):  # fmt: skip
             if chunk.HasField("timing"):
@@ -262,7 +243,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, help="checkpoint (default: the base demo checkpoint)")
     p.add_argument("--tokens", default="1024,2048,4096,8000,32768", help="prompt sizes")
-    p.add_argument("--transports", default="shm,store,direct,recompute")
+    p.add_argument(
+        "--transports",
+        default="shm,store,direct,recompute",
+        help="any of shm, store, direct, nixl (the pdserve[nixl] extra), recompute",
+    )
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per point; the least disturbed is kept"
     )
@@ -342,12 +327,16 @@ def main(argv: Sequence[str]) -> int:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     kv_per_token *= 2 if dtype in ("bfloat16", "float16") else 4
     kv_cache_bytes = args.kv_cache_bytes or max(2 * 1024 * _MIB, max(sizes) * kv_per_token * 5 // 4)
+    largest = max(max(sizes), args.burst * args.burst_tokens) * kv_per_token
+    nixl_pool = (
+        ["--nixl-pool-bytes", str(largest * 5 // 4 + 16 * _MIB)] if "nixl" in transports else []
+    )
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-"))
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         size = args.reference_mib * _MIB
-        sink = stack.enter_context(GrpcSink(log_dir, _wait))
+        sink = stack.enter_context(GrpcSink(log_dir, wait_for))
 
         def references(when: str) -> References:
             print(f"measuring memcpy, loopback TCP and raw gRPC ({when}) ...", file=sys.stderr)
@@ -360,10 +349,10 @@ def main(argv: Sequence[str]) -> int:
             "--max-batch-tokens", str(args.max_batch_tokens), "--kv-cache-bytes",
             str(kv_cache_bytes), "--kv-transfer-timeout-s", "120", "--kv-lease-s", "600",
             # Whole payloads: a reused prompt must not shrink to what the decoder lacks.
-            "--no-decode-prefix", "--log-level", "WARNING", *args.worker_arg,
+            "--no-decode-prefix", "--log-level", "WARNING", *nixl_pool, *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
-        services = Services.start(args.model, log_dir, worker_args)
+        services = Services.start(args.model, log_dir, worker_args, redis="nixl" in transports)
         try:
             samples, bursts, pairs = asyncio.run(
                 measure(

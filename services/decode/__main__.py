@@ -48,6 +48,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         ]
 
         links = None
+        kv_agent = ("", "")
         meters = [worker.connector.bandwidth]
         sweeps = [("hand-off sweep", worker.connector.sweep)]
         if options.role is WorkerRole.MIXED:
@@ -62,6 +63,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.connector.links
+                kv_agent = prefill.connector.kv_agent
                 telemetry.watch_bandwidth(SEND, prefill.connector.bandwidth, links)
                 meters.append(prefill.connector.bandwidth)
                 sweeps.append(("shm slot sweep", prefill.connector.sweep))
@@ -80,6 +82,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             telemetry=telemetry,
             links=links,
             bandwidth=meters,
+            kv_agent=kv_agent,
         )
 
 

@@ -51,6 +51,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     telemetry=telemetry,
                     links=worker.connector.links,
                     bandwidth=[worker.connector.bandwidth],
+                    kv_agent=worker.connector.kv_agent,
                 )
             finally:
                 await worker.close()

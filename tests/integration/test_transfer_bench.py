@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.transfer.nixl.agent import nixl_available
 from pdserve_bench.transfer import main
 from pdserve_bench.transfer_paired import Pair, summarize
 from pdserve_bench.transfer_sample import Sample
@@ -54,3 +55,23 @@ def test_bench_transfer_reports_every_transport(
         assert f"| {t} | 40 |" in report
     assert main(["--from-json", str(out)]) == 0  # the report again, from the saved run
     assert capsys.readouterr().out.strip() == report.strip()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pdserve[nixl])")
+def test_bench_transfer_measures_nixl_beside_direct(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With nixl the benchmark adds Redis and a scheduler (the agents are found in the
+    heartbeats; each sample is assigned its decode worker): direct still goes direct."""
+    out = tmp_path / "transfer.json"
+    args = ["--model", str(tiny_llama_dir), "--tokens", "40", "--transports", "nixl,direct",
+            "--burst", "2", "--burst-tokens", "24", "--reference-mib", "8", "--json", str(out),
+            "--repeats", "1", "--cheap-repeats", "1", "--rounds", "1",
+            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    assert main(args) == 0
+    saved = json.loads(out.read_text())
+    points = {(x["transport"], x["layerwise"]) for x in saved["samples"]}
+    assert points == {(t, lw) for t in ("nixl", "direct") for lw in (True, False)}
+    assert all(x["num_bytes"] > 0 and x["recv_bytes_per_s"] > 0 for x in saved["samples"]
+               if x["transport"] == "nixl")  # fmt: skip
+    assert "| nixl | 40 | " in capsys.readouterr().out

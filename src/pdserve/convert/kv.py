@@ -31,6 +31,16 @@ def handle_to_proto(kv: KVLocation) -> common_pb2.KVHandle:
                 generation=kv.generation,
             )
         )
+    elif kv.kind is TransportKind.NIXL:
+        handle.nixl.CopyFrom(
+            common_pb2.NixlLocation(
+                agent=kv.address,
+                metadata_fingerprint=kv.key,
+                host=kv.host,
+                length=kv.length,
+                blocks=kv.blocks,
+            )
+        )
     elif kv.kind is TransportKind.NATIVE and kv.native is not None:
         n = kv.native
         handle.native.CopyFrom(
@@ -80,6 +90,19 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
             length=shm.length, generation=shm.generation, prefix_tokens=skip,
             capability=_capability(handle, True),
         )  # fmt: skip
+    if where == "nixl":
+        nx = handle.nixl
+        if not nx.agent:
+            raise InvalidArgumentError("kv.nixl.agent", "must name the prefill worker's agent")
+        if not nx.metadata_fingerprint:
+            raise InvalidArgumentError("kv.nixl.metadata_fingerprint", "must not be empty")
+        if not nx.blocks:
+            raise InvalidArgumentError("kv.nixl.blocks", "must name at least one block")
+        return KVLocation(
+            TransportKind.NIXL, *common, address=nx.agent, key=nx.metadata_fingerprint,
+            host=nx.host, length=nx.length, blocks=tuple(nx.blocks), prefix_tokens=skip,
+            capability=_capability(handle, True),
+        )  # fmt: skip
     if where == "recompute":
         return KVLocation(
             TransportKind.RECOMPUTE, *common, reason=handle.recompute.reason,
@@ -101,7 +124,7 @@ def handle_from_proto(handle: common_pb2.KVHandle) -> KVLocation:
         return KVLocation(TransportKind.NATIVE, *common, native=native)
     raise InvalidArgumentError(
         "kv.location",
-        f"must be store, direct, shm, native or recompute; got {where or 'none'}",
+        f"must be store, direct, shm, nixl, native or recompute; got {where or 'none'}",
     )
 
 

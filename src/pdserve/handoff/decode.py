@@ -9,7 +9,9 @@ Inside, ``incoming.arrive`` gives the prompt's KV:
   the chunks arrive; ``direct``: the stream the prefill worker pushed into this worker
   (``Decode.Push``, the ``inbox``), assembled as it landed, taken in-process (one naming
   another worker is not here: recompute); ``shm``: the segment on this host (the reader
-  unlinks it, or frees its reused slot once the engine imported it);
+  unlinks it, or frees its reused slot once the engine imported it); ``nixl``: one-sided
+  READs of the prefill worker's registered blocks (``transfer.nixl``), the agent found in its
+  heartbeat (``agents``), which it is then notified to free;
 * ``native``: nothing to read: the engine (of the same backend) pulls the KV itself as the
   decode starts (TensorRT-LLM's generation-only request);
 * ``recompute``: nothing was moved; the prompt is prefilled here with ``max_tokens=1`` and its
@@ -64,6 +66,9 @@ from pdserve.transfer.base import (
     TransportRegistry,
 )
 from pdserve.transfer.links import Links
+from pdserve.transfer.nixl.agent import NixlUnavailableError
+from pdserve.transfer.nixl.reader import AgentDirectory, NixlReader
+from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.shm.handoff import ShmReceiver
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.slots import SlotMappings
@@ -119,7 +124,13 @@ class DecodeConnector:
         transfer_timeout_s: float = 0.0,
         security: SecurityOptions = INSECURE,
         transports: TransportRegistry | None = None,
+        agents: AgentDirectory | None = None,
+        nixl_bytes: int = 256 * 1024 * 1024,
+        nixl_block_bytes: int = 64 * 1024,
     ) -> None:
+        """``agents``: where prefill workers publish their NIXL agents (their heartbeats);
+        without it, nixl hand-offs are recomputed. ``nixl_bytes``/``nixl_block_bytes``: the
+        landing blocks registered with this worker's NIXL agent at its first nixl hand-off."""
         if not transfer_timeout_s >= 0:
             raise InvalidArgumentError(
                 "transfer_timeout_s", f"must be >= 0, got {transfer_timeout_s}"
@@ -139,11 +150,15 @@ class DecodeConnector:
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.shm.slots``).
         self._slot_maps = SlotMappings()
+        self.agents = agents
+        self._nixl_sizes = (nixl_bytes, nixl_block_bytes)
+        self._nixl_reader: NixlReader | None = None
         self.transports = transports or TransportRegistry(
             {
                 TransportKind.SHM: Transport(receiver=self._shm),
                 TransportKind.STORE: Transport(receiver=self._stream),
                 TransportKind.DIRECT: Transport(receiver=self._stream),
+                TransportKind.NIXL: Transport(receiver=self._nixl),
             }
         )
         # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).
@@ -163,6 +178,24 @@ class DecodeConnector:
             follow=follow, slots=self._slot_maps,
         )  # fmt: skip
         return ShmReceiver(reader, location)
+
+    def nixl_reader(self) -> NixlReader:
+        """This worker's NIXL agent and landing blocks, made (and registered) at the first
+        nixl hand-off; ``KVTransferError`` (a recompute) where none can be."""
+        if self._nixl_reader is None:
+            if self.agents is None:
+                raise KVTransferError("nixl hand-off: this worker knows no agent directory")
+            size, block = self._nixl_sizes
+            try:
+                self._nixl_reader = NixlReader(
+                    self.agents, num_bytes=size, block_bytes=block, host=self.host
+                )
+            except NixlUnavailableError as err:
+                raise KVTransferError(f"nixl hand-off cannot be read here: {err}") from err
+        return self._nixl_reader
+
+    def _nixl(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
+        return NixlReceiver(self.nixl_reader, location, expected_layout=self.engine.layout)
 
     def _stream(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
         """``store``: the entry at the location's KV store; ``direct``: the hand-off pushed
@@ -246,6 +279,10 @@ class DecodeConnector:
         stores, self._stores = self._stores, {}
         for client in stores.values():
             await client.close()
+        if self._nixl_reader is not None:
+            self._nixl_reader.close()
+        if self.agents is not None:
+            await self.agents.close()
 
 
 class Incoming:

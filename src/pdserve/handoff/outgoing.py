@@ -161,9 +161,11 @@ class Outgoing:
             location = KVLocation.recompute(rid, n, self.fingerprint, str(err), capability)
             return Sent(location, self._record(compute_end_ns, fallback_reason=str(err)))
         record = self._record(compute_end_ns)
-        self.links.observe(plan.peer, record)
-        if self.bandwidth is not None:
-            self.bandwidth.record_handoff(plan.peer, record)
+        # nixl: nothing crossed the link yet (the decode worker READs it, and measures that).
+        if plan.kind is not TransportKind.NIXL:
+            self.links.observe(plan.peer, record)
+            if self.bandwidth is not None:
+                self.bandwidth.record_handoff(plan.peer, record)
         self.handed_over = True
         location = dataclasses.replace(
             location, model_fingerprint=self.fingerprint, prefix_tokens=plan.prefix_tokens

@@ -36,8 +36,10 @@ from pdserve.transfer.links import Links, allowed_transports, choose_transport
 
 AUTO = "auto"
 TRANSPORT_CHOICES = (AUTO, *(k.value for k in TransportKind))
-MOVING = (TransportKind.STORE, TransportKind.DIRECT, TransportKind.SHM)
+MOVING = (TransportKind.STORE, TransportKind.DIRECT, TransportKind.SHM, TransportKind.NIXL)
 """The transports that move the KV's bytes through pdserve."""
+NIXL_POOL_BYTES = 256 * 1024 * 1024
+"""The NIXL block pool of a worker with ``--transport nixl`` and no ``--nixl-pool-bytes``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,12 @@ class TransferOptions:
     """Lease of a hand-off entry whose reader never comes."""
     shm_slot_bytes: int = 0
     """``/dev/shm`` bytes of reused shm segments (``transfer.shm.slots``); 0: none."""
+    nixl_pool_bytes: int = 0
+    """nixl: bytes of KV blocks registered with the NIXL agent at start (``transfer.nixl``);
+    0: ``NIXL_POOL_BYTES`` with ``--transport nixl``, else no pool (a request that asks for
+    nixl is then refused). A hand-off that does not fit in what is free is recomputed."""
+    nixl_block_bytes: int = 64 * 1024
+    """nixl: bytes of one block (a multiple of 4096)."""
     faults: SendFaults | None = None
     """Fault injection, for fault tests only."""
 
@@ -93,10 +101,25 @@ class TransferOptions:
             raise InvalidArgumentError("lease_s", f"must be > 0, got {self.lease_s}")
         if self.shm_slot_bytes < 0:
             raise InvalidArgumentError("shm_slot_bytes", f"must be >= 0, got {self.shm_slot_bytes}")
+        if 0 < self.nixl_pool_bytes < self.nixl_block_bytes:
+            raise InvalidArgumentError(
+                "nixl_pool_bytes", f"must hold one block of {self.nixl_block_bytes} bytes"
+            )
+        if self.nixl_block_bytes < 4096 or self.nixl_block_bytes % 4096:
+            raise InvalidArgumentError(
+                "nixl_block_bytes", f"must be a multiple of 4096, got {self.nixl_block_bytes}"
+            )
         if self.prefetch_min_bytes < 0:
             raise InvalidArgumentError(
                 "prefetch_min_bytes", f"must be >= 0, got {self.prefetch_min_bytes}"
             )
+
+    @property
+    def nixl_pool(self) -> int:
+        """Bytes of the NIXL block pool the worker registers at start (0: none)."""
+        if self.nixl_pool_bytes:
+            return self.nixl_pool_bytes
+        return NIXL_POOL_BYTES if TransportKind.NIXL in self.transports else 0
 
     @property
     def transports(self) -> tuple[TransportKind, ...]:

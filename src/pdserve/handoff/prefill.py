@@ -17,7 +17,8 @@ Per request, for the prefill worker:
 What it owns, shared by its hand-offs and closed by ``close``: the transports (a
 ``TransportRegistry`` bound to the resources below, a fresh sender per hand-off: ``store``
 and ``direct`` a ``StreamSender`` into the KV store or pushed into the decode worker, ``shm``
-a ``ShmSender``), the copy, unmapping and sealing threads, the reused shm segments
+a ``ShmSender``, ``nixl`` a ``NixlSender`` into the NIXL-registered block pool, made at start
+with ``--transport nixl``), the copy, unmapping and sealing threads, the reused shm segments
 (``SlotPool``, swept by ``sweep``), the decode workers' connections (``peers.DecodePeers``)
 and the reservation check.
 """
@@ -58,6 +59,8 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.links import Links
+from pdserve.transfer.nixl.pool import NixlPool
+from pdserve.transfer.nixl.sender import NixlSender
 from pdserve.transfer.shm.handoff import ShmSender
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
 from pdserve.transfer.shm.writer import SegmentWriter
@@ -103,13 +106,33 @@ class PrefillConnector:
         self._shm_slots = SlotPool(budget, lease_s=o.lease_s) if budget else None
         # store/direct: one thread seals the large frames of every stream, in the order taken.
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-seal")
+        # nixl: KV blocks registered with a NIXL agent once, for the worker's life.
+        self.nixl: NixlPool | None = None
+        if o.nixl_pool and transports is None:
+            self.nixl = NixlPool(
+                num_bytes=o.nixl_pool, block_bytes=o.nixl_block_bytes,
+                lease_s=o.lease_s, host=self.host,
+            )  # fmt: skip
         self.transports = transports or TransportRegistry(
             {
                 TransportKind.SHM: Transport(sender=self._shm),
                 TransportKind.STORE: self._stream(TransportKind.STORE, lambda _: store),
                 TransportKind.DIRECT: self._stream(TransportKind.DIRECT, self.peers.push),
+                **({TransportKind.NIXL: Transport(sender=self._nixl)} if self.nixl else {}),
             }
         )
+
+    @property
+    def kv_agent(self) -> tuple[str, str]:
+        """What the heartbeat publishes of the NIXL agent: its descriptor and fingerprint
+        ("", "" without one)."""
+        if self.nixl is None:
+            return "", ""
+        return self.nixl.published, self.nixl.fingerprint
+
+    def _nixl(self, peer_address: str) -> KVSender:
+        assert self.nixl is not None
+        return NixlSender(self.nixl, faults=self.options.faults)
 
     def _shm(self, peer_address: str) -> KVSender:
         writer = SegmentWriter(
@@ -180,7 +203,11 @@ class PrefillConnector:
         return dataclasses.replace(
             plan,
             kind=kind,
-            compression=o.compression if kind is not TransportKind.SHM else Compression.NONE,
+            compression=(
+                o.compression
+                if kind not in (TransportKind.SHM, TransportKind.NIXL)
+                else Compression.NONE
+            ),
             prefix_tokens=skip,
             announce=o.announces(
                 kind,
@@ -201,7 +228,7 @@ class PrefillConnector:
             rid, n = plan.request_id, plan.num_tokens - plan.prefix_tokens
             try:
                 sender.begin(rid, self.engine.layout, n)
-            except (CapacityError, KVTransferError) as err:  # shm full, ...: nothing was held
+            except (CapacityError, KVTransferError) as err:  # shm or nixl full: nothing held
                 logger.warning("%s: %s hand-off refused (%s); recompute", rid, plan.kind, err)
                 plan, sender = plan.fall_back(f"{plan.kind} refused the hand-off: {err}"), None
         address = plan.decode_address
@@ -220,9 +247,12 @@ class PrefillConnector:
                 await out.discard()
 
     async def sweep(self) -> None:
-        """Periodic: free the shm slots whose hand-off outlived its lease unread."""
+        """Periodic: free the shm slots whose hand-off outlived its lease unread, and the
+        NIXL blocks their readers are done with (or whose lease ran out)."""
         if self._shm_slots is not None:
             self._shm_slots.expire()
+        if self.nixl is not None:
+            self.nixl.sweep()
 
     async def close(self) -> None:
         """Close the connections to decode workers and the reservation check; stop the
@@ -234,4 +264,6 @@ class PrefillConnector:
         if self._shm_slots is not None:
             self._shm_slots.close()
         self._sealer.shutdown(wait=True)
+        if self.nixl is not None:
+            self.nixl.close()
         await self.peers.close()

@@ -140,6 +140,11 @@ class WorkerInfo:
     one)."""
     kv_peak_bytes_per_s: float | None = None
     """Measured: the busiest 100 ms of those 10 s, bytes/s; None: not published."""
+    kv_agent: str = ""
+    """A prefill worker's NIXL agent and registered KV blocks (``transfer.nixl``'s
+    ``AgentDescriptor``, encoded); "" without the nixl transport."""
+    kv_agent_fingerprint: str = ""
+    """The fingerprint of ``kv_agent``, which nixl handles name."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -164,7 +169,7 @@ class WorkerInfo:
                 "kv_blocks_free",
                 f"{self.kv_blocks_free} exceeds kv_blocks_total {self.kv_blocks_total}",
             )
-        for name in ("address", "host", "model_fingerprint"):
+        for name in ("address", "host", "model_fingerprint", "kv_agent", "kv_agent_fingerprint"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(name, f"must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.draining, bool):

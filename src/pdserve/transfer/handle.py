@@ -26,6 +26,9 @@ class TransportKind(StrEnum):
     """A POSIX shared-memory segment; prefill and decode on the same host."""
     RECOMPUTE = "recompute"
     """Nothing moves: the decode worker prefills the prompt again."""
+    NIXL = "nixl"
+    """One-sided NIXL reads by the decode worker out of the prefill worker's registered KV
+    blocks (``transfer.nixl``, the ``pdserve[nixl]`` extra)."""
     NATIVE = "native"
     """The engines move it themselves (TensorRT-LLM's cache transceiver): pdserve carries only
     the handle (``NativeKV``)."""
@@ -67,13 +70,17 @@ class KVLocation:
     key: str = ""
     """store/direct: the entry's key; shm: the segment's name; fake: the hub's key."""
     host: str = ""
-    """shm: the writer's host name."""
+    """shm: the writer's host name; nixl: the prefill worker's host (its link's far end)."""
     offset: int = 0
     length: int = 0
     generation: int = 0
     """shm: the hand-off's generation in a reused slot (``transfer.shm.slots``); 0: one-off."""
     reason: str = ""
     """recompute: why nothing moved."""
+    blocks: tuple[int, ...] = ()
+    """nixl: the ids of the prefill worker's registered blocks the payload lies in, in order
+    (``address``: its NIXL agent; ``key``: the fingerprint of the agent metadata its
+    heartbeat publishes; ``length``: the payload's bytes in them)."""
     prefix_tokens: int = 0
     """Leading prompt tokens left out of the payload: the decode worker's prefix cache holds
     them (``prefix.DecodePrefix``). ``prefix_tokens + num_tokens`` is the prompt length."""

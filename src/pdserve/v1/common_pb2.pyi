@@ -246,6 +246,20 @@ class NativeLocation(_message.Message):
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, opaque_state: _Optional[bytes] = ..., backend: _Optional[str] = ..., ctx_request_id: _Optional[int] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class NixlLocation(_message.Message):
+    __slots__ = ("agent", "metadata_fingerprint", "host", "length", "blocks")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    metadata_fingerprint: str
+    host: str
+    length: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent: _Optional[str] = ..., metadata_fingerprint: _Optional[str] = ..., host: _Optional[str] = ..., length: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RecomputeLocation(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -253,7 +267,7 @@ class RecomputeLocation(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "capability", "store", "direct", "shm", "native", "recompute")
+    __slots__ = ("request_id", "num_tokens", "num_bytes", "model_fingerprint", "checksum", "prefix_tokens", "capability", "store", "direct", "shm", "native", "recompute", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +280,7 @@ class KVHandle(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     num_bytes: int
@@ -278,4 +293,5 @@ class KVHandle(_message.Message):
     shm: ShmLocation
     native: NativeLocation
     recompute: RecomputeLocation
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., native: _Optional[_Union[NativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ...) -> None: ...
+    nixl: NixlLocation
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., store: _Optional[_Union[StoreLocation, _Mapping]] = ..., direct: _Optional[_Union[DirectLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., native: _Optional[_Union[NativeLocation, _Mapping]] = ..., recompute: _Optional[_Union[RecomputeLocation, _Mapping]] = ..., nixl: _Optional[_Union[NixlLocation, _Mapping]] = ...) -> None: ...

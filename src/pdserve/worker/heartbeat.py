@@ -37,6 +37,8 @@ class WorkerIdentity:
     """The host lease's bulk threshold (0: no lease): ``WorkerInfo.interactive_tokens``."""
     transports: tuple[str, ...] = ()
     """What its hand-off policy picks from: ``WorkerInfo.transports``."""
+    kv_agent: tuple[str, str] = ("", "")
+    """Its NIXL agent's descriptor and fingerprint: ``WorkerInfo.kv_agent``."""
 
 
 def worker_info(
@@ -92,6 +94,8 @@ def worker_info(
         transports=identity.transports,
         kv_bytes_per_s=None if bandwidth is None else bandwidth[0],
         kv_peak_bytes_per_s=None if bandwidth is None else bandwidth[1],
+        kv_agent=identity.kv_agent[0],
+        kv_agent_fingerprint=identity.kv_agent[1],
     )
 
 

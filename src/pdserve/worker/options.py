@@ -29,6 +29,7 @@ from pdserve.security.options import (
 from pdserve.sim.flags import DEFAULT_LINK
 from pdserve.transfer.base import TransportKind
 from pdserve.transfer.compress import Compression
+from pdserve.transfer.nixl.agent import nixl_api
 from pdserve.worker.fault_specs import parse_faults
 from pdserve.worker.scheduling_options import (
     SchedulingOptions,
@@ -111,6 +112,11 @@ class WorkerOptions:
     shm_slot_bytes: int = 1024**3
     """prefill: ``/dev/shm`` bytes of reused shm segments kept mapped (``transfer.shm.slots``);
     0: a fresh segment per hand-off."""
+    nixl_pool_bytes: int = 0
+    """prefill: KV block bytes registered with the NIXL agent at start (0: 256 MiB with
+    ``--transport nixl``, else none); decode: its landing blocks, registered at its first nixl
+    hand-off (0: 256 MiB)."""
+    nixl_block_bytes: int = 64 * 1024
     janitor_interval_s: float = 60.0
     """How often orphaned shm segments are looked for (also once at start)."""
     janitor_max_age_s: float = 600.0
@@ -147,6 +153,8 @@ class WorkerOptions:
             timeout_s=self.kv_transfer_timeout_s,
             lease_s=self.kv_lease_s,
             shm_slot_bytes=self.shm_slot_bytes,
+            nixl_pool_bytes=self.nixl_pool_bytes,
+            nixl_block_bytes=self.nixl_block_bytes,
             faults=parse_faults(self.faults),
         )
 
@@ -328,6 +336,20 @@ def worker_parser(
         help="prefill: /dev/shm bytes of shm segments kept mapped and reused (at most a "
         "quarter of /dev/shm); 0: a fresh segment per hand-off",
     )
+    t.add_argument(
+        "--nixl-pool-bytes",
+        type=int,
+        default=int(d("nixl_pool_bytes", 0)),
+        help="nixl: KV block bytes registered with the NIXL agent at start (prefill; 0: 256 "
+        "MiB with --transport nixl, else none), or landing blocks registered at the first "
+        "nixl hand-off (decode; 0: 256 MiB)",
+    )
+    t.add_argument(
+        "--nixl-block-bytes",
+        type=int,
+        default=int(d("nixl_block_bytes", 64 * 1024)),
+        help="nixl: bytes of one registered block (a multiple of 4096)",
+    )
     t.add_argument("--janitor-interval-s", type=float, default=float(d("janitor_interval_s", 60.0)))
     t.add_argument("--janitor-max-age-s", type=float, default=float(d("janitor_max_age_s", 600.0)))
     g = p.add_argument_group("the tensorrt-llm backend (see docs/backends.md)")
@@ -375,6 +397,8 @@ def check_backend(args: argparse.Namespace) -> None:
     """Refuse flags the chosen backend cannot honour, naming the flag."""
     if args.backend != SIM and args.sim_profile:
         raise InvalidArgumentError("--sim-profile", "needs --backend sim")
+    if args.transport == TransportKind.NIXL.value or args.nixl_pool_bytes:
+        check_nixl(args)
     if args.backend in (TORCH, SIM):
         if args.transport == TransportKind.NATIVE.value:
             raise InvalidArgumentError("--transport", "native needs --backend tensorrt-llm")
@@ -399,6 +423,25 @@ def check_backend(args: argparse.Namespace) -> None:
     fraction = args.trtllm_kv_fraction
     if fraction is not None and not 0.0 < fraction <= 1.0:
         raise InvalidArgumentError("--trtllm-kv-fraction", f"must be in (0, 1], got {fraction}")
+
+
+def check_nixl(args: argparse.Namespace) -> None:
+    """``--transport nixl`` (or a NIXL pool, ``--nixl-pool-bytes``) needs NIXL (the
+    ``pdserve[nixl]`` extra: never a silent fallback) and a backend whose KV leaves its engine
+    as bytes through pdserve (the torch backend)."""
+    if args.backend == SIM:
+        raise InvalidArgumentError(
+            "--transport",
+            "nixl reads KV blocks an engine wrote; the sim backend models its hand-offs and "
+            "writes none: use its modelled links (--sim-link) with another transport",
+        )
+    if args.backend != TORCH:
+        return  # tensorrt-llm refuses it below, naming its own transports
+    if args.nixl_block_bytes < 4096 or args.nixl_block_bytes % 4096:
+        raise InvalidArgumentError("--nixl-block-bytes", "must be a multiple of 4096")
+    if 0 < args.nixl_pool_bytes < args.nixl_block_bytes or args.nixl_pool_bytes < 0:
+        raise InvalidArgumentError("--nixl-pool-bytes", "must hold at least one block")
+    nixl_api("--transport")  # NixlUnavailableError names the extra
 
 
 def check_sim(args: argparse.Namespace) -> None:
@@ -477,6 +520,8 @@ def options_from_args(
         prefix_lease_s=args.prefix_lease_s,
         inbox_bytes=args.inbox_bytes,
         shm_slot_bytes=args.shm_slot_bytes,
+        nixl_pool_bytes=args.nixl_pool_bytes,
+        nixl_block_bytes=args.nixl_block_bytes,
         janitor_interval_s=args.janitor_interval_s,
         janitor_max_age_s=args.janitor_max_age_s,
         faults=tuple(args.fault),

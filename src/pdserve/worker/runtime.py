@@ -34,7 +34,9 @@ from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMCon
 from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.handoff import DecodeConnector, PrefillConnector
+from pdserve.handoff.agents import HeartbeatAgents
 from pdserve.handoff.assignment import AssignedDecode
+from pdserve.handoff.plan import NIXL_POOL_BYTES
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
@@ -189,6 +191,14 @@ def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker
     inbox = Inbox(
         options.inbox_bytes, expected_layout=engine.layout, default_lease_s=options.kv_lease_s
     )
+    # nixl hand-offs: the prefill workers' agents, as their heartbeats publish them.
+    agents = (
+        HeartbeatAgents(
+            RedisWorkerRegistry(connect(options.redis_url), keys=KeySpace(options.namespace))
+        )
+        if options.redis_url
+        else None
+    )
     connector = DecodeConnector(
         engine,
         inbox=inbox,
@@ -196,6 +206,9 @@ def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker
         store_timeout_s=options.kv_timeout_s,
         transfer_timeout_s=options.kv_transfer_timeout_s,
         security=options.security,
+        agents=agents,
+        nixl_bytes=options.nixl_pool_bytes or NIXL_POOL_BYTES,
+        nixl_block_bytes=options.nixl_block_bytes,
     )
     return DecodeWorker(engine, connector)
 
@@ -239,6 +252,7 @@ async def run_worker(
     telemetry: WorkerTelemetry | None = None,
     links: Links | None = None,
     bandwidth: Sequence[BandwidthMeter] = (),
+    kv_agent: tuple[str, str] = ("", ""),
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
@@ -246,7 +260,9 @@ async def run_worker(
     serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
     ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
     KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
-    connectors' meters, whose live bytes/s the heartbeats publish.
+    connectors' meters, whose live bytes/s the heartbeats publish; ``kv_agent``: its prefill
+    side's NIXL agent descriptor and fingerprint, for its heartbeats
+    (``PrefillConnector.kv_agent``).
     """
     server, port, health = build_server(
         servicers,
@@ -271,6 +287,7 @@ async def run_worker(
         kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
         transports=tuple(k.value for k in options.transfer_options().transports),
+        kv_agent=kv_agent,
     )
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None

@@ -23,6 +23,9 @@ from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc.server import build_server
 from pdserve.transfer.base import KVLocation, KVReceiver, KVSender, TransferState, TransportKind
 from pdserve.transfer.fake import FakeHub, FakeReceiver, FakeSender
+from pdserve.transfer.nixl.agent import nixl_available
+from pdserve.transfer.nixl.receiver import NixlReceiver
+from pdserve.transfer.nixl.sender import NixlSender
 from pdserve.transfer.shm.handoff import ShmReceiver, ShmSender
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.writer import SegmentWriter
@@ -33,8 +36,15 @@ from pdserve.transfer.stream.sender import StreamSender
 from services.decode.servicer import DecodeServicer, add_decode_servicer
 from services.kvstore.servicer import KVStoreServicer
 from tests.unit.transfer.conftest import assert_same_payload, leftovers, make_layout, random_payload
+from tests.unit.transfer.nixl.pair import nixl_leftovers, nixl_pair
 
-BACKENDS = ["fake", "shm", "stream", "direct"]
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(
+        not nixl_available(), reason="NIXL is not installed (the pdserve[nixl] extra)"
+    ),
+)
+BACKENDS = ["fake", "shm", "stream", "direct", NIXL]
 
 
 @dataclass
@@ -66,6 +76,15 @@ async def backend(name: str, shm_prefix: str) -> AsyncIterator[Backend]:
             lambda loc, lay: ShmReceiver(SegmentReader(expected_layout=lay), loc),
             lambda: leftovers(shm_prefix),
         )
+        return
+    if name == "nixl":
+        with nixl_pair() as (pool, reader):
+            yield Backend(
+                name,
+                lambda: NixlSender(pool),
+                lambda loc, lay: NixlReceiver(reader, loc, expected_layout=lay),
+                lambda: nixl_leftovers(pool, reader),
+            )
         return
     if name == "direct":
         async with AsyncExitStack() as stack:
@@ -161,10 +180,10 @@ def test_round_trip_any_layer_order(name: str, dtype: str, shm_prefix: str) -> N
     run(name, shm_prefix, body)
 
 
-@pytest.mark.parametrize("name", ["fake", "shm"])
+@pytest.mark.parametrize("name", ["fake", "shm", NIXL])
 def test_hook_tensors_may_change_after_the_call(name: str, shm_prefix: str) -> None:
-    # These senders copy during the call. (``stream`` keeps the engine's gathered copies,
-    # which nothing writes again: ``LayerHook``.)
+    # These senders copy during the call (nixl: into its registered blocks). (``stream``
+    # keeps the engine's gathered copies, which nothing writes again: ``LayerHook``.)
     payload = random_payload(make_layout(), 9)
 
     async def body(b: Backend) -> None:

@@ -1,0 +1,88 @@
+"""The services ``pdserve bench transfer`` runs: a KV store, a decode worker, a layer-wise
+and a deferred prefill worker, and, when nixl is measured, Redis and a scheduler."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import WorkerUnavailableError
+from pdserve.launcher import read_heartbeats
+from pdserve.redis_server import EmbeddedRedis
+from pdserve.service_process import ServiceProcess, healthy, terminate
+
+_MIB = 1024 * 1024
+
+
+@dataclass
+class Services:
+    """KV store, decode worker, layer-wise and deferred prefill workers; with ``redis``, a
+    scheduler too (nixl: the decode worker finds the prefill workers' NIXL agents in their
+    heartbeats, and a prefill worker with Redis sends to a decode worker only under a
+    reservation, so every sample is assigned one)."""
+
+    processes: list[ServiceProcess]
+    redis: EmbeddedRedis | None = None
+
+    def address(self, name: str) -> str:
+        return next(p for p in self.processes if p.name == name).address
+
+    @property
+    def scheduler(self) -> str:
+        return self.address("scheduler") if self.redis is not None else ""
+
+    @classmethod
+    def start(
+        cls, model: Path, log_dir: Path, worker_args: Sequence[str], *, redis: bool = False
+    ) -> Services:
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+        embedded = EmbeddedRedis().start() if redis else None
+        if embedded is not None:
+            env["PDSERVE_REDIS_URL"] = embedded.url
+
+        def proc(name: str, module: str, args: list[str]) -> ServiceProcess:
+            return ServiceProcess(
+                name, module, args, log_dir / f"{name}.port", log_dir / f"{name}.log"
+            )
+
+        store = proc("kvstore", "services.kvstore", ["--capacity-bytes", str(8 * 1024 * _MIB)])
+        first = [store]
+        if embedded is not None:
+            first.append(proc("scheduler", "services.scheduler", ["--log-level", "WARNING"]))
+        for p in first:
+            p.spawn(env)
+        wait_for(first)
+        common = ["--model", str(model), "--kvstore", store.address, *worker_args]
+        workers = [
+            proc("decode", "services.decode", common),
+            proc("prefill", "services.prefill", common),
+            proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
+        ]
+        for w in workers:
+            w.spawn(env)
+        wait_for(workers)
+        if embedded is not None:  # the scheduler places only on workers it has heard from
+            deadline = time.monotonic() + 60
+            while len(read_heartbeats(embedded.url)) < len(workers):
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailableError("the workers' heartbeats did not arrive")
+                time.sleep(0.1)  # polling heartbeats: nothing to block on
+        return cls([*first, *workers], embedded)
+
+    def stop(self) -> None:
+        terminate([p.proc for p in self.processes if p.proc is not None], 10.0)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def wait_for(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while not (p.read_port() and healthy(p.address)):
+            p.check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerUnavailableError(f"{p.name} did not start; see {p.log_file}")
+            time.sleep(0.1)  # polling a child's port file: nothing to block on

@@ -1,0 +1,27 @@
+"""A prefill side in its own process (``test_nixl.py``'s peer that vanishes): it registers a
+pool, commits one hand-off per request on ``conn`` and sends back its location, until told
+to stop (or killed)."""
+
+from __future__ import annotations
+
+import asyncio
+from multiprocessing.connection import Connection
+
+from pdserve.transfer.nixl.pool import NixlPool
+from pdserve.transfer.nixl.sender import NixlSender
+from tests.unit.transfer.conftest import make_layout, random_payload
+
+
+def serve(conn: Connection, num_tokens: int, pool_bytes: int = 64 << 20) -> None:
+    pool = NixlPool(num_bytes=pool_bytes, block_bytes=64 << 10)
+    conn.send((pool.name, pool.published, pool.fingerprint))
+    payload = random_payload(make_layout(num_layers=4), num_tokens)
+    n = 0
+    while conn.recv() == "hand-off":
+        sender = NixlSender(pool)
+        n += 1
+        sender.begin(f"r{n}", payload.layout, num_tokens)
+        for i in range(payload.layout.num_layers):
+            sender.send_layer(i, payload.keys[i], payload.values[i])
+        conn.send(asyncio.run(sender.commit(5.0)))
+    pool.close()
