@@ -16,7 +16,7 @@ import logging
 import os
 
 from pdserve.adapters.prefill_servicer import PrefillServicer
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import open_store
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn, run_service
 from pdserve.scheduling import WorkerRole
@@ -55,8 +55,11 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 (decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker, stages))
             )
             if options.kvstore:
-                store = KVStoreClient(
-                    options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
+                store = open_store(
+                    options.kvstore,
+                    timeout_s=options.kv_timeout_s,
+                    security=options.security,
+                    local_host=options.reach_host,
                 )
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store)

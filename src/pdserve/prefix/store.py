@@ -42,7 +42,7 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.kvstore.keys import prefix_chunk_key
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class PrefixReuse:
 
     def __init__(
         self,
-        store: KVStoreClient,
+        store: StoreClient,
         layout: KVLayout,
         *,
         chunk_tokens: int = 256,

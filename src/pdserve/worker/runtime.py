@@ -35,7 +35,7 @@ from pdserve.compute import HostLease
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.assignment import AssignedDecode
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.prefix.store import PrefixReuse
 from pdserve.rpc.server import (
     AddServicerFn,
@@ -145,7 +145,7 @@ def trtllm_config(options: WorkerOptions) -> TensorRTLLMConfig:
 def prefill_worker(
     options: WorkerOptions,
     engine: EngineBackend,
-    store: KVStoreClient,
+    store: StoreClient,
 ) -> PrefillWorker:
     """The prefill worker these options describe (hand-off settings, prefix reuse; with Redis,
     decode addresses checked against reservations). Its servicer traces its calls
@@ -196,6 +196,7 @@ def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker
         store_timeout_s=options.kv_timeout_s,
         transfer_timeout_s=options.kv_transfer_timeout_s,
         security=options.security,
+        store_host=options.reach_host,
     )
     return DecodeWorker(engine, connector)
 
