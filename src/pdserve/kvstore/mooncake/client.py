@@ -49,7 +49,6 @@ from pdserve.kvstore.crc import fast_crc32
 from pdserve.kvstore.mooncake.address import MooncakeAddress
 from pdserve.kvstore.mooncake.library import Library, load
 from pdserve.kvstore.mooncake.objects import (
-    HEAD_BYTES,
     decode_head,
     encode_head,
     object_bytes,
@@ -101,9 +100,13 @@ class _ObjectWriter:
         self.filled += n
         self.pieces.append(n)
 
+    @property
+    def data_bytes(self) -> int:
+        return self.filled - len(self.head)
+
     def finish(self, key: str) -> tuple[np.ndarray, int]:
         """The object's buffer and length, its table written."""
-        data = self.filled - len(self.head)
+        data = self.data_bytes
         if self.expected >= 0 and data != self.expected:
             raise KVTransferError(
                 f"put {key!r}: the stream announced {self.expected} bytes and sent {data}"
@@ -232,7 +235,7 @@ class MooncakeStoreClient:
         return KVTransferError(f"{what} at Mooncake {self.config.master} failed (code {code})")
 
     # -- writes -------------------------------------------------------------------------
-    async def _put_object(self, key: str, writer: _ObjectWriter) -> int:
+    async def _put_object(self, key: str, writer: _ObjectWriter) -> None:
         buffer, size = writer.finish(key)
         store = await self._joined()
         replicate = self._library.replicate_config(self.config.replicas)
@@ -253,7 +256,6 @@ class MooncakeStoreClient:
             raise
         if rc != 0:
             raise self._failed(rc, f"put {key!r}")
-        return size
 
     async def _undo_put(self, store: Any, key: str, put: asyncio.Future[Any]) -> None:
         try:
@@ -308,8 +310,8 @@ class MooncakeStoreClient:
             raise
         except Exception as err:
             raise KVTransferError(f"put {key!r}: its data failed: {err}") from err
-        size = await self._put_object(key, writer)
-        return PutResult(size - HEAD_BYTES, count, 0.0)
+        await self._put_object(key, writer)
+        return PutResult(len(header) + writer.data_bytes, count, 0.0)
 
     # -- reads --------------------------------------------------------------------------
     def _read_blocking(self, store: Any, key: str) -> memoryview | int:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 import weakref
 from pathlib import Path
 from types import TracebackType
@@ -129,6 +130,16 @@ class MasterProcess:
         text = log_path.read_text(errors="replace")[-2000:]
         self.stop()
         raise WorkerUnavailableError(f"mooncake_master did not start: {text.strip()}")
+
+    def key_count(self) -> int:
+        """Objects the master holds now (its ``master_key_count`` metric): leak checks."""
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_key_count "):
+                return int(float(line.split()[1]))
+        raise WorkerUnavailableError(f"mooncake_master at {url} reports no master_key_count")
 
     def kill(self) -> None:
         """SIGKILL the master (fault tests); ``stop`` still cleans up."""

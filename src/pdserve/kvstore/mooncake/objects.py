@@ -36,7 +36,9 @@ def decode_head(key: str, raw: memoryview) -> tuple[bytes, int]:
     """``(header, offset of the data)`` of an object; a foreign or cut object raises
     ``KVTransferError`` naming the key."""
     if len(raw) < HEAD_BYTES:
-        raise KVTransferError(f"Mooncake object {key!r} is {len(raw)} bytes, not a KV entry")
+        raise KVTransferError(
+            f"Mooncake object {key!r} is {len(raw)} bytes, not a pdserve KV entry"
+        )
     magic, header_len, _flags = _HEAD.unpack_from(raw)
     if magic != MAGIC:
         raise KVTransferError(f"Mooncake object {key!r} is not a pdserve KV entry")
