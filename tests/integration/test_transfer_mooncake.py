@@ -1,0 +1,199 @@
+"""Hand-offs through a Mooncake Store between worker processes on different loopback addresses.
+
+A real ``mooncake_master``; a prefill worker bound to 127.0.0.2 (lending its segment to the
+store) and a decode worker bound to 127.0.0.3, with different host names, so nothing may rely
+on shared memory or one host: the KV goes prefill -> Mooncake Store -> decode over the
+transfer engine's TCP. Driven through the Prefill and Decode RPCs. The greedy tokens must be
+those of ``Engine.generate`` alone; a corrupted payload and a master that is gone must each
+end in recompute with the same tokens; afterwards the store holds no object. Skipped, with
+the reason, where the Mooncake package cannot load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve import deathsig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvstore.mooncake import MasterProcess, available
+from pdserve.service_process import healthy, terminate
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 6
+WORKER_ARGS = (
+    "--dtype", "float32", "--threads", "1", "--kv-blocks", "256", "--log-level", "WARNING",
+    "--fault", "corrupt@bad-",
+)  # fmt: skip
+
+
+@dataclass
+class Workers:
+    master: MasterProcess
+    prefill: str
+    decode: str
+    procs: list[subprocess.Popen[bytes]]
+
+
+def spawn_worker(
+    module: str, host: str, name: str, args: list[str], workdir: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = workdir / f"{name}.port"
+    log = (workdir / f"{name}.log").open("ab")
+    argv = [sys.executable, "-m", module, "--port", "0", "--port-file", str(port_file),
+            "--host", host, "--host-name", name, *args]  # fmt: skip
+    proc = subprocess.Popen(
+        deathsig.wrap(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            terminate([proc], 5)
+            text = (workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+            pytest.fail(f"{name} did not start:\n{text}")
+        time.sleep(0.05)  # polling a child process's port file; nothing to wait on
+    address = f"{host}:{int(port_file.read_text())}"
+    while not healthy(address):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} at {address} never became healthy")
+        time.sleep(0.05)
+    return proc, address
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir: Path) -> Iterator[Workers]:
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    with tempfile.TemporaryDirectory(prefix="pdserve-mc-") as tmp, MasterProcess() as master:
+        workdir = Path(tmp)
+        store = ["--kvstore", master.address(segment="64MiB")]
+        common = ["--model", str(tiny_llama_dir), *WORKER_ARGS]
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            p, prefill = spawn_worker(
+                "services.prefill", "127.0.0.2", "host-p", [*common, *store], workdir
+            )
+            procs.append(p)
+            d, decode = spawn_worker("services.decode", "127.0.0.3", "host-d", common, workdir)
+            procs.append(d)
+            yield Workers(master, prefill, decode, procs)
+        finally:
+            terminate(procs, 10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> Engine:
+    return Engine.from_pretrained(tiny_llama_dir, dtype="float32", num_kv_blocks=256)
+
+
+def reference(engine: Engine, prompt: list[int]) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return engine.generate([prompt], params)[0].token_ids
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout=120))
+
+
+def greedy() -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+async def hand_off(
+    w: Workers, rid: str, prompt: list[int]
+) -> tuple[list[int], prefill_pb2.PrefillResponse, common_pb2.Timing]:
+    async with (
+        grpc.aio.insecure_channel(w.prefill) as pch,
+        grpc.aio.insecure_channel(w.decode) as dch,
+    ):
+        resp: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=greedy(),
+                decode_address=w.decode, decode_host="host-d", transport="store",
+            ),
+            timeout=60,
+        )  # fmt: skip
+        tokens = [resp.first_token_id]
+        timing = common_pb2.Timing()
+        async for chunk in decode_pb2_grpc.DecodeStub(dch).Decode(
+            decode_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+                first_logprob=resp.first_logprob, sampling=greedy(), kv=resp.kv,
+            ),
+            timeout=60,
+        ):  # fmt: skip
+            tokens += chunk.token_ids
+            if chunk.HasField("timing"):
+                timing = chunk.timing
+    return tokens, resp, timing
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2048) for _ in range(n)] for n in lengths]
+
+
+def test_hand_offs_through_the_store_match_the_engine_alone(
+    workers: Workers, engine: Engine
+) -> None:
+    batch = prompts(1, [5, 40, 130])
+
+    async def body() -> None:
+        outs = await asyncio.gather(*(hand_off(workers, f"mc-{i}", p) for i, p in enumerate(batch)))
+        for (tokens, resp, timing), prompt in zip(outs, batch, strict=True):
+            assert tokens == reference(engine, prompt)
+            assert resp.kv.WhichOneof("location") == "store"
+            assert resp.kv.store.address.startswith(f"mooncake://{workers.master.master}")
+            assert timing.transport == "store" and timing.transfer.transport == "store"
+            assert resp.transfer_bytes == timing.transfer_bytes > 0
+            assert timing.transfer.recv_end_ns > timing.transfer.recv_start_ns > 0
+            assert not timing.transfer.prefetched  # objects appear whole: read at Decode
+
+    run(body)
+    assert workers.master.key_count() == 0  # each read deleted its object
+
+
+def test_a_corrupted_payload_is_recomputed_with_the_same_tokens(
+    workers: Workers, engine: Engine
+) -> None:
+    prompt = prompts(2, [60])[0]
+
+    async def body() -> None:
+        tokens, resp, timing = await hand_off(workers, "bad-mc-0", prompt)
+        assert resp.kv.WhichOneof("location") == "store"  # the store took it; the check did not
+        assert timing.transport == "recompute"
+        assert tokens == reference(engine, prompt)
+
+    run(body)
+    assert workers.master.key_count() == 0  # the failed read deleted it too
+
+
+def test_with_the_master_gone_the_hand_off_is_recomputed(workers: Workers, engine: Engine) -> None:
+    """Last in the module: it stops the master."""
+    prompt = prompts(3, [50])[0]
+    workers.master.kill()
+
+    async def body() -> None:
+        tokens, resp, timing = await hand_off(workers, "mc-down-0", prompt)
+        assert resp.kv.WhichOneof("location") == "recompute"
+        assert resp.kv.recompute.reason
+        assert timing.transport == "recompute"
+        assert tokens == reference(engine, prompt)
+
+    run(body)
