@@ -29,8 +29,17 @@ from pdserve import deathsig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.mooncake import MasterProcess, available
+from pdserve.launcher import Cluster
 from pdserve.service_process import healthy, terminate
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -197,3 +206,43 @@ def test_with_the_master_gone_the_hand_off_is_recomputed(workers: Workers, engin
         assert tokens == reference(engine, prompt)
 
     run(body)
+
+
+def test_a_cluster_with_a_mooncake_store_serves_through_the_router(
+    tiny_llama_dir: Path, engine: Engine
+) -> None:
+    """``Cluster(kv_store="mooncake")`` (what ``pdserve up --kv-store mooncake`` runs): the
+    cluster starts the master instead of the KV store service, its workers join it, and a
+    routed request's hand-off goes through it."""
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    prompt = prompts(4, [70])[0]
+    args = [*WORKER_ARGS, "--transport", "store"]
+    with Cluster(
+        tiny_llama_dir, num_prefill=1, num_decode=1, mode="disaggregated", worker_args=args,
+        kv_store="mooncake", mooncake_segment="64MiB", log_level="WARNING",
+    ) as c:  # fmt: skip
+        master = c.mooncake_master
+        assert master is not None and c.kvstore_address.startswith("mooncake://")
+        assert not any(s.name == "kvstore" for s in c.services)
+
+        async def body() -> common_pb2.Timing:
+            async with grpc.aio.insecure_channel(c.router_address) as ch:
+                tokens: list[int] = []
+                timing = common_pb2.Timing()
+                async for chunk in router_pb2_grpc.RouterStub(ch).Generate(
+                    router_pb2.GenerateRequest(
+                        token_ids=common_pb2.TokenIds(ids=prompt), sampling=greedy()
+                    ),
+                    timeout=60,
+                ):
+                    tokens += chunk.token_ids
+                    if chunk.HasField("timing"):
+                        timing = chunk.timing
+            assert tokens == reference(engine, prompt)
+            return timing
+
+        timing = asyncio.run(asyncio.wait_for(body(), timeout=120))
+        assert timing.transport == "store" and timing.transfer_bytes > 0
+        assert master.key_count() == 0
