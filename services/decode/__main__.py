@@ -48,6 +48,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         ]
 
         links = None
+        store_blocks = None
         meters = [worker.connector.bandwidth]
         sweeps = [("hand-off sweep", worker.connector.sweep)]
         if options.role is WorkerRole.MIXED:
@@ -65,6 +66,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.connector.links
+                store_blocks = prefill.prefix.store_blocks if prefill.prefix else None
                 telemetry.watch_bandwidth(SEND, prefill.connector.bandwidth, links)
                 meters.append(prefill.connector.bandwidth)
                 sweeps.append(("shm slot sweep", prefill.connector.sweep))
@@ -83,6 +85,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             telemetry=telemetry,
             links=links,
             bandwidth=meters,
+            store_blocks=store_blocks,
         )
 
 

@@ -55,6 +55,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     telemetry=telemetry,
                     links=worker.connector.links,
                     bandwidth=[worker.connector.bandwidth],
+                    store_blocks=worker.prefix.store_blocks if worker.prefix else None,
                 )
             finally:
                 await worker.close()

@@ -246,3 +246,84 @@ def test_a_cluster_with_a_mooncake_store_serves_through_the_router(
         timing = asyncio.run(asyncio.wait_for(body(), timeout=120))
         assert timing.transport == "store" and timing.transfer_bytes > 0
         assert master.key_count() == 0
+
+
+def test_the_schedulers_index_learns_the_prefixes_the_store_holds(
+    tiny_llama_dir: Path, engine: Engine
+) -> None:
+    """Two prefill workers sharing prefix chunks through a Mooncake Store: once one computed a
+    prompt, the prefix index (the scheduler's, following the cluster's KV event stream here)
+    knows the store holds its chunks, so the other worker, which never saw the prompt, may
+    reuse them, and does; chunks evicted from the store are put back by the next prefill that
+    misses them, and the index holds them again (the miss itself: tests/unit/prefix)."""
+    from redis.asyncio import Redis
+
+    from pdserve.kvstore.mooncake import MooncakeStoreClient
+    from pdserve.launcher import read_heartbeats
+    from pdserve.prefix.store import PrefixReuse
+    from pdserve.scheduling import KeySpace, PrefixIndex, PromptBlocks
+    from pdserve.scheduling.prefix_index import following
+    from tests.integration.test_transfer import hand_off as routed_hand_off
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    chunk = 32
+    prompt = prompts(5, [3 * chunk + 5])[0]
+    args = [*WORKER_ARGS, "--prefix-reuse", "--prefix-chunk-tokens", str(chunk),
+            "--heartbeat-interval-s", "0.2"]  # fmt: skip
+    with Cluster(
+        tiny_llama_dir, num_prefill=2, num_decode=1, mode="disaggregated", worker_args=args,
+        kv_store="mooncake", mooncake_segment="64MiB", log_level="WARNING",
+    ) as c:  # fmt: skip
+        store = c.kvstore_address
+        infos = {w.id: w for w in read_heartbeats(c.redis_url or "", c.namespace)}
+        prefills = sorted(i for i, w in infos.items() if w.role.value == "prefill")
+        assert {infos[i].prefix_store for i in prefills} == {store}
+        other = next(i for i in prefills if infos[i].address == c.workers("prefill")[1].address)
+        blocks = PromptBlocks(prompt, "a")
+
+        async def until(what: str, done: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 20
+            while not done():  # the events arrive after the prefill answered
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.05)
+
+        async def body() -> None:
+            index = PrefixIndex()
+            redis = Redis.from_url(c.redis_url or "")
+            try:
+                async with following(index, redis, KeySpace(c.namespace)):
+                    tokens, resp, _ = await routed_hand_off(c, "pi-0", prompt, "store", tenant="a")
+                    assert resp.num_cached_tokens == 0
+                    await until(
+                        "the store's chunks never reached the index",
+                        lambda: blocks.reusable_tokens(index, other, store) == 3 * chunk,
+                    )
+                    assert blocks.cached_tokens(index, other) == 0  # not in its own cache
+                    again, resp, _ = await routed_hand_off(
+                        c, "pi-1", prompt, "store", prefill=1, tenant="a"
+                    )
+                    assert resp.num_cached_tokens == 3 * chunk  # fetched from the store
+                    assert again == tokens == reference(engine, prompt)
+                    # Mooncake evicts: the chunks go; the next prefill misses them, computes
+                    # and puts them back, and the index holds them again.
+                    reuse = PrefixReuse(None, engine.layout, chunk_tokens=chunk)  # type: ignore[arg-type]
+                    keys = reuse.keys(prompt, "a")
+                    async with MooncakeStoreClient(store, timeout_s=5) as client:
+                        for key in keys:
+                            assert await client.delete(key)
+                        assert await client.lookup(keys) == 0
+                        await routed_hand_off(c, "pi-2", prompt, "store", prefill=1, tenant="a")
+                        deadline = time.monotonic() + 20
+                        while await client.lookup(keys) < len(keys):
+                            assert time.monotonic() < deadline, "the chunks were not put back"
+                            await asyncio.sleep(0.05)  # publishing runs after the answer
+                    await until(
+                        "the index lost the chunks put back",
+                        lambda: blocks.reusable_tokens(index, other, store) == 3 * chunk,
+                    )
+            finally:
+                await redis.aclose()
+
+        asyncio.run(asyncio.wait_for(body(), timeout=120))

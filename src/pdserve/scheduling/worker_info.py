@@ -133,6 +133,9 @@ class WorkerInfo:
     one)."""
     kv_peak_bytes_per_s: float | None = None
     """Measured: the busiest 100 ms of those 10 s, bytes/s; None: not published."""
+    prefix_store: str = ""
+    """The KV store it fetches prompt-prefix chunks from (``--prefix-reuse``), whose blocks the
+    scheduler's prefix index counts for it too (``prefix_index``); empty: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -157,7 +160,7 @@ class WorkerInfo:
                 "kv_blocks_free",
                 f"{self.kv_blocks_free} exceeds kv_blocks_total {self.kv_blocks_total}",
             )
-        for name in ("address", "host", "model_fingerprint"):
+        for name in ("address", "host", "model_fingerprint", "prefix_store"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(name, f"must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.draining, bool):

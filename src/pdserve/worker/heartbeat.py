@@ -35,6 +35,8 @@ class WorkerIdentity:
     """The host lease's bulk threshold (0: no lease): ``WorkerInfo.interactive_tokens``."""
     transports: tuple[str, ...] = ()
     """What its hand-off policy picks from: ``WorkerInfo.transports``."""
+    prefix_store: str = ""
+    """``WorkerInfo.prefix_store``."""
 
 
 def worker_info(
@@ -86,6 +88,7 @@ def worker_info(
         kv_bytes_per_token=identity.kv_bytes_per_token,
         interactive_tokens=identity.interactive_tokens,
         transports=identity.transports,
+        prefix_store=identity.prefix_store,
         kv_bytes_per_s=None if bandwidth is None else bandwidth[0],
         kv_peak_bytes_per_s=None if bandwidth is None else bandwidth[1],
     )

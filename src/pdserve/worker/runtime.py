@@ -37,6 +37,7 @@ from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.assignment import AssignedDecode
 from pdserve.kvstore.backend import StoreClient
 from pdserve.prefix.store import PrefixReuse
+from pdserve.prefix.store_blocks import StoreBlocks
 from pdserve.rpc.server import (
     AddServicerFn,
     ServiceHealth,
@@ -54,7 +55,7 @@ from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
-from pdserve.worker.kv_events import KVEventPublisher, install_events
+from pdserve.worker.kv_events import KVEventPublisher, StoreEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
 from pdserve.worker.prefill import PrefillWorker
@@ -156,6 +157,7 @@ def prefill_worker(
             engine.layout,
             chunk_tokens=options.prefix_chunk_tokens,
             lease_s=options.prefix_lease_s,
+            store_blocks=StoreBlocks(store.address, engine.layout.block_size),
         )
         if options.prefix_reuse
         else None
@@ -240,6 +242,7 @@ async def run_worker(
     telemetry: WorkerTelemetry | None = None,
     links: Links | None = None,
     bandwidth: Sequence[BandwidthMeter] = (),
+    store_blocks: StoreBlocks | None = None,
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
@@ -247,7 +250,8 @@ async def run_worker(
     serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
     ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
     KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
-    connectors' meters, whose live bytes/s the heartbeats publish.
+    connectors' meters, whose live bytes/s the heartbeats publish; ``store_blocks``: the KV
+    store's prefix blocks its prefix reuse logs, published to the KV event stream.
     """
     server, port, health = build_server(
         servicers,
@@ -271,6 +275,7 @@ async def run_worker(
         kv_bytes_per_token=engine.kv_bytes_per_token,
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
         transports=tuple(k.value for k in options.transfer_options().transports),
+        prefix_store=(options.kvstore or "") if options.prefix_reuse else "",
     )
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
@@ -318,6 +323,9 @@ async def run_worker(
             redis, keys, identity.id, torch_engine, torch_engine.block_events
         )
         tasks.append(asyncio.create_task(publisher.run(), name="kv-events"))
+    if redis is not None and store_blocks is not None:
+        store_publisher = StoreEventPublisher(redis, keys, store_blocks)
+        tasks.append(asyncio.create_task(store_publisher.run(), name="kvstore-events"))
     try:
         await server.start()
         await health.set_serving()
