@@ -23,6 +23,9 @@ its read is in-process), ``shm`` none (hash and copy into the segment; the reade
 and checks the hashes: XXH3-64).
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.
+``mooncake`` is ``store`` through a Mooncake Store (``MOONCAKE``; needs ``pdserve[mooncake]``):
+prefill worker -> its segment or the decode worker's (Mooncake places it) -> decode worker,
+over the Transfer Engine's TCP; ``scripts/mooncake_raw_bench.py`` measures the library alone.
 
 Each point runs ``--repeats`` times (default 2; at least 4 where its prefill is cheap: reused,
 or at most 2048 tokens) and the least disturbed run is kept: the first hand-offs of a size in
@@ -52,6 +55,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.models.config import ModelConfig
 from pdserve.rpc import allocator
 from pdserve.service_process import ServiceProcess, healthy, terminate
@@ -67,7 +71,12 @@ from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, 
 from pdserve_bench.transfer_report import peak_and_average, report
 from pdserve_bench.transfer_sample import Sample
 
-MOVING = ("shm", "store", "direct")
+MOVING = ("shm", "store", "direct", "mooncake")
+MOONCAKE = "mooncake"
+"""The ``store`` transport into a Mooncake Store instead of pdserve's KV store: its own pair
+of prefill workers (``--kvstore mooncake://...``, each lending ``MOONCAKE_SEGMENT``) beside the
+others, and the same decode worker, which reads from whichever store a handle names."""
+MOONCAKE_SEGMENT = "2GiB"
 CHEAP_TOKENS = 2048
 """A point whose prefill is cheap (reused from the prefix cache, or at most this many tokens:
 seconds a run) runs at least ``--cheap-repeats`` times (default 4): measured here, the first
@@ -79,15 +88,19 @@ _MIB = 1024 * 1024
 # -- the cluster ---------------------------------------------------------------------------------
 @dataclass
 class Services:
-    """KV store, decode worker, layer-wise and deferred prefill workers."""
+    """KV store, decode worker, layer-wise and deferred prefill workers (and with
+    ``mooncake``, a ``mooncake_master`` and a pair of prefill workers writing into it)."""
 
     processes: list[ServiceProcess]
+    master: MasterProcess | None = None
 
     def address(self, name: str) -> str:
         return next(p for p in self.processes if p.name == name).address
 
     @classmethod
-    def start(cls, model: Path, log_dir: Path, worker_args: Sequence[str]) -> Services:
+    def start(
+        cls, model: Path, log_dir: Path, worker_args: Sequence[str], *, mooncake: bool = False
+    ) -> Services:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
 
         def proc(name: str, module: str, args: list[str]) -> ServiceProcess:
@@ -104,13 +117,22 @@ class Services:
             proc("prefill", "services.prefill", common),
             proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
         ]
+        master = MasterProcess().start() if mooncake else None
+        if master is not None:
+            moon = [*common, "--kvstore", master.address(segment=MOONCAKE_SEGMENT)]
+            workers += [
+                proc(f"prefill-{MOONCAKE}", "services.prefill", moon),
+                proc(f"prefill-{MOONCAKE}-deferred", "services.prefill", [*moon, "--no-layerwise"]),
+            ]
         for w in workers:
             w.spawn(env)
         _wait(workers)
-        return cls([store, *workers])
+        return cls([store, *workers], master)
 
     def stop(self) -> None:
         terminate([p.proc for p in self.processes if p.proc is not None], 10.0)
+        if self.master is not None:
+            self.master.stop()
 
 
 def _wait(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:
@@ -128,6 +150,9 @@ async def one(
 ) -> Sample:
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rid = f"bench-{transport}-{random.getrandbits(48):x}"
+    wire = transport
+    if transport == MOONCAKE:  # the store transport, from the workers writing into Mooncake
+        wire, prefill = "store", prefill.replace("prefill", f"prefill-{MOONCAKE}", 1)
     decode = s.address("decode")
     async with (
         grpc.aio.insecure_channel(s.address(prefill)) as pch,
@@ -137,7 +162,7 @@ async def one(
         resp = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
             prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=params,
-                decode_address=decode, decode_host=socket.gethostname(), transport=transport,
+                decode_address=decode, decode_host=socket.gethostname(), transport=wire,
             )
         )  # fmt: skip
         rpc_ms = (time.perf_counter() - start) * 1e3
@@ -151,7 +176,7 @@ async def one(
             if chunk.HasField("timing"):
                 timing = chunk.timing
     sent, got = resp.transfer, timing.transfer
-    if got.transport != transport:
+    if got.transport != wire:
         raise WorkerUnavailableError(f"{transport} fell back: {got.fallback_reason}")
     return Sample(
         transport, sent.layerwise, len(prompt), sent.num_bytes, rpc_ms, resp.compute_ms,
@@ -262,7 +287,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, help="checkpoint (default: the base demo checkpoint)")
     p.add_argument("--tokens", default="1024,2048,4096,8000,32768", help="prompt sizes")
-    p.add_argument("--transports", default="shm,store,direct,recompute")
+    p.add_argument(
+        "--transports",
+        default="shm,store,direct,recompute",
+        help="of shm, store, direct, recompute and mooncake (store into a Mooncake Store)",
+    )
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per point; the least disturbed is kept"
     )
@@ -363,7 +392,7 @@ def main(argv: Sequence[str]) -> int:
             "--no-decode-prefix", "--log-level", "WARNING", *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
-        services = Services.start(args.model, log_dir, worker_args)
+        services = Services.start(args.model, log_dir, worker_args, mooncake=MOONCAKE in transports)
         try:
             samples, bursts, pairs = asyncio.run(
                 measure(
