@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -48,11 +47,7 @@ from pdserve.kvstore.client import Bytes, Piece, PutResult
 from pdserve.kvstore.crc import fast_crc32
 from pdserve.kvstore.mooncake.address import MooncakeAddress
 from pdserve.kvstore.mooncake.library import Library, load
-from pdserve.kvstore.mooncake.objects import (
-    decode_head,
-    encode_head,
-    object_bytes,
-)
+from pdserve.kvstore.mooncake.objects import ObjectWriter, decode_head, pieces_of
 from pdserve.kvstore.wire import Chunk
 from pdserve.security.options import INSECURE, SecurityOptions
 
@@ -64,78 +59,6 @@ NO_AVAILABLE_HANDLE = -200
 PIECE_BYTES = 1 << 30
 """Pieces the sender cuts frames into (``StreamTarget.chunk_bytes``): large, so that each
 frame's K and V travel as one piece each and a reader keeps them without a copy."""
-_TABLE_ENTRY = struct.Struct("<Q")
-_TABLE_TAIL = struct.Struct("<I")
-
-
-class _ObjectWriter:
-    """One object being filled: head, header, the pieces' bytes, then the table of piece
-    lengths and its count (``objects`` describes the head)."""
-
-    def __init__(self, header: bytes, data_bytes: int, *, cache: bool) -> None:
-        self.head = encode_head(header, cache=cache)
-        self.expected = data_bytes  # -1: unknown
-        size = object_bytes(len(header), max(data_bytes, 0)) + 64 * _TABLE_ENTRY.size
-        self.buffer = np.empty(size, dtype=np.uint8)
-        self.view = self.buffer.data.cast("B")
-        self.view[: len(self.head)] = self.head
-        self.filled = len(self.head)
-        self.pieces: list[int] = []
-
-    def _room(self, n: int) -> None:
-        if self.filled + n > len(self.buffer):
-            grown = np.empty(max(2 * len(self.buffer), self.filled + n), dtype=np.uint8)
-            grown[: self.filled] = self.buffer[: self.filled]
-            self.buffer, self.view = grown, grown.data.cast("B")
-
-    def write(self, data: Bytes, lead: bytes = b"") -> None:
-        piece = memoryview(data).cast("B")
-        n = len(lead) + len(piece)
-        if not n:
-            return
-        self._room(n)
-        start = self.filled
-        self.view[start : start + len(lead)] = lead
-        self.view[start + len(lead) : start + n] = piece
-        self.filled += n
-        self.pieces.append(n)
-
-    @property
-    def data_bytes(self) -> int:
-        return self.filled - len(self.head)
-
-    def finish(self, key: str) -> tuple[np.ndarray, int]:
-        """The object's buffer and length, its table written."""
-        data = self.data_bytes
-        if self.expected >= 0 and data != self.expected:
-            raise KVTransferError(
-                f"put {key!r}: the stream announced {self.expected} bytes and sent {data}"
-            )
-        table = b"".join(_TABLE_ENTRY.pack(n) for n in self.pieces)
-        tail = table + _TABLE_TAIL.pack(len(self.pieces))
-        self._room(len(tail))
-        self.view[self.filled : self.filled + len(tail)] = tail
-        return self.buffer, self.filled + len(tail)
-
-
-def _pieces_of(key: str, raw: memoryview, start: int) -> list[memoryview]:
-    """The writer's pieces of an object read whole (``_ObjectWriter``)."""
-    if len(raw) < start + _TABLE_TAIL.size:
-        raise KVTransferError(f"Mooncake object {key!r} is cut before its table")
-    (count,) = _TABLE_TAIL.unpack_from(raw, len(raw) - _TABLE_TAIL.size)
-    table_at = len(raw) - _TABLE_TAIL.size - count * _TABLE_ENTRY.size
-    if table_at < start:
-        raise KVTransferError(f"Mooncake object {key!r} has a bad piece table")
-    pieces, pos = [], start
-    for i in range(count):
-        (n,) = _TABLE_ENTRY.unpack_from(raw, table_at + i * _TABLE_ENTRY.size)
-        if pos + n > table_at:
-            raise KVTransferError(f"Mooncake object {key!r}: piece {i} runs past its data")
-        pieces.append(raw[pos : pos + n])
-        pos += n
-    if pos != table_at:
-        raise KVTransferError(f"Mooncake object {key!r}: its pieces do not cover its data")
-    return pieces
 
 
 class MooncakeStoreClient:
@@ -235,7 +158,7 @@ class MooncakeStoreClient:
         return KVTransferError(f"{what} at Mooncake {self.config.master} failed (code {code})")
 
     # -- writes -------------------------------------------------------------------------
-    async def _put_object(self, key: str, writer: _ObjectWriter) -> None:
+    async def _put_object(self, key: str, writer: ObjectWriter) -> None:
         buffer, size = writer.finish(key)
         store = await self._joined()
         replicate = self._library.replicate_config(self.config.replicas)
@@ -277,7 +200,7 @@ class MooncakeStoreClient:
     ) -> PutResult:
         """Store ``header`` + ``payload`` under ``key`` (``lease_s`` ignored: see the module)."""
         data = memoryview(payload).cast("B")
-        writer = _ObjectWriter(header, len(data), cache=cache)
+        writer = ObjectWriter(header, len(data), cache=cache)
         writer.write(data)
         await self._put_object(key, writer)
         return PutResult(len(header) + len(data), 1, 0.0)
@@ -297,7 +220,7 @@ class MooncakeStoreClient:
         (header + data, 0 = unknown) sizes the buffer at once and is checked at the end. If
         ``pieces`` raises, nothing is stored and the error propagates as ``KVTransferError``."""
         data_bytes = total_bytes - len(header) if total_bytes else -1
-        writer = _ObjectWriter(header, data_bytes, cache=cache)
+        writer = ObjectWriter(header, data_bytes, cache=cache)
         count = 0
         try:
             async for piece in pieces:
@@ -348,7 +271,7 @@ class MooncakeStoreClient:
         before the first chunk is yielded. ``follow`` changes nothing (``follows``)."""
         raw = await self._read(key, delete_after_read)
         header, start = decode_head(key, raw)
-        pieces = _pieces_of(key, raw, start)
+        pieces = pieces_of(key, raw, start)
         crcs = await asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: [fast_crc32(p) for p in pieces]
         )
@@ -373,7 +296,7 @@ class MooncakeStoreClient:
         """The entry under ``key``: its header followed by its data."""
         raw = await self._read(key, delete_after_read)
         header, start = decode_head(key, raw)
-        pieces = _pieces_of(key, raw, start)
+        pieces = pieces_of(key, raw, start)
         return header + b"".join(pieces)
 
     async def lookup(self, keys: Sequence[str], *, timeout_s: float | None = None) -> int:
