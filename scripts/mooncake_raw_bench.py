@@ -5,17 +5,27 @@ Usage::
 
     python scripts/mooncake_raw_bench.py                      # 16, 64 and 256 MiB, 5 rounds
     python scripts/mooncake_raw_bench.py --mib 4,64 --rounds 9
+    python scripts/mooncake_raw_bench.py --paired             # pdserve's client against it
 
 The same shape as the benchmark's hand-off: a ``mooncake_master``; a writer process lending
-2 GiB (as the benchmark's prefill workers do) that ``put_from``s a buffer it filled once; a
-reader process lending 256 MiB (a decode worker's default) that ``get_into``s a fresh buffer,
-then removes the object. Mooncake places each object in one of the two segments. Each line is
-the median of the rounds, with their range; the Transfer Engine runs over TCP on loopback.
+1 GiB (as the benchmark's prefill workers do) that ``put_from``s a buffer it filled once; a
+reader process lending as much (a decode worker joins with the address a handle carries,
+segment included) that ``get_into``s a fresh buffer, then removes the object. Mooncake places
+each object in one of the two segments. Each line is the median of the rounds, with their
+range; the Transfer Engine runs over TCP on loopback.
+
+``--paired`` measures what pdserve's wrapping costs, on a machine whose speed drifts: two
+``MooncakeStoreClient``s in one process (a writer and a reader, each lending 1 GiB), and per
+round one hand-off through them (``put_stream`` of a frame-like stream, then ``stream`` with
+``delete_after_read``, CRCs included) right beside one through the library alone on the very
+same joined stores (``put_from``, ``get_size`` + ``get_into``, ``remove``), in alternating
+order; each line gives the medians and the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import statistics
 import sys
@@ -44,7 +54,7 @@ def _join(address: str, host: str, segment: str) -> Any:
 
 def reader(address: str, conn: Connection) -> None:
     """The reader process: for each key it is sent, get it, remove it, answer the seconds."""
-    store = _join(address, "127.0.0.1", "256MiB")
+    store = _join(address, "127.0.0.1", "1GiB")
     conn.send("ready")
     while (key := conn.recv()) is not None:
         start = time.perf_counter()
@@ -57,12 +67,81 @@ def reader(address: str, conn: Connection) -> None:
     store.close()
 
 
+async def _ours_once(writer: Any, reader: Any, key: str, data: np.ndarray) -> float:
+    """One hand-off through pdserve's clients: a two-piece stream in, a deleting read out."""
+    half = data.size // 2
+
+    async def pieces() -> Any:
+        yield data.data[:half], 0, b""
+        yield data.data[half:], 0
+
+    start = time.perf_counter()
+    await writer.put_stream(key, pieces(), total_bytes=data.size)
+    async for _ in reader.stream(key, delete_after_read=True):
+        pass
+    return float(data.size / (time.perf_counter() - start) / 1e9)
+
+
+def _raw_once(raw_w: Any, raw_r: Any, key: str, data: np.ndarray) -> float:
+    """The same hand-off through the library alone, on the same joined stores."""
+    start = time.perf_counter()
+    if raw_w.put_from(key, data.ctypes.data, data.size) != 0:
+        raise SystemExit(f"put of {data.size} bytes failed")
+    n = raw_r.get_size(key)
+    out = np.empty(n, dtype=np.uint8)
+    if raw_r.get_into(key, out.ctypes.data, n) != n:
+        raise SystemExit(f"get of {data.size} bytes came back short")
+    raw_r.remove(key, True)
+    return float(data.size / (time.perf_counter() - start) / 1e9)
+
+
+async def paired(address: str, sizes: list[int], n_rounds: int) -> None:
+    """``--paired`` (see the module doc)."""
+    from pdserve.kvstore.mooncake import MooncakeStoreClient
+
+    writer = MooncakeStoreClient(f"{address}&segment=1GiB", timeout_s=60)
+    reader = MooncakeStoreClient(f"{address}&segment=1GiB", timeout_s=60, local_host="127.0.0.2")
+    raw_w, raw_r = await writer._joined(), await reader._joined()
+    print("| MiB | pdserve hand-off GB/s | library hand-off GB/s | pdserve / library |")
+    print("|---|---|---|---|")
+    try:
+        for size in sizes:
+            data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+            ours, theirs, ratios = [], [], []
+            for i in range(n_rounds):
+                raw = asyncio.to_thread(_raw_once, raw_w, raw_r, f"raw/{size}/{i}", data)
+                mine = _ours_once(writer, reader, f"ours/{size}/{i}", data)
+                if i % 2:  # alternating order: neither always runs first
+                    a = await mine
+                    b = await raw
+                else:
+                    b = await raw
+                    a = await mine
+                ours.append(a)
+                theirs.append(b)
+                ratios.append(a / b)
+            print(
+                f"| {size // _MIB} | {statistics.median(ours):.2f} | "
+                f"{statistics.median(theirs):.2f} | {statistics.median(ratios):.0%} "
+                f"({min(ratios):.0%}-{max(ratios):.0%}) |",
+                flush=True,
+            )
+    finally:
+        await reader.close()
+        await writer.close()
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", default="16,64,256", help="object sizes, MiB")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--paired", action="store_true", help="pdserve's client against the library")
     args = p.parse_args(argv)
     sizes = [int(x) * _MIB for x in args.mib.split(",") if x]
+    if args.paired:
+        with MasterProcess() as master:
+            asyncio.run(paired(master.address(), sizes, args.rounds))
+        return 0
     with MasterProcess() as master:
         address = master.address()
         here, there = mp.Pipe()
@@ -70,7 +149,7 @@ def main(argv: list[str]) -> int:
         child.start()
         try:
             assert here.recv() == "ready"
-            store = _join(address, "127.0.0.1", "2GiB")
+            store = _join(address, "127.0.0.1", "1GiB")
             print("| MiB | put GB/s (median, range) | get GB/s (median, range) |")
             print("|---|---|---|")
             for size in sizes:

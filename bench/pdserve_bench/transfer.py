@@ -76,7 +76,7 @@ MOONCAKE = "mooncake"
 """The ``store`` transport into a Mooncake Store instead of pdserve's KV store: its own pair
 of prefill workers (``--kvstore mooncake://...``, each lending ``MOONCAKE_SEGMENT``) beside the
 others, and the same decode worker, which reads from whichever store a handle names."""
-MOONCAKE_SEGMENT = "2GiB"
+MOONCAKE_SEGMENT = "1GiB"
 CHEAP_TOKENS = 2048
 """A point whose prefill is cheap (reused from the prefix cache, or at most this many tokens:
 seconds a run) runs at least ``--cheap-repeats`` times (default 4): measured here, the first

@@ -85,6 +85,15 @@ def test_open_store_picks_the_store_the_address_names() -> None:
     run(body())
 
 
+def test_a_bad_address_in_a_handle_is_refused_naming_the_handles_field() -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        open_store("mooncake://m:1?segment=much", field="kv.store.address")
+    assert err.value.field == "kv.store.address.segment"
+    with pytest.raises(InvalidArgumentError) as err:
+        MooncakeStoreClient("mooncake://m:1", timeout_s=0)
+    assert err.value.field == "timeout_s"
+
+
 def test_the_worker_flag_takes_a_mooncake_address_and_refuses_a_bad_one() -> None:
     parser = worker_parser("w", None, roles=[WorkerRole.PREFILL], default_max_wait_ms=0, env={})
     args = ["--model", "/m", "--role", "prefill", "--kv-store", "mooncake://m:1?replicas=2"]

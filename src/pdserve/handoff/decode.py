@@ -162,6 +162,7 @@ class DecodeConnector:
                 timeout_s=self.store_timeout_s,
                 security=self.security,
                 local_host=self.store_host,
+                field="kv.store.address",
             )
         return client
 

@@ -103,13 +103,15 @@ def open_store(
     timeout_s: float = 10.0,
     security: SecurityOptions = INSECURE,
     local_host: str = "",
+    field: str = "kvstore",
 ) -> StoreClient:
     """The client of the store ``address`` names (see the module doc). ``local_host``: the
-    address other hosts reach this process at (a Mooncake client's segment)."""
+    address other hosts reach this process at (a Mooncake client's segment); ``field``: what a
+    refusal of the address names (a malformed one, or a Mooncake Store without the package)."""
     if is_mooncake(address):
         from pdserve.kvstore.mooncake.client import MooncakeStoreClient
 
         return MooncakeStoreClient(
-            address, timeout_s=timeout_s, local_host=local_host, security=security
+            address, timeout_s=timeout_s, local_host=local_host, security=security, field=field
         )
     return KVStoreClient(address, timeout_s=timeout_s, security=security)

@@ -39,6 +39,7 @@ import numpy as np
 
 from pdserve.errors import (
     CapacityError,
+    InvalidArgumentError,
     KVTransferError,
     PdServeError,
     UnknownRequestError,
@@ -76,21 +77,23 @@ class MooncakeStoreClient:
         local_host: str = "",
         security: SecurityOptions = INSECURE,
         library: Library | None = None,
+        field: str = "kvstore",
     ) -> None:
         """``local_host``: the address other processes reach this one's segment at; default
         the local address of the route to the master. ``security``: kept for the callers
         that take theirs from the store's client (Mooncake's own transfers carry no TLS: run
         it on a private network). ``library``: the loaded package
-        (``library.load``); default loaded here, refusing the address if it is missing."""
+        (``library.load``); default loaded here, refusing the address if it is missing.
+        ``field``: what a refusal of the address names (the flag, or a handle's field)."""
         self.address = address
-        self.config = MooncakeAddress.parse(address)
+        self.config = MooncakeAddress.parse(address, field)
         if not timeout_s > 0:
-            raise KVTransferError(f"timeout_s must be > 0, got {timeout_s}")
+            raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self.chunk_bytes = PIECE_BYTES
         self.local_host = local_host
         self.security = security
-        self._library = library or load()
+        self._library = library or load(field)
         self._store: Any = None
         self._connecting = asyncio.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake")
