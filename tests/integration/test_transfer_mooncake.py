@@ -327,3 +327,26 @@ def test_the_schedulers_index_learns_the_prefixes_the_store_holds(
                 await redis.aclose()
 
         asyncio.run(asyncio.wait_for(body(), timeout=120))
+
+
+def test_pdserve_up_with_a_mooncake_store(
+    tiny_llama_dir: Path, engine: Engine, tmp_path: Path
+) -> None:
+    """``pdserve up --kv-store mooncake`` as a person runs it: no KV store service among the
+    services it names, and a request handed off through the store gives the engine's tokens."""
+    from pdserve.client import Client
+    from tests.integration.up_process import pdserve_up
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    args = ["--port", "0", "--no-http", "--mode", "disaggregated", "--kv-store", "mooncake",
+            "--mooncake-segment", "64MiB", "--worker-arg=--dtype=float32",
+            "--worker-arg=--threads=1", "--worker-arg=--kv-blocks=256",
+            "--worker-arg=--transport=store"]  # fmt: skip
+    prompt = prompts(6, [40])[0]
+    with pdserve_up(tiny_llama_dir, args, tmp_path) as up:
+        assert "kvstore" not in up.metrics and "prefill-0" in up.metrics, "\n".join(up.banner)
+        with Client(up.router, timeout=60) as client:
+            done = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    assert list(done.token_ids) == reference(engine, prompt)
