@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.errors import InvalidArgumentError, KVTransferError, UnknownRequestError
+from pdserve.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    KVTransferError,
+    UnknownRequestError,
+)
 from pdserve.kvstore.backend import StoreClient, check_address, open_store
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.mooncake import MasterProcess, MooncakeAddress, MooncakeStoreClient
@@ -189,6 +194,17 @@ def test_a_stream_that_breaks_off_or_lies_about_its_size_leaves_nothing(
         with pytest.raises(KVTransferError, match="announced 500 bytes and sent 100"):
             await w.put_stream("t3/kv/b", pieces([b"x" * 100]), total_bytes=500)
         assert await r.lookup(["t3/kv/a"]) == 0 and await r.lookup(["t3/kv/b"]) == 0
+
+    with_clients(mooncake_master, body)
+
+
+def test_an_object_larger_than_every_segment_is_a_capacity_error(
+    mooncake_master: MasterProcess,
+) -> None:
+    async def body(w: StoreClient, r: StoreClient) -> None:
+        with pytest.raises(CapacityError, match="full"):
+            await w.put("t8/huge", bytes(40 << 20))  # the only segment lends 32 MiB
+        assert await r.lookup(["t8/huge"]) == 0
 
     with_clients(mooncake_master, body)
 
