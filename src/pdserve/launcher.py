@@ -63,10 +63,10 @@ from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_S
 
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
 MODES = ("disaggregated", "colocated", "conditional")
+"""Cluster kinds: prefill + decode workers, mixed workers only, or prefill + mixed workers."""
 KV_STORES = ("embedded", "mooncake")
 """The cluster's KV store: pdserve's KV store service, or a Mooncake Store whose
 ``mooncake_master`` the cluster starts (the workers lend it their segments)."""
-"""Cluster kinds: prefill + decode workers, mixed workers only, or prefill + mixed workers."""
 _POLL_S = 0.05
 """Interval of readiness polls (port files, health, heartbeats): child processes offer nothing
 to block on."""
