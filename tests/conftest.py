@@ -1,10 +1,16 @@
-"""Shared fixtures: tiny demo checkpoints (made once per session), and GPU test skipping."""
+"""Shared fixtures: tiny demo checkpoints (made once per session), a Mooncake Store master,
+and GPU test skipping."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from pdserve.kvstore.mooncake import MasterProcess
 
 GPU_SKIP_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
 
@@ -44,3 +50,16 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama checkpoint with tied input/output embeddings (no lm_head.weight)."""
     return _tiny(tmp_path_factory, "tiny_tied", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MasterProcess]:
+    """One ``mooncake_master`` for the session (tests use distinct keys); skips with the reason
+    where the Mooncake package cannot load."""
+    from pdserve.kvstore.mooncake import MasterProcess, available
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    with MasterProcess() as master:
+        yield master

@@ -23,6 +23,9 @@ its read is in-process), ``shm`` none (hash and copy into the segment; the reade
 and checks the hashes: XXH3-64), ``nixl`` one (the decode worker's one-sided NIXL reads of the
 prefill worker's registered blocks; asked for, every worker registers a block pool of
 1.25x the largest payload, or of the burst's, with ``--nixl-pool-bytes``).
+``mooncake`` is ``store`` through a Mooncake Store (``MOONCAKE``; needs ``pdserve[mooncake]``):
+prefill worker -> its segment or the decode worker's (Mooncake places it) -> decode worker,
+over the Transfer Engine's TCP; ``scripts/mooncake_raw_bench.py`` measures the library alone.
 The transport's bandwidth is its slower side. Shares of TTFT use the time until the decode
 worker can start: Prefill RPC (queue, compute, the commit's exposed tail) plus the read.
 
@@ -68,9 +71,9 @@ from pdserve_bench.transfer_paired import Pair, Reference, rounds
 from pdserve_bench.transfer_refs import GrpcSink, References, paired_reference, serve_sink
 from pdserve_bench.transfer_report import peak_and_average, report
 from pdserve_bench.transfer_sample import Sample
-from pdserve_bench.transfer_services import Services, wait_for
+from pdserve_bench.transfer_services import MOONCAKE, Services, wait_for
 
-MOVING = ("shm", "store", "direct", "nixl")
+MOVING = ("shm", "store", "direct", "nixl", "mooncake")
 CHEAP_TOKENS = 2048
 """A point whose prefill is cheap (reused from the prefix cache, or at most this many tokens:
 seconds a run) runs at least ``--cheap-repeats`` times (default 4): measured here, the first
@@ -108,6 +111,9 @@ async def _one(
     reservation: str, reused: bool,
 ) -> Sample:  # fmt: skip
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    wire = transport
+    if transport == MOONCAKE:  # the store transport, from the workers writing into Mooncake
+        wire, prefill = "store", prefill.replace("prefill", f"prefill-{MOONCAKE}", 1)
     async with (
         grpc.aio.insecure_channel(s.address(prefill)) as pch,
         grpc.aio.insecure_channel(decode, options=[("grpc.max_receive_message_length", -1)]) as dch,
@@ -116,7 +122,7 @@ async def _one(
         resp = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
             prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=params,
-                decode_address=decode, decode_host=socket.gethostname(), transport=transport,
+                decode_address=decode, decode_host=socket.gethostname(), transport=wire,
                 reservation_id=reservation,
             )
         )  # fmt: skip
@@ -132,7 +138,7 @@ async def _one(
             if chunk.HasField("timing"):
                 timing = chunk.timing
     sent, got = resp.transfer, timing.transfer
-    if got.transport != transport:
+    if got.transport != wire:
         raise WorkerUnavailableError(f"{transport} fell back: {got.fallback_reason}")
     return Sample(
         transport, sent.layerwise, len(prompt), sent.num_bytes, rpc_ms, resp.compute_ms,
@@ -246,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transports",
         default="shm,store,direct,recompute",
-        help="any of shm, store, direct, nixl (the pdserve[nixl] extra), recompute",
+        help="any of shm, store, direct, nixl (the pdserve[nixl] extra), mooncake (store into a "
+        "Mooncake Store: the pdserve[mooncake] extra), recompute",
     )
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per point; the least disturbed is kept"
@@ -352,7 +359,10 @@ def main(argv: Sequence[str]) -> int:
             "--no-decode-prefix", "--log-level", "WARNING", *nixl_pool, *args.worker_arg,
         ]  # fmt: skip
         print(f"starting services (logs in {log_dir}) ...", file=sys.stderr, flush=True)
-        services = Services.start(args.model, log_dir, worker_args, redis="nixl" in transports)
+        services = Services.start(
+            args.model, log_dir, worker_args,
+            redis="nixl" in transports, mooncake=MOONCAKE in transports,
+        )  # fmt: skip
         try:
             samples, bursts, pairs = asyncio.run(
                 measure(

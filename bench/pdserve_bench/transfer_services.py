@@ -1,5 +1,6 @@
 """The services ``pdserve bench transfer`` runs: a KV store, a decode worker, a layer-wise
-and a deferred prefill worker, and, when nixl is measured, Redis and a scheduler."""
+and a deferred prefill worker; when nixl is measured, Redis and a scheduler; when mooncake
+is, a ``mooncake_master`` and a pair of prefill workers writing into it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import WorkerUnavailableError
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.launcher import read_heartbeats
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.service_process import ServiceProcess, healthy, terminate
 
 _MIB = 1024 * 1024
+MOONCAKE = "mooncake"
+"""The ``store`` transport into a Mooncake Store instead of pdserve's KV store: its own pair
+of prefill workers (``--kvstore mooncake://...``, each lending ``MOONCAKE_SEGMENT``) beside the
+others, and the same decode worker, which reads from whichever store a handle names."""
+MOONCAKE_SEGMENT = "1GiB"
 
 
 @dataclass
@@ -26,6 +33,7 @@ class Services:
 
     processes: list[ServiceProcess]
     redis: EmbeddedRedis | None = None
+    master: MasterProcess | None = None
 
     def address(self, name: str) -> str:
         return next(p for p in self.processes if p.name == name).address
@@ -36,7 +44,13 @@ class Services:
 
     @classmethod
     def start(
-        cls, model: Path, log_dir: Path, worker_args: Sequence[str], *, redis: bool = False
+        cls,
+        model: Path,
+        log_dir: Path,
+        worker_args: Sequence[str],
+        *,
+        redis: bool = False,
+        mooncake: bool = False,
     ) -> Services:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         embedded = EmbeddedRedis().start() if redis else None
@@ -61,6 +75,13 @@ class Services:
             proc("prefill", "services.prefill", common),
             proc("prefill-deferred", "services.prefill", [*common, "--no-layerwise"]),
         ]
+        master = MasterProcess().start() if mooncake else None
+        if master is not None:
+            moon = [*common, "--kvstore", master.address(segment=MOONCAKE_SEGMENT)]
+            workers += [
+                proc(f"prefill-{MOONCAKE}", "services.prefill", moon),
+                proc(f"prefill-{MOONCAKE}-deferred", "services.prefill", [*moon, "--no-layerwise"]),
+            ]
         for w in workers:
             w.spawn(env)
         wait_for(workers)
@@ -70,12 +91,14 @@ class Services:
                 if time.monotonic() > deadline:
                     raise WorkerUnavailableError("the workers' heartbeats did not arrive")
                 time.sleep(0.1)  # polling heartbeats: nothing to block on
-        return cls([*first, *workers], embedded)
+        return cls([*first, *workers], embedded, master)
 
     def stop(self) -> None:
         terminate([p.proc for p in self.processes if p.proc is not None], 10.0)
         if self.redis is not None:
             self.redis.stop()
+        if self.master is not None:
+            self.master.stop()
 
 
 def wait_for(procs: list[ServiceProcess], timeout_s: float = 600.0) -> None:

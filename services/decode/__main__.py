@@ -16,7 +16,7 @@ import logging
 import os
 
 from pdserve.adapters.prefill_servicer import PrefillServicer
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import open_store
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn, run_service
 from pdserve.scheduling import WorkerRole
@@ -49,6 +49,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
 
         links = None
         kv_agent = ("", "")
+        store_blocks = None
         meters = [worker.connector.bandwidth]
         sweeps = [("hand-off sweep", worker.connector.sweep)]
         if options.role is WorkerRole.MIXED:
@@ -56,14 +57,18 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                 (decode_pb2_grpc.add_MixedServicer_to_server, MixedServicer(worker, stages))
             )
             if options.kvstore:
-                store = KVStoreClient(
-                    options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
+                store = open_store(
+                    options.kvstore,
+                    timeout_s=options.kv_timeout_s,
+                    security=options.security,
+                    local_host=options.reach_host,
                 )
                 stack.push_async_callback(store.close)
                 prefill = prefill_worker(options, engine, store)
                 stack.push_async_callback(prefill.close)
                 links = prefill.connector.links
                 kv_agent = prefill.connector.kv_agent
+                store_blocks = prefill.prefix.store_blocks if prefill.prefix else None
                 telemetry.watch_bandwidth(SEND, prefill.connector.bandwidth, links)
                 meters.append(prefill.connector.bandwidth)
                 sweeps.append(("shm slot sweep", prefill.connector.sweep))
@@ -83,6 +88,7 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
             links=links,
             bandwidth=meters,
             kv_agent=kv_agent,
+            store_blocks=store_blocks,
         )
 
 

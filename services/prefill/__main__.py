@@ -14,7 +14,7 @@ import logging
 import os
 
 from pdserve.adapters.prefill_servicer import PrefillServicer
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import open_store
 from pdserve.rpc import allocator
 from pdserve.rpc.server import run_service
 from pdserve.scheduling import WorkerRole
@@ -36,9 +36,13 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
         model_name=options.model.name,
     )  # fmt: skip
     try:
-        async with KVStoreClient(
-            options.kvstore, timeout_s=options.kv_timeout_s, security=options.security
-        ) as store:
+        store = open_store(
+            options.kvstore,
+            timeout_s=options.kv_timeout_s,
+            security=options.security,
+            local_host=options.reach_host,
+        )
+        try:
             worker = prefill_worker(options, engine, store)
             telemetry.watch_bandwidth(SEND, worker.connector.bandwidth, worker.connector.links)
             try:
@@ -52,9 +56,12 @@ async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None)
                     links=worker.connector.links,
                     bandwidth=[worker.connector.bandwidth],
                     kv_agent=worker.connector.kv_agent,
+                    store_blocks=worker.prefix.store_blocks if worker.prefix else None,
                 )
             finally:
                 await worker.close()
+        finally:
+            await store.close()
     finally:
         await engine.close()
         telemetry.close()

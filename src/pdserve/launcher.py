@@ -48,6 +48,8 @@ from pdserve import hostmem
 from pdserve.backends import BACKEND_NAMES, TORCH
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
+from pdserve.kvstore.mooncake.address import parse_size
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scheduling import KeySpace, WorkerInfo
 from pdserve.scheduling.keys import text
@@ -62,6 +64,9 @@ from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_S
 DEFAULT_MODEL_ROOT = Path.home() / ".cache" / "pdserve" / "models"
 MODES = ("disaggregated", "colocated", "conditional")
 """Cluster kinds: prefill + decode workers, mixed workers only, or prefill + mixed workers."""
+KV_STORES = ("embedded", "mooncake")
+"""The cluster's KV store: pdserve's KV store service, or a Mooncake Store whose
+``mooncake_master`` the cluster starts (the workers lend it their segments)."""
 _POLL_S = 0.05
 """Interval of readiness polls (port files, health, heartbeats): child processes offer nothing
 to block on."""
@@ -81,7 +86,8 @@ def read_heartbeats(redis_url: str, namespace: str = "pdserve") -> list[WorkerIn
 
 @dataclass
 class Cluster:
-    """Redis, KVStore, Scheduler, Router and workers as local child processes.
+    """Redis, KVStore (or a ``mooncake_master``), Scheduler, Router and workers as local child
+    processes.
 
     ``with Cluster(model_dir, num_prefill=2, num_decode=2) as c: Client(c.router_address)``.
     ``worker_args`` are extra flags for every worker (``["--dtype", "float32"]``),
@@ -148,6 +154,11 @@ class Cluster:
     restart_policy: RestartPolicy | None = None
     announce: Callable[[str], None] | None = None
     """Hears the supervisor's exits, restarts and give-ups (default: the log)."""
+    kv_store: str = "embedded"
+    """``KV_STORES``: ``mooncake`` starts a ``mooncake_master`` (not supervised) in place of
+    the KV store service; each worker lends it ``mooncake_segment`` of memory."""
+    mooncake_segment: str = "256MiB"
+    _mooncake: MasterProcess | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False)
     services: list[ServiceProcess] = field(default_factory=list, init=False)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
@@ -187,6 +198,9 @@ class Cluster:
             )
         if self.trace_file is not None:
             self.trace_file = Path(self.trace_file)
+        if self.kv_store not in KV_STORES:
+            raise InvalidArgumentError("kv_store", f"must be one of {KV_STORES}")
+        parse_size("mooncake_segment", self.mooncake_segment)
         if self.router_client_auth and self.tls_dir is None:
             raise InvalidArgumentError("router_client_auth", "needs tls_dir (certificates)")
 
@@ -227,7 +241,15 @@ class Cluster:
 
     @property
     def kvstore_address(self) -> str:
+        """The KV store's address: ``host:port`` of the service, or the ``mooncake://`` one."""
+        if self._mooncake is not None:
+            return self._mooncake.address(segment=self.mooncake_segment)
         return self._service("kvstore").address
+
+    @property
+    def mooncake_master(self) -> MasterProcess | None:
+        """The cluster's ``mooncake_master`` (``kv_store="mooncake"``), once started."""
+        return self._mooncake
 
     @property
     def embedded_redis(self) -> EmbeddedRedis | None:
@@ -336,7 +358,10 @@ class Cluster:
         ``metrics_base_port`` needs consecutive free ports for. ``_start`` checks it."""
         workers = self.num_workers
         gateway = self.http_port is not None
-        return 1 + self.num_schedulers + workers + int(self.planner) + self.num_routers + gateway
+        kvstore = int(self.kv_store == "embedded")
+        return (
+            kvstore + self.num_schedulers + workers + int(self.planner) + self.num_routers + gateway
+        )
 
     def _start(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -355,7 +380,11 @@ class Cluster:
         internal = [*common, *self._security_args(router=False)]
         keys = ["--api-keys", str(self.api_keys)] if self.api_keys is not None else []
 
-        kvstore = self._add("kvstore", "services.kvstore", internal)
+        first: list[ServiceProcess] = []
+        if self.kv_store == "mooncake":  # refused here without the package, naming its extra
+            self._mooncake = MasterProcess().start()
+        else:
+            first.append(self._add("kvstore", "services.kvstore", internal))
         schedulers = [
             self._add(
                 replica_name("scheduler", i),
@@ -372,13 +401,13 @@ class Cluster:
             )
             for i in range(self.num_schedulers)
         ]
-        for s in (kvstore, *schedulers):
+        for s in (*first, *schedulers):
             s.spawn(env)
-        self._wait("port files", [kvstore, *schedulers], self._read_ports, deadline)
+        self._wait("port files", [*first, *schedulers], self._read_ports, deadline)
 
         worker_common = [
             *internal, "--model", str(self.model_dir),
-            "--namespace", self.namespace, "--kvstore", kvstore.address,
+            "--namespace", self.namespace, "--kvstore", self.kvstore_address,
             "--backend", self.backend,
             *(["--host-lease", str(self.log_dir / "host-lease")] if self.lease_cores else []),
             *self._kv_budget_args(),
@@ -554,6 +583,9 @@ class Cluster:
             terminate([s.proc for s in tier if s.proc is not None], self.stop_grace_s)
         self.services.clear()
         self.metrics_ports.clear()
+        if self._mooncake is not None:
+            self._mooncake.stop()
+            self._mooncake = None
         if self._redis is not None:
             self._redis.stop()
             self._redis = None

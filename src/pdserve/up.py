@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pdserve.backends import BACKEND_NAMES, SIM, TENSORRT_LLM, TORCH
 from pdserve.errors import InvalidArgumentError
-from pdserve.launcher import MODES, Cluster, default_model
+from pdserve.kvstore.mooncake.library import load as load_mooncake
+from pdserve.launcher import KV_STORES, MODES, Cluster, default_model
 from pdserve.scheduling import redacted
 from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
 from pdserve.sim.flags import DEFAULT_LINK, sim_flags
@@ -53,6 +54,19 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-link", default=DEFAULT_LINK,
                    help="with --backend sim: the modelled link of hand-offs (nvlink, rdma-400, "
                    "rdma-200, tcp-25, same-host)")  # fmt: skip
+    p.add_argument(
+        "--kv-store",
+        default="embedded",
+        choices=KV_STORES,
+        help="the KV store: pdserve's KV store service (embedded), or a Mooncake "
+        "Store whose mooncake_master this starts (needs pdserve[mooncake])",
+    )
+    p.add_argument(
+        "--mooncake-segment",
+        default="256MiB",
+        metavar="BYTES",
+        help="with --kv-store mooncake: memory each worker lends the store",
+    )
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="an existing Redis (default: $REDIS_URL, else embedded)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
@@ -106,6 +120,8 @@ def main_up(argv: Sequence[str]) -> int:
     args = up_parser().parse_args(list(argv))
     if args.router_client_auth and args.tls is None:
         raise InvalidArgumentError("--router-client-auth", "needs --tls DIR")
+    if args.kv_store == "mooncake":
+        load_mooncake("--kv-store")  # without the package: refused now, naming the extra
     if args.tls is None:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
     worker_args = [*args.worker_arg, *sim_worker_args(args)]
@@ -123,6 +139,7 @@ def main_up(argv: Sequence[str]) -> int:
         announce=lambda line: print(f"pdserve up: {line}", file=sys.stderr, flush=True),
         http_port=None if args.no_http else args.http_port, gateway_args=args.gateway_arg,
         tls_dir=args.tls, router_client_auth=args.router_client_auth, api_keys=args.api_keys,
+        kv_store=args.kv_store, mooncake_segment=args.mooncake_segment,
         # TensorRT-LLM compiles and loads each worker's engine at start: minutes, not seconds.
         startup_timeout_s=900.0 if args.backend == TENSORRT_LLM else 180.0,
     )  # fmt: skip

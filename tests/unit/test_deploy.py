@@ -101,6 +101,8 @@ def test_service_command_parses(files: tuple[str, ...], name: str) -> None:
             assert options.address(50070).startswith("10.0.0.7:")
         else:
             importlib.import_module(f"{module}.__main__").parse_args(args)
+    elif argv[:1] == ["mooncake_master"]:
+        assert {a.split("=")[0] for a in argv[1:]} <= master_flags()
     elif argv[:1] == ["pdserve-init-secrets"]:
         init_secrets.parser().parse_args(argv[1:])
     elif argv != ["true"]:  # model-init: `test -f ... || pdserve model init DIR --preset P`
@@ -115,7 +117,38 @@ def test_dependencies_exist_and_jaeger_is_optional() -> None:
                 assert dep in services, f"{name} depends on unknown service {dep}"
                 assert not services[dep].get("profiles"), f"{name} needs optional {dep}"
     assert SERVICES["jaeger"]["profiles"] == ["tracing"]
-    assert [n for n, s in SERVICES.items() if s.get("profiles")] == ["jaeger"]
+    assert SERVICES["mooncake-master"]["profiles"] == ["mooncake"]
+    optional = [n for n, s in SERVICES.items() if s.get("profiles")]
+    assert sorted(optional) == ["jaeger", "mooncake-master"]
+
+
+def master_flags() -> set[str]:
+    """The flags ``mooncake_master`` takes: those ``MasterProcess`` starts it with (run by the
+    Mooncake tests), and, where the package is installed, every flag its ``--help`` lists."""
+    from pdserve.kvstore.mooncake import available, load
+    from pdserve.kvstore.mooncake.master import MasterProcess
+
+    if available():
+        pytest.skip(available())
+    known = {a.split("=")[0] for a in MasterProcess().args()[1:]}
+    shown = subprocess.run(
+        [load().master_binary(), "--help"], capture_output=True, text=True, timeout=60
+    )
+    listed = set(re.findall(r"^\s+-(\w+) \(", shown.stdout + shown.stderr, re.M))
+    assert {k.removeprefix("--") for k in known} <= listed
+    return {f"--{f}" for f in listed}
+
+
+def test_the_mooncake_profile_names_the_master_the_workers_are_pointed_at() -> None:
+    command = SERVICES["mooncake-master"]["command"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in command[1:])
+    assert flags["rpc_port"] == "50051" and flags["http_metadata_server_port"] == "8080"
+    assert flags["enable_http_metadata_server"] == "true"
+    raw = yaml.safe_load((ROOT / BASE).read_text())["services"]
+    address = "mooncake://mooncake-master:50051?metadata=http://mooncake-master:8080/metadata"
+    assert address in (ROOT / BASE).read_text()  # the usage line at the top
+    for worker in ("prefill", "decode"):
+        assert '--kvstore "${PDSERVE_KV_STORE:-kvstore:50060}"' in raw[worker]["command"][2]
 
 
 def test_features_are_on_by_default() -> None:

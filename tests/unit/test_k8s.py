@@ -360,3 +360,39 @@ def test_production_spreads_workers_over_nodes(production: Objects) -> None:
         (spread,) = spec["topologySpreadConstraints"]
         assert spread["topologyKey"] == "kubernetes.io/hostname"
         assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+
+
+def test_the_mooncake_component_runs_a_master_and_points_the_workers_at_it() -> None:
+    """overlays/mooncake (dev with components/mooncake): the objects pass the schema, the
+    master runs flags mooncake_master takes and is probed on its RPC port, and every worker's
+    --kvstore is a Mooncake address naming the master's Service and ports."""
+    from pdserve.kvstore.mooncake import MooncakeAddress
+    from tests.unit.test_deploy import master_flags
+
+    objects = render(K8S / "overlays" / "mooncake")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for obj in objects:
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+        assert obj["kind"] == "Namespace" or obj["metadata"]["namespace"] == "pdserve"
+    deployments = of_kind(objects, "Deployment")
+    (master,) = deployments["mooncake-master"]["spec"]["template"]["spec"]["containers"]
+    argv = argv_of(objects, master)
+    assert argv[0] == "mooncake_master"
+    assert {a.split("=")[0] for a in argv[1:]} <= master_flags()
+    flags = dict(a.removeprefix("--").split("=", 1) for a in argv[1:])
+    ports = {p["name"]: p["containerPort"] for p in master["ports"]}
+    assert (ports["rpc"], ports["metadata"]) == (
+        int(flags["rpc_port"]), int(flags["http_metadata_server_port"]),
+    )  # fmt: skip
+    assert master["readinessProbe"]["tcpSocket"]["port"] == "rpc"
+    service = of_kind(objects, "Service")["mooncake-master"]
+    assert {p["port"] for p in service["spec"]["ports"]} == {ports["rpc"], ports["metadata"]}
+    for name, roles in WORKERS.items():
+        (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        args = argv_of(objects, container)[3:]
+        parser = worker_parser(name, None, roles=roles, default_max_wait_ms=0.0, env={})
+        options = options_from_args(parser.parse_args(args))
+        assert options.kvstore is not None
+        address = MooncakeAddress.parse(options.kvstore)
+        assert address.master == f"mooncake-master:{ports['rpc']}"
+        assert address.metadata == f"http://mooncake-master:{ports['metadata']}/metadata"

@@ -53,7 +53,7 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.handoff.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient, open_store
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.transfer.bandwidth import BandwidthMeter
@@ -110,8 +110,10 @@ class DecodeConnector:
     ``inbox``: the ``direct`` hand-offs prefill workers push into this worker (owned: swept
     and closed with the connector). ``transfer_timeout_s``: bound on each receive (0: from the
     payload's size and the bandwidth measured so far). ``security``: TLS and the internal
-    token of the calls to KV stores. ``transports``: the receivers to use (default: the real
-    ones, on this connector's resources; tests give fakes).
+    token of the calls to KV stores. ``store_host``: the address other hosts reach this
+    process at, for a store that asks (a Mooncake Store's segment; empty: the route to it).
+    ``transports``: the receivers to use (default: the real ones, on this connector's
+    resources; tests give fakes).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class DecodeConnector:
         store_timeout_s: float = 10.0,
         transfer_timeout_s: float = 0.0,
         security: SecurityOptions = INSECURE,
+        store_host: str = "",
         transports: TransportRegistry | None = None,
         agents: AgentDirectory | None = None,
         nixl_bytes: int = 256 * 1024 * 1024,
@@ -141,11 +144,12 @@ class DecodeConnector:
         self.store_timeout_s = store_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.security = security
+        self.store_host = store_host
         self.links = Links(self.host)
         self.bandwidth = BandwidthMeter()
         """The live bytes/s of this worker's reads, per (prefill host, transport)."""
         self.prefetches = Prefetches()
-        self._stores: dict[str, KVStoreClient] = {}
+        self._stores: dict[str, StoreClient] = {}
         # Checks the K half of shm layers beside the reading thread's V half.
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         # Prefill workers' reused shm slots, kept mapped between hand-offs (``transfer.shm.slots``).
@@ -164,11 +168,16 @@ class DecodeConnector:
         # Prefill workers ask which prompt prefix this engine caches (Decode.CachedPrefix).
         self._prefix_oracle = decode_prefix.DecodePrefixOracle(engine)
 
-    def _store(self, address: str) -> KVStoreClient:
+    def _store(self, address: str) -> StoreClient:
+        """The client of the store a handle names (``kvstore.backend.open_store``)."""
         client = self._stores.get(address)
         if client is None:
-            client = self._stores[address] = KVStoreClient(
-                address, timeout_s=self.store_timeout_s, security=self.security
+            client = self._stores[address] = open_store(
+                address,
+                timeout_s=self.store_timeout_s,
+                security=self.security,
+                local_host=self.store_host,
+                field="kv.store.address",
             )
         return client
 
@@ -237,6 +246,8 @@ class DecodeConnector:
             return PrefetchOutcome(accepted=False)
         if kv.kind is TransportKind.STORE and not kv.address:
             raise InvalidArgumentError("kv.store.address", "must be the store's host:port")
+        if kv.kind is TransportKind.STORE and not self._store(kv.address).follows:
+            return PrefetchOutcome(accepted=False)  # its entries appear whole: read them then
         receiver = self._receiver(kv, follow=True)  # holds nothing until it receives
         if receiver is None or not self.prefetches.start(kv, receiver, PREFETCH_TIMEOUT_S):
             return PrefetchOutcome(accepted=False)

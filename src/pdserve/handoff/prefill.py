@@ -47,7 +47,7 @@ from pdserve.handoff.plan import (
     in_engine_kind,
     parse_transport,
 )
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.prefix import decode as decode_prefix
 from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.base import (
@@ -75,7 +75,7 @@ class PrefillConnector:
     def __init__(
         self,
         engine: EngineBackend,
-        store: KVStoreClient,
+        store: StoreClient,
         *,
         host: str | None = None,
         options: TransferOptions | None = None,

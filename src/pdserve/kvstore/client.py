@@ -135,6 +135,9 @@ async def send_pieces(
 class KVStoreClient:
     """Put, get, delete and stat KV payloads on one KVStore service at ``address``."""
 
+    follows = True
+    """A ``stream(follow=True)`` reads an entry while its writer puts it (``kvstore.follow``)."""
+
     def __init__(
         self,
         address: str,

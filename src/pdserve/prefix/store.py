@@ -22,6 +22,10 @@ For one request:
 2. ``publisher``: a layer hook that copies the chunks the store did not have, and ``publish``
    puts them into the store in the background (tracked; ``close`` waits for it).
 
+With ``store_blocks`` (a ``StoreBlocks`` log) the blocks of each chunk put are logged as
+stored, and those of the first chunk a lookup missed as removed: the worker publishes them to
+the scheduler's prefix index, which so learns what the store holds (``prefix.store_blocks``).
+
 A worker whose own prefix cache already holds the prefix still fetches it; the import then
 costs one copy and changes nothing. Failures of the store only lose the reuse: they are
 logged, and the request computes its whole prompt.
@@ -42,17 +46,22 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, PdServeError
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.kvstore.keys import prefix_chunk_key
+from pdserve.prefix.store_blocks import StoreBlocks
 
 logger = logging.getLogger(__name__)
 
 
 class ChunkPublisher:
-    """A layer hook keeping the prompt's chunks ``[first, last)`` (copies; views die)."""
+    """A layer hook keeping the prompt's chunks ``[first, last)`` (copies; views die).
+    ``blocks``: each chunk's block hashes."""
 
-    def __init__(self, keys: list[str], first: int, chunk_tokens: int) -> None:
+    def __init__(
+        self, keys: list[str], first: int, chunk_tokens: int, blocks: list[list[bytes]]
+    ) -> None:
         self.keys = keys
+        self.blocks = blocks
         self.first = first
         self.chunk_tokens = chunk_tokens
         self.keys_out: dict[int, torch.Tensor] = {}
@@ -73,11 +82,12 @@ class PrefixReuse:
 
     def __init__(
         self,
-        store: KVStoreClient,
+        store: StoreClient,
         layout: KVLayout,
         *,
         chunk_tokens: int = 256,
         lease_s: float = 600.0,
+        store_blocks: StoreBlocks | None = None,
     ) -> None:
         if chunk_tokens < layout.block_size or chunk_tokens % layout.block_size:
             raise InvalidArgumentError(
@@ -88,32 +98,40 @@ class PrefixReuse:
         self.layout = layout
         self.chunk_tokens = chunk_tokens
         self.lease_s = lease_s
+        self.store_blocks = store_blocks
         self.fingerprint = kv_fingerprint(layout)
         self._tasks: set[asyncio.Task[None]] = set()
         self.imported_tokens = 0
         self.published_chunks = 0
 
-    def keys(self, prompt_ids: Sequence[int], tenant: str) -> list[str]:
-        """The store keys of the prompt's whole chunks (the last token never in one)."""
+    def chunk_blocks(self, prompt_ids: Sequence[int], tenant: str) -> list[list[bytes]]:
+        """The block hashes of each of the prompt's whole chunks (the last token never in one)."""
         n_chunks = (len(prompt_ids) - 1) // self.chunk_tokens
         if n_chunks <= 0:
             return []
         bs = self.layout.block_size
         hashes = chain_block_hashes(prompt_ids[: n_chunks * self.chunk_tokens], bs, salt=tenant)
         per = self.chunk_tokens // bs
+        return [hashes[i * per : (i + 1) * per] for i in range(n_chunks)]
+
+    def keys(self, prompt_ids: Sequence[int], tenant: str) -> list[str]:
+        """The store keys of the prompt's whole chunks: each its last block's hash."""
         return [
-            prefix_chunk_key(self.fingerprint, hashes[(i + 1) * per - 1]) for i in range(n_chunks)
+            prefix_chunk_key(self.fingerprint, c[-1]) for c in self.chunk_blocks(prompt_ids, tenant)
         ]
 
     async def seed(
         self, engine: EngineBackend, request_id: str, prompt_ids: Sequence[int], tenant: str
     ) -> int:
         """Import the leading chunks the store holds into the engine; returns how many."""
-        keys = self.keys(prompt_ids, tenant)
+        chunks = self.chunk_blocks(prompt_ids, tenant)
+        keys = [prefix_chunk_key(self.fingerprint, c[-1]) for c in chunks]
         if not keys:
             return 0
         try:
             found = await self.store.lookup(keys)
+            if found < len(keys) and self.store_blocks is not None:
+                self.store_blocks.removed(chunks[found])  # the index may believe otherwise
             if not found:
                 return 0
             blobs = await asyncio.gather(*(self.store.get(k) for k in keys[:found]))
@@ -156,10 +174,11 @@ class PrefixReuse:
         self, prompt_ids: Sequence[int], tenant: str, *, first: int
     ) -> ChunkPublisher | None:
         """A layer hook for the chunks from ``first`` on (the store lacks them); None if none."""
-        keys = self.keys(prompt_ids, tenant)
-        if first >= len(keys):
+        chunks = self.chunk_blocks(prompt_ids, tenant)
+        if first >= len(chunks):
             return None
-        return ChunkPublisher(keys, first, self.chunk_tokens)
+        keys = [prefix_chunk_key(self.fingerprint, c[-1]) for c in chunks]
+        return ChunkPublisher(keys, first, self.chunk_tokens, chunks)
 
     def publish(self, publisher: ChunkPublisher) -> None:
         """Put the publisher's chunks into the store, in the background (tracked)."""
@@ -183,6 +202,8 @@ class PrefixReuse:
             blob = await asyncio.to_thread(chunk.to_bytes)
             await self.store.put(p.keys[i], blob, self.lease_s, cache=True)
             self.published_chunks += 1
+            if self.store_blocks is not None:
+                self.store_blocks.stored(p.blocks[i])
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

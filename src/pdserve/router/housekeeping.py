@@ -19,6 +19,7 @@ from grpc.aio import AioRpcError
 from opentelemetry import trace
 
 from pdserve.errors import PdServeError
+from pdserve.kvstore.mooncake.address import is_mooncake
 from pdserve.request_key import RequestKey
 from pdserve.router.channels import ChannelPool
 from pdserve.router.downstream import late_kv, unary_call
@@ -124,6 +125,10 @@ class Housekeeper:
         request = kvstore_pb2.DeleteRequest()
         if where == "store":
             address = kv.store.address
+            if is_mooncake(address):
+                # A Mooncake Store's object: its reader deletes it, or the prefill worker's
+                # discard; one nobody reads stays until Mooncake evicts it (docs/kv-transfer.md).
+                return
             request.key = kv.store.key
             call = kvstore_pb2_grpc.KVStoreStub(self.channels.get(address)).Delete
         elif where == "direct":

@@ -18,6 +18,14 @@ A worker starts with a snapshot and sends another every so often, so a scheduler
 later, or missed entries trimmed from the stream, converges. An entry of a new epoch replaces
 everything known of that worker (it restarted with an empty cache). The index is a hint: a
 block may be evicted right after it was counted; the worker's engine decides what it reuses.
+
+A KV store is indexed too, under ``store_id(address)``: the workers that share prompt-prefix
+chunks through it (``--prefix-reuse``) publish the blocks of each chunk they put (stored) and
+of the first chunk a lookup missed (removed: evicted), all with the one epoch
+``STORE_EPOCH`` so that their entries add up. A worker whose heartbeat names the store it
+fetches prefixes from (``WorkerInfo.prefix_store``) can reuse what any host put there:
+``PromptBlocks.reusable_tokens`` counts the longer of its own cache's prefix and the store's.
+Store entries are never forgotten with the heartbeats.
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ HASH_BYTES = 16
 """Length of a chained block hash (``chain_block_hashes`` digests)."""
 RECORD_BYTES = 1 + HASH_BYTES
 STORED, REMOVED = b"+", b"-"
+STORE_PREFIX = "kvstore:"
+STORE_EPOCH = b"store"
+"""The epoch of every store entry: one for all its publishers, so that theirs add up."""
+
+
+def store_id(address: str) -> str:
+    """The index's name for the KV store at ``address`` (see the module docstring)."""
+    return f"{STORE_PREFIX}{address}"
 
 
 def encode_events(events: Sequence[tuple[bool, bytes]]) -> bytes:
@@ -96,9 +112,10 @@ class PrefixIndex:
         self.entries += 1
 
     def forget(self, keep: Sequence[str]) -> None:
-        """Drop every worker not in ``keep`` (their heartbeats expired)."""
+        """Drop every worker not in ``keep`` (their heartbeats expired); stores stay."""
         for worker_id in set(self._workers) - set(keep):
-            del self._workers[worker_id]
+            if not worker_id.startswith(STORE_PREFIX):
+                del self._workers[worker_id]
 
     def block_size(self, worker_id: str) -> int | None:
         """The block size the worker's hashes are made with; None if nothing is known."""
@@ -147,6 +164,12 @@ class PromptBlocks:
         if block_size is None or not self.token_ids:
             return 0
         return index.leading_blocks(worker_id, self.hashes(block_size)) * block_size
+
+    def reusable_tokens(self, index: PrefixIndex, worker_id: str, prefix_store: str) -> int:
+        """Prompt tokens ``worker_id`` need not compute: its own cache's prefix, or the one
+        the store it fetches prefixes from (``prefix_store``; empty: none) holds."""
+        own = self.cached_tokens(index, worker_id)
+        return max(own, self.cached_tokens(index, store_id(prefix_store))) if prefix_store else own
 
 
 async def follow_events(

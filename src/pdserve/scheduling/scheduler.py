@@ -293,8 +293,12 @@ class ClusterScheduler:
         """
         lookup = None
         if prompt_token_ids and self.prefix_index is not None:
-            blocks = PromptBlocks(prompt_token_ids, tenant)
-            lookup = functools.partial(blocks.cached_tokens, self.prefix_index)
+            blocks, index = PromptBlocks(prompt_token_ids, tenant), self.prefix_index
+            stores = {wid: v.info.prefix_store for wid, v in self._views.items()}
+
+            def lookup(worker_id: str) -> int:
+                return blocks.reusable_tokens(index, worker_id, stores.get(worker_id, ""))
+
         self.arrivals.arrived()
         chosen_mode = self.default_mode if mode is None else Mode(mode)
         decode_only = decode_only and chosen_mode is not Mode.COLOCATED

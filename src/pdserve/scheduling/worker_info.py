@@ -145,6 +145,9 @@ class WorkerInfo:
     ``AgentDescriptor``, encoded); "" without the nixl transport."""
     kv_agent_fingerprint: str = ""
     """The fingerprint of ``kv_agent``, which nixl handles name."""
+    prefix_store: str = ""
+    """The KV store it fetches prompt-prefix chunks from (``--prefix-reuse``), whose blocks the
+    scheduler's prefix index counts for it too (``prefix_index``); empty: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or any(c in self.id for c in " |{}"):
@@ -169,7 +172,10 @@ class WorkerInfo:
                 "kv_blocks_free",
                 f"{self.kv_blocks_free} exceeds kv_blocks_total {self.kv_blocks_total}",
             )
-        for name in ("address", "host", "model_fingerprint", "kv_agent", "kv_agent_fingerprint"):
+        for name in (
+            "address", "host", "model_fingerprint", "kv_agent", "kv_agent_fingerprint",
+            "prefix_store",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(name, f"must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.draining, bool):

@@ -39,6 +39,8 @@ class WorkerIdentity:
     """What its hand-off policy picks from: ``WorkerInfo.transports``."""
     kv_agent: tuple[str, str] = ("", "")
     """Its NIXL agent's descriptor and fingerprint: ``WorkerInfo.kv_agent``."""
+    prefix_store: str = ""
+    """``WorkerInfo.prefix_store``."""
 
 
 def worker_info(
@@ -92,6 +94,7 @@ def worker_info(
         kv_bytes_per_token=identity.kv_bytes_per_token,
         interactive_tokens=identity.interactive_tokens,
         transports=identity.transports,
+        prefix_store=identity.prefix_store,
         kv_bytes_per_s=None if bandwidth is None else bandwidth[0],
         kv_peak_bytes_per_s=None if bandwidth is None else bandwidth[1],
         kv_agent=identity.kv_agent[0],

@@ -23,8 +23,9 @@ from redis.typing import EncodableT, FieldT
 from pdserve.engine.block_manager import BlockEvents
 from pdserve.engine.engine import Engine
 from pdserve.engine_loop.async_engine import AsyncEngine
+from pdserve.prefix.store_blocks import StoreBlocks
 from pdserve.scheduling.keys import KeySpace
-from pdserve.scheduling.prefix_index import encode_events
+from pdserve.scheduling.prefix_index import STORE_EPOCH, encode_events, store_id
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +111,42 @@ class KVEventPublisher:
             fields["f"] = b"1"
         await self.redis.xadd(self.keys.kv_events, fields, maxlen=STREAM_MAXLEN, approximate=True)
         self.published += 1
+
+
+class StoreEventPublisher:
+    """Drains a ``StoreBlocks`` log (the KV store's prefix blocks this worker put or found
+    gone) into the stream under the store's name, every ``interval_s``; no snapshots (the
+    store's content is the sum of every worker's entries, all of one epoch)."""
+
+    def __init__(
+        self, redis: Redis, keys: KeySpace, blocks: StoreBlocks, *, interval_s: float = 0.05
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.blocks = blocks
+        self.interval_s = interval_s
+        self.published = 0
+
+    async def run(self) -> None:
+        """Publish until cancelled; an outage loses the events it spans (a hint)."""
+        failing = False
+        while True:
+            events = self.blocks.drain()
+            if events:
+                fields: dict[FieldT, EncodableT] = {
+                    "w": store_id(self.blocks.address),
+                    "e": STORE_EPOCH,
+                    "b": self.blocks.block_size,
+                    "x": encode_events(events),
+                }
+                try:
+                    await self.redis.xadd(
+                        self.keys.kv_events, fields, maxlen=STREAM_MAXLEN, approximate=True
+                    )
+                    self.published += 1
+                    failing = False
+                except (RedisError, OSError) as err:
+                    if not failing:
+                        logger.warning("publishing the KV store's blocks failed: %s", err)
+                    failing = True
+            await asyncio.sleep(self.interval_s)  # the publishing period, a timer

@@ -19,6 +19,7 @@ from pdserve.backends.tensorrt_llm_api import TRANSCEIVER_BACKENDS
 from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
 from pdserve.errors import InvalidArgumentError
 from pdserve.handoff.plan import AUTO, TRANSPORT_CHOICES, TransferOptions
+from pdserve.kvstore.backend import check_address
 from pdserve.scheduling import WorkerRole
 from pdserve.security.options import (
     INSECURE,
@@ -61,7 +62,8 @@ class WorkerOptions:
     worker_id: str | None = None
     """Defaults to ``{role}-{host_name}-{port}``."""
     kvstore: str | None = None
-    """host:port of the KV store prefills write to (required for role prefill)."""
+    """The KV store prefills write to (required for role prefill): pdserve's KV store service
+    at ``host:port``, or a Mooncake Store at ``mooncake://MASTER[?...]`` (``kvstore.backend``)."""
     kv_lease_s: float = 60.0
     kv_timeout_s: float = 10.0
     redis_url: str | None = None
@@ -137,6 +139,15 @@ class WorkerOptions:
     """sim: every modelled second lasts this many real ones."""
     sim_link: str = DEFAULT_LINK
     """sim: the modelled link a hand-off's KV crosses to reach this worker."""
+
+    @property
+    def reach_host(self) -> str:
+        """The address other hosts reach this worker at (a Mooncake Store client's segment);
+        empty when it binds every interface and advertises none (then: the route to the
+        store)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "" if self.host in ("0.0.0.0", "::", "") else self.host
 
     def transfer_options(self) -> TransferOptions:
         """The hand-off settings these options give."""
@@ -218,7 +229,13 @@ def worker_parser(
     p.add_argument("--advertise-host", default=d("advertise_host"), help="host in heartbeats")
     p.add_argument("--host-name", default=d("host_name", socket.gethostname()))
     p.add_argument("--worker-id", default=d("worker_id"))
-    p.add_argument("--kvstore", default=d("kvstore"), help="KV store host:port (prefill)")
+    p.add_argument(
+        "--kvstore",
+        "--kv-store",
+        dest="kvstore",
+        default=d("kvstore"),
+        help="KV store (prefill): host:port of pdserve's, or mooncake://MASTER[?...]",
+    )
     p.add_argument("--kv-lease-s", type=float, default=float(d("kv_lease_s", 60.0)))
     p.add_argument("--kv-timeout-s", type=float, default=float(d("kv_timeout_s", 10.0)))
     p.add_argument("--redis-url", default=d("redis_url"), help="heartbeats go here; unset: none")
@@ -466,6 +483,8 @@ def options_from_args(
     role = WorkerRole(args.role)
     if role is WorkerRole.PREFILL and not args.kvstore:
         raise InvalidArgumentError("--kvstore", "a prefill worker needs a KV store address")
+    if args.kvstore:
+        check_address(args.kvstore, "--kvstore")  # mooncake:// without its package: refused
     if args.kv_blocks is not None and args.kv_cache_bytes is not None:
         raise InvalidArgumentError("--kv-blocks", "give --kv-blocks or --kv-cache-bytes, not both")
     if not args.janitor_interval_s > 0:

@@ -37,8 +37,9 @@ from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.agents import HeartbeatAgents
 from pdserve.handoff.assignment import AssignedDecode
 from pdserve.handoff.plan import NIXL_POOL_BYTES
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.prefix.store import PrefixReuse
+from pdserve.prefix.store_blocks import StoreBlocks
 from pdserve.rpc.server import (
     AddServicerFn,
     ServiceHealth,
@@ -56,7 +57,7 @@ from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
-from pdserve.worker.kv_events import KVEventPublisher, install_events
+from pdserve.worker.kv_events import KVEventPublisher, StoreEventPublisher, install_events
 from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
 from pdserve.worker.prefill import PrefillWorker
@@ -147,7 +148,7 @@ def trtllm_config(options: WorkerOptions) -> TensorRTLLMConfig:
 def prefill_worker(
     options: WorkerOptions,
     engine: EngineBackend,
-    store: KVStoreClient,
+    store: StoreClient,
 ) -> PrefillWorker:
     """The prefill worker these options describe (hand-off settings, prefix reuse; with Redis,
     decode addresses checked against reservations). Its servicer traces its calls
@@ -158,6 +159,7 @@ def prefill_worker(
             engine.layout,
             chunk_tokens=options.prefix_chunk_tokens,
             lease_s=options.prefix_lease_s,
+            store_blocks=StoreBlocks(store.address, engine.layout.block_size),
         )
         if options.prefix_reuse
         else None
@@ -209,6 +211,7 @@ def decode_worker(options: WorkerOptions, engine: EngineBackend) -> DecodeWorker
         agents=agents,
         nixl_bytes=options.nixl_pool_bytes or NIXL_POOL_BYTES,
         nixl_block_bytes=options.nixl_block_bytes,
+        store_host=options.reach_host,
     )
     return DecodeWorker(engine, connector)
 
@@ -253,6 +256,7 @@ async def run_worker(
     links: Links | None = None,
     bandwidth: Sequence[BandwidthMeter] = (),
     kv_agent: tuple[str, str] = ("", ""),
+    store_blocks: StoreBlocks | None = None,
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
@@ -262,7 +266,8 @@ async def run_worker(
     KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
     connectors' meters, whose live bytes/s the heartbeats publish; ``kv_agent``: its prefill
     side's NIXL agent descriptor and fingerprint, for its heartbeats
-    (``PrefillConnector.kv_agent``).
+    (``PrefillConnector.kv_agent``); ``store_blocks``: the KV store's prefix blocks its
+    prefix reuse logs, published to the KV event stream.
     """
     server, port, health = build_server(
         servicers,
@@ -288,6 +293,7 @@ async def run_worker(
         interactive_tokens=options.bulk_tokens if host_lease_dir(options) is not None else 0,
         transports=tuple(k.value for k in options.transfer_options().transports),
         kv_agent=kv_agent,
+        prefix_store=(options.kvstore or "") if options.prefix_reuse else "",
     )
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
@@ -335,6 +341,9 @@ async def run_worker(
             redis, keys, identity.id, torch_engine, torch_engine.block_events
         )
         tasks.append(asyncio.create_task(publisher.run(), name="kv-events"))
+    if redis is not None and store_blocks is not None:
+        store_publisher = StoreEventPublisher(redis, keys, store_blocks)
+        tasks.append(asyncio.create_task(store_publisher.run(), name="kvstore-events"))
     try:
         await server.start()
         await health.set_serving()

@@ -84,3 +84,37 @@ def test_stream_entries_round_trip_and_bad_ones_are_skipped() -> None:
     assert index.size("w1") == 1 and index.entries == 1
     _apply_entry(index, {b"w": b"w2", b"x": b""})  # no block size: ignored
     assert index.size("w2") == 0 and index.entries == 1
+
+
+def test_a_stores_blocks_add_up_over_publishers_and_count_for_workers_that_read_it() -> None:
+    """Two workers publish what they put into one store (one epoch for all): the index holds
+    the union, keeps it when heartbeats go, and a worker reading prefixes from that store may
+    reuse the store's prefix or its own cache's, whichever is longer."""
+    from pdserve.engine.block_manager import chain_block_hashes
+    from pdserve.prefix.store_blocks import StoreBlocks
+    from pdserve.scheduling.prefix_index import STORE_EPOCH, store_id
+
+    prompt = list(range(5 * BLOCK + 1))
+    h = chain_block_hashes(prompt[:-1], BLOCK, salt="t")
+    store = "mooncake://m:1"
+    a, b = StoreBlocks(store, BLOCK), StoreBlocks(store, BLOCK)
+    a.stored(h[:2])
+    b.stored(h[2:4])
+    index = PrefixIndex()
+    for log in (a, b):
+        fields = {
+            b"w": store_id(log.address).encode(), b"e": STORE_EPOCH,
+            b"b": str(log.block_size).encode(), b"x": encode_events(log.drain()),
+        }  # fmt: skip
+        _apply_entry(index, fields)
+    assert a.drain() == [] and index.leading_blocks(store_id(store), h) == 4
+    index.apply("w1", b"e1", BLOCK, [(True, h[0])])
+    index.forget(["w1"])  # heartbeats: the store is no worker and stays
+    blocks = PromptBlocks(prompt, "t")
+    assert blocks.cached_tokens(index, "w1") == BLOCK
+    assert blocks.reusable_tokens(index, "w1", store) == 4 * BLOCK
+    assert blocks.reusable_tokens(index, "w1", "") == BLOCK  # reads no store
+    assert blocks.reusable_tokens(index, "w1", "other:1") == BLOCK
+    assert PromptBlocks(prompt, "u").reusable_tokens(index, "w1", store) == 0  # other tenant
+    index.apply(store_id(store), STORE_EPOCH, BLOCK, [(False, h[2])])  # a lookup missed it
+    assert blocks.reusable_tokens(index, "w1", store) == 2 * BLOCK

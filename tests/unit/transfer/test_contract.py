@@ -1,7 +1,9 @@
 """The KVSender/KVReceiver contract (``transfer.base``), checked against every backend:
 ``fake`` (in memory, on the real frames), ``shm`` (a segment on this host), ``stream``
-(``store``: the layer stream into a real KVStore servicer on loopback gRPC) and ``direct`` (the
-same stream pushed into a real Decode servicer's inbox on loopback gRPC)."""
+(``store``: the layer stream into a real KVStore servicer on loopback gRPC), ``direct`` (the
+same stream pushed into a real Decode servicer's inbox on loopback gRPC) and ``mooncake`` (the
+``store`` layer stream into a real Mooncake Store: a ``mooncake_master`` and two clients, the
+writer's lending the segment; skipped where the package cannot load)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import KVPayloadMismatchError, KVTransferError, UnknownRequestError
+from pdserve.kvstore import mooncake
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
@@ -44,7 +47,7 @@ NIXL = pytest.param(
         not nixl_available(), reason="NIXL is not installed (the pdserve[nixl] extra)"
     ),
 )
-BACKENDS = ["fake", "shm", "stream", "direct", NIXL]
+BACKENDS = ["fake", "shm", "stream", "direct", NIXL, "mooncake"]
 
 
 @dataclass
@@ -108,6 +111,31 @@ async def backend(name: str, shm_prefix: str) -> AsyncIterator[Backend]:
                 lambda: StreamSender(push, TransportKind.DIRECT, lease_s=30, sealer=sealer),
                 lambda loc, lay: LocalReceiver(inbox, loc, expected_layout=lay),
                 pushed,
+            )
+        return
+    if name == "mooncake":
+        reason = mooncake.available()
+        if reason:
+            pytest.skip(reason)
+        async with AsyncExitStack() as stack:
+            master = stack.enter_context(mooncake.MasterProcess())
+            writer = mooncake.MooncakeStoreClient(master.address(segment="64MiB"), timeout_s=5)
+            stack.push_async_callback(writer.close)
+            reader = mooncake.MooncakeStoreClient(
+                master.address(segment=0), timeout_s=5, local_host="127.0.0.2"
+            )
+            stack.push_async_callback(reader.close)
+            sealer = stack.enter_context(ThreadPoolExecutor(1))
+
+            def objects() -> list[str]:
+                n = master.key_count()
+                return [f"{n} objects"] if n else []
+
+            yield Backend(
+                name,
+                lambda: StreamSender(writer, TransportKind.STORE, lease_s=30, sealer=sealer),
+                lambda loc, lay: StreamReceiver(reader, loc, expected_layout=lay),
+                objects,
             )
         return
     async with AsyncExitStack() as stack:

@@ -19,7 +19,7 @@ import time
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import KVTransferError, PdServeError
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.backend import StoreClient
 from pdserve.transfer.base import (
     HandoffRecord,
     KVLocation,
@@ -83,7 +83,7 @@ class StreamReceiver(_Timed):
 
     def __init__(
         self,
-        client: KVStoreClient,
+        client: StoreClient,
         location: KVLocation,
         *,
         expected_layout: KVLayout | None = None,
