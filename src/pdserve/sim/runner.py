@@ -105,8 +105,9 @@ class SimRunner:
             raise ValueError("no token id is left to emit")
         self._sleep = sleep
         self._clock = clock
-        # Slot -> the token id whose KV it holds; -1: never written.
-        self._kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        # Slot -> 1 + the token id whose KV it holds; 0: never written. Zero-filled, so its
+        # pages take memory only once written (a modelled pool has ~10^5-10^6 slots).
+        self._kv = np.zeros(num_blocks * block_size, dtype=np.int64)
         self.modelled_s = 0.0
         """Modelled seconds of every step so far (before the time scale)."""
         self._digests: OrderedDict[int, tuple[Sequence, int]] = OrderedDict()
@@ -234,11 +235,11 @@ class SimRunner:
 
     def _store(self, seq: Sequence, start: int, count: int) -> None:
         slots = self._slots(seq.block_table, start, count)
-        self._kv[slots] = np.asarray(seq.token_ids[start : start + count], dtype=np.int64)
+        self._kv[slots] = np.asarray(seq.token_ids[start : start + count], dtype=np.int64) + 1
 
     def _check_prompt(self, seq: Sequence) -> str | None:
         n = seq.num_prompt_tokens
-        held = self._kv[self._slots(seq.block_table, 0, n)]
+        held = self._kv[self._slots(seq.block_table, 0, n)] - 1
         bad = np.flatnonzero(held != np.asarray(seq.token_ids[:n], dtype=np.int64))
         if not len(bad):
             return None
@@ -252,7 +253,7 @@ class SimRunner:
     ) -> tuple[np.ndarray, np.ndarray]:
         """K: the token id of each position, V: the position; ``[num_tokens, 1, 1]`` float32
         (exact below 2**24), the same in every layer."""
-        tokens = self._kv[self._slots(block_table, 0, num_tokens)]
+        tokens = self._kv[self._slots(block_table, 0, num_tokens)] - 1
         k = tokens.astype(np.float32).reshape(num_tokens, 1, 1)
         v = np.arange(num_tokens, dtype=np.float32).reshape(num_tokens, 1, 1)
         return k, v
@@ -270,7 +271,7 @@ class SimRunner:
         if not np.array_equal(positions, np.arange(n, dtype=np.float32)):
             raise ValueError(f"layer {layer} of the simulated KV is out of order")
         slots = self._slots(block_table, 0, n)
-        self._kv[slots] = k.reshape(-1).astype(np.int64)
+        self._kv[slots] = k.reshape(-1).astype(np.int64) + 1
 
 
 def _point_mass_prompt(seq: Sequence, num_tokens: int) -> PromptLogprobs:
