@@ -18,6 +18,7 @@ Everything a transport receives is numpy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
@@ -38,14 +39,20 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 _NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 
+def _torch_edge() -> ModuleType:
+    """``kv_tensors``, for an argument that is a tensor: torch is loaded already then (module
+    doc), and a numpy argument never comes here."""
+    from pdserve.engine import kv_tensors
+
+    return kv_tensors
+
+
 def host_array(a: KVArray) -> np.ndarray:
     """``a`` as a numpy array in its wire dtype, on the host: itself when numpy; a tensor's
     CPU memory viewed without a copy (any strides), a device tensor's copied to the host."""
     if isinstance(a, np.ndarray):
         return a
-    from pdserve.engine import kv_tensors  # a tensor: torch is loaded (module doc)
-
-    return kv_tensors.host_array(a)
+    return _torch_edge().host_array(a)
 
 
 def host_view(a: KVArray) -> np.ndarray | None:
@@ -53,9 +60,7 @@ def host_view(a: KVArray) -> np.ndarray | None:
     device (its copy to the host is the caller's: ``kv_tensors.copy_into``)."""
     if isinstance(a, np.ndarray):
         return a
-    from pdserve.engine import kv_tensors  # a tensor: torch is loaded (module doc)
-
-    return kv_tensors.host_view(a)
+    return _torch_edge().host_view(a)
 
 
 def contiguous(a: KVArray) -> np.ndarray:
@@ -63,18 +68,14 @@ def contiguous(a: KVArray) -> np.ndarray:
     (a gather from a strided view, or device-to-host)."""
     if isinstance(a, np.ndarray):
         return np.ascontiguousarray(a)
-    from pdserve.engine import kv_tensors  # a tensor: torch is loaded (module doc)
-
-    return kv_tensors.contiguous(a)
+    return _torch_edge().contiguous(a)
 
 
 def host_copy(a: KVArray) -> np.ndarray:
     """A private host copy of ``a`` (one copy, device-to-host for a device tensor)."""
     if isinstance(a, np.ndarray):
         return a.copy()
-    from pdserve.engine import kv_tensors  # a tensor: torch is loaded (module doc)
-
-    return kv_tensors.host_array(a.detach().to("cpu", copy=True))
+    return _torch_edge().host_copy(a)
 
 
 def byte_view(a: np.ndarray) -> memoryview:

@@ -45,6 +45,11 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     return view
 
 
+def host_copy(t: torch.Tensor) -> np.ndarray:
+    """A private host copy of ``t`` (one copy, device-to-host for a device tensor)."""
+    return host_array(t.detach().to("cpu", copy=True))
+
+
 def contiguous(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous host array of ``t``: a view when it is one already, else one copy
     (``copy_`` into an uninitialised tensor: a gather from a strided view, or device-to-host,
