@@ -44,12 +44,10 @@ class PdservePeer:
             attention_kernels=attention_kernels,
         )
         config = self.engine.config
-        packed = config.prepack_weights and can_prepack(
-            self.engine.runner.device, self.engine.dtype
-        )
         # How this engine is configured, printed with the results.
         runner = self.engine.runner
         assert isinstance(runner, ModelRunner)  # a real model, not a simulated one
+        packed = config.prepack_weights and can_prepack(runner.device, runner.dtype)
         self.native = native = runner.native
         """Which attention passes run on the native CPU kernels."""
         attention = (

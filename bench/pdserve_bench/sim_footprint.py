@@ -6,8 +6,13 @@ it (so every worker has stepped, handed off and heartbeated), lets it sit idle, 
 per worker: resident memory (RSS), proportional memory (PSS: shared library pages split
 among the processes mapping them, the figure that adds up to the machine's use) and the
 share of a core spent idle (heartbeats, KV events, janitor), plus start-up time and the
-machine's available memory before and after. This is the figure that says how many
-simulated accelerators fit on one host.
+machine's available memory before and after, and how many workers have torch mapped (none:
+a sim worker imports no torch). This is the figure that says how many simulated accelerators
+fit on one host.
+
+``--imports`` breaks a worker's resident memory down by what it imports: a fresh
+interpreter imports the worker's dependencies one after another, then the worker's own
+modules (``IMPORT_STEPS``), and reports the RSS after each.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +49,8 @@ class Footprint:
     idle_core_pct_max: float
     available_gb_before: float
     available_gb_after: float
+    with_torch: int = 0
+    """Workers with a torch library in their memory map."""
 
 
 def _kb(path: Path, key: str) -> int:
@@ -54,6 +63,13 @@ def _kb(path: Path, key: str) -> int:
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _maps_torch(pid: int) -> bool:
+    return any(
+        "libtorch" in line or "/torch/" in line
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+    )
 
 
 def _available_gb() -> float:
@@ -105,12 +121,64 @@ def measure(
         idle = [100.0 * (_cpu_ticks(p) - ticks[p]) / CLK_TCK / span for p in pids]
         rss = [_kb(Path(f"/proc/{p}/status"), "VmRSS:") / 1024 for p in pids]
         pss = [_kb(Path(f"/proc/{p}/smaps_rollup"), "Pss:") / 1024 for p in pids]
+        with_torch = sum(_maps_torch(p) for p in pids)
         after = _available_gb()
     return Footprint(
         n, round(startup, 1), served, round(_median(rss), 1), round(max(rss), 1),
         round(_median(pss), 1), round(_median(idle), 2), round(max(idle), 2),
-        round(before, 2), round(after, 2),
+        round(before, 2), round(after, 2), with_torch,
     )  # fmt: skip
+
+
+IMPORT_STEPS = (
+    ("numpy", "numpy"),
+    ("grpc", "grpc"),
+    ("redis", "redis"),
+    ("opentelemetry", "opentelemetry.sdk.trace, opentelemetry.instrumentation.grpc, "
+     "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"),
+    ("prometheus_client", "prometheus_client"),
+    ("tokenizers", "tokenizers"),
+    ("pdserve worker", "services.prefill.__main__, services.decode.__main__, pdserve.sim.backend"),
+)  # fmt: skip
+"""(label, modules) in the order ``--imports`` takes them: each step's figure is what it
+adds to the steps before it (a module the earlier ones imported already costs nothing)."""
+
+_IMPORT_PROBE = """
+import json, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+out = [("python", rss())]
+for label, modules in json.loads(sys.argv[1]):
+    exec("import " + modules)
+    out.append((label, rss()))
+out.append(("torch loaded", "torch" in sys.modules))
+print(json.dumps(out))
+"""
+
+
+def import_costs() -> list[tuple[str, float]]:
+    """RSS (MB) of a fresh interpreter after each of ``IMPORT_STEPS``, cumulative; the
+    last entry says whether torch was loaded (as 1.0 or 0.0)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, json.dumps(IMPORT_STEPS)],
+        capture_output=True, text=True, check=True, env=os.environ,
+    )  # fmt: skip
+    return [(label, float(mb)) for label, mb in json.loads(done.stdout)]
+
+
+def print_import_costs() -> list[tuple[str, float]]:
+    """Measure and print ``import_costs``; returns them."""
+    rows = import_costs()
+    *steps, (_, torch_loaded) = rows
+    print("RSS of a fresh interpreter importing a sim worker's modules, step by step:")
+    previous = 0.0
+    for label, mb in steps:
+        print(f"  {label:<20} {mb:6.1f} MB  (+{mb - previous:5.1f})")
+        previous = mb
+    print(f"  torch loaded: {'yes' if torch_loaded else 'no'}")
+    return rows
 
 
 def main(argv: Sequence[str]) -> int:
@@ -122,6 +190,9 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--model", type=Path, help="checkpoint dir (default: the tiny demo model)")
     p.add_argument("--log-dir", type=Path)
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument(
+        "--imports", action="store_true", help="also break a worker's RSS down by its imports"
+    )
     args = p.parse_args(list(argv))
     from pdserve.launcher import default_model
 
@@ -139,11 +210,12 @@ def main(argv: Sequence[str]) -> int:
             f"per worker RSS {row.rss_mb_median:.0f} MB (max {row.rss_mb_max:.0f}), "
             f"PSS {row.pss_mb_median:.0f} MB, idle {row.idle_core_pct_median:.2f}% of a core "
             f"(max {row.idle_core_pct_max:.2f}%); available memory "
-            f"{row.available_gb_before:.1f} -> {row.available_gb_after:.1f} GB",
+            f"{row.available_gb_before:.1f} -> {row.available_gb_after:.1f} GB; "
+            f"{row.with_torch} with torch mapped",
             flush=True,
         )
+    imports = print_import_costs() if args.imports else []
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=2)
-        )
+        report = {"machine": machine, "rows": [asdict(r) for r in rows], "imports_rss_mb": imports}
+        args.json.write_text(json.dumps(report, indent=2))
     return 0

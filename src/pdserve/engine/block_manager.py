@@ -101,9 +101,13 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # ref_count == 0 blocks, least recently freed first. Values unused (OrderedDict as a set).
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks: list[Block] = []
+        """The blocks handed out so far, by id: a pool's blocks are made as it first hands
+        them out, lowest id first (a modelled pool has 10^4-10^5 blocks that an idle worker
+        need not hold)."""
+        # Handed-out blocks at ref_count == 0, least recently freed first (never handed-out
+        # ones come before them all). Values unused (OrderedDict as a set).
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -112,7 +116,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that ``seq`` can hold ``num_tokens`` tokens."""
@@ -190,10 +194,14 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens; all or nothing."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block_id, _ = self._free.popitem(last=False)
+            if len(self.blocks) < self.num_blocks:  # a block never handed out before
+                block_id = len(self.blocks)
+                self.blocks.append(Block(block_id))
+            else:
+                block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:  # evict the stale cache entry of a reused block
                 del self._cached[block.hash]

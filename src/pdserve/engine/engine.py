@@ -23,18 +23,17 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.admission import check_import, prompt_ids, resumed_ids
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.controls import tokenize_bad_words
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.guided import Guides
+from pdserve.engine.kv_arrays import contiguous
 from pdserve.engine.kv_payload import KVLayout, KVPayload
-from pdserve.engine.logits_processors import tokenize_bad_words
 from pdserve.engine.outputs import (
     EngineStats,
     GenerationResult,
@@ -57,6 +56,9 @@ from pdserve.errors import (
 )
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -82,14 +84,13 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         mc = self.model_config
         # Within a sliding window, full attention is exact; past it we would diverge, so cap there.
         limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         self.max_model_len = min(config.max_model_len or limit, limit)
         built = (compute or torch_compute(faults))(self.model_dir, mc, config, self.max_model_len)
-        self.dtype: torch.dtype = built.dtype
+        self.dtype: torch.dtype | None = built.dtype
+        """The torch KV (and compute) dtype; None for a runner without torch (the sim)."""
         self.layout: KVLayout = built.layout
         self.runner: StepRunner = built.runner
         self.block_manager = BlockManager(
@@ -205,7 +206,6 @@ class Engine:
         )
         if not params.greedy:
             seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-            seq.generator = torch.Generator(device=self.runner.device)
         if params.guide is not None:  # its matcher replays what was drawn elsewhere
             first = [first_token[0]] if kv is not None and first_token is not None else []
             field = "generated" if resumed else "first_token"
@@ -301,8 +301,8 @@ class Engine:
         return KVPayload(
             self.layout,
             n,
-            tuple(k.to("cpu").contiguous() for k, _ in layers),
-            tuple(v.to("cpu").contiguous() for _, v in layers),
+            tuple(contiguous(k) for k, _ in layers),
+            tuple(contiguous(v) for _, v in layers),
         )
 
     def _admit_imports(self, failures: dict[str, RequestFailedError]) -> list[RequestOutput]:

@@ -22,15 +22,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pdserve.engine.guide import Guide, GuideKind
 from pdserve.engine.guide_probe import GuideProbe, compile_message, compile_with
 from pdserve.errors import FeatureUnavailableError, InvalidArgumentError
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 EXTRA = "structured"
 """The optional dependency set (``pip install 'pdserve[structured]'``) that brings xgrammar."""

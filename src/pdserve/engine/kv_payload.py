@@ -10,7 +10,9 @@ Lifecycle of a hand-off (the engine's side of disaggregation):
      copies the KV into its own blocks and continues decoding from the first token.
 
 The payload is token-major (``[num_tokens, kv_heads, head_dim]`` per layer), so engines with
-different block sizes can exchange it; model, dtype and head layout must match exactly.
+different block sizes can exchange it; model, dtype and head layout must match exactly. Its
+arrays are ``kv_arrays.KVArray``: numpy in the wire dtype wherever a transport made them, a
+torch engine's tensors where it exported them itself; this module imports no torch.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ import json
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from pdserve.engine.kv_arrays import WIRE_DTYPES, from_buffer, host_array
 from pdserve.errors import KVPayloadMismatchError
 
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
+
 _MAGIC = b"PDKV1\n"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = WIRE_DTYPES
+"""The layout dtypes a payload may have, each with the numpy dtype its bytes travel in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +77,9 @@ class KVPayload:
 
     layout: KVLayout
     num_tokens: int
-    keys: tuple[torch.Tensor, ...]
+    keys: tuple[KVArray, ...]
     """Per layer ``[num_tokens, num_kv_heads, head_dim]``, on CPU, contiguous."""
-    values: tuple[torch.Tensor, ...]
+    values: tuple[KVArray, ...]
     release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
     """Called (once) when the engine has imported the payload: the transport may then use
     the memory the views lie on again (a reused shm slot). Idempotent; None: nothing to do."""
@@ -126,17 +134,15 @@ def parse_header(header: bytes) -> tuple[KVLayout, int]:
     return layout, int(meta["num_tokens"])
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+def tensor_bytes(t: KVArray) -> bytes:
+    """The bytes of one layer's K (or V), in token-major order."""
+    return np.ascontiguousarray(host_array(t)).tobytes()
 
 
-def split_layer(
-    data: bytes, layout: KVLayout, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V from their wire bytes."""
+def split_layer(data: bytes, layout: KVLayout, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's K and V from their wire bytes (writable copies)."""
     shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
     half = len(data) // 2
-    dtype = DTYPES[layout.dtype]
-    k = torch.frombuffer(bytearray(data[:half]), dtype=torch.uint8).view(dtype).view(shape)
-    v = torch.frombuffer(bytearray(data[half:]), dtype=torch.uint8).view(dtype).view(shape)
+    k = from_buffer(bytearray(data[:half]), layout.dtype, shape)
+    v = from_buffer(bytearray(data[half:]), layout.dtype, shape)
     return k, v

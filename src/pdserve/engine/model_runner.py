@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.faults import EngineFaults
+from pdserve.engine.kv_tensors import as_tensor
 from pdserve.engine.logprobs import PromptRows
 from pdserve.engine.outputs import StepResult
 from pdserve.engine.sampler import sample
@@ -24,6 +26,9 @@ from pdserve.models.attention_metadata import (
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import can_prepack
 from pdserve.models.llama import KVCache, LlamaModel
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 GROUP_OVERHEAD_TOKENS = 256
 """A decode group's fixed cost (its gather and attention calls, per layer) in padded key
@@ -280,9 +285,11 @@ class ModelRunner:
         )
 
     def write_layer(
-        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, block_table: list[int], keys: KVArray, values: KVArray
     ) -> None:
-        """Copy ``[num_tokens, kvh, hd]`` K/V into the slots of ``block_table``."""
+        """Copy ``[num_tokens, kvh, hd]`` K/V into the slots of ``block_table``; received
+        numpy arrays (``kv_arrays``) are viewed as this engine's dtype first, without a copy."""
+        keys, values = as_tensor(keys, self.dtype), as_tensor(values, self.dtype)
         n = keys.shape[0]
         bs = self.block_size
         table = self._long(block_table)

@@ -80,7 +80,8 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
         drop[0] = False
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(row, dim=-1)
-    assert seq.generator is not None
+    if seq.generator is None:  # made here, where torch is: the engine imports none
+        seq.generator = torch.Generator(device=probs.device)
     seq.generator.manual_seed(step_seed(seq.seed, seq.num_output_tokens))
     return int(torch.multinomial(probs, 1, generator=seq.generator)[0])
 

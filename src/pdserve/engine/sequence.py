@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.engine.guided import GuideState
+    from pdserve.engine.kv_arrays import KVArray
 
 
 class LayerHook(Protocol):
@@ -30,7 +31,7 @@ class LayerHook(Protocol):
     call (a transport writing them out on another thread); nothing writes into them again.
     """
 
-    def __call__(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+    def __call__(self, layer: int, keys: KVArray, values: KVArray) -> None: ...
 
 
 class SequenceStatus(IntEnum):
@@ -124,6 +125,7 @@ class Sequence:
         """The prompt's logprobs so far (``params.prompt_logprobs``), filled in as its chunks
         are computed."""
         self.generator: torch.Generator | None = None
+        """A sampled sequence's torch generator, made by the sampler at its first draw."""
         self.seed = 0
         """Sampling seed; output token ``i`` is drawn from a generator seeded by (seed, i), so
         the draw does not depend on batch, preemption or which engine samples it."""

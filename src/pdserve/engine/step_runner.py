@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.dtype import resolve_dtype
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.models.config import ModelConfig
@@ -22,17 +21,13 @@ from pdserve.models.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.kv_arrays import KVArray
     from pdserve.engine.outputs import StepResult
     from pdserve.engine.scheduler import SchedulerOutput
 
 
 class StepRunner(Protocol):
     """The device side of an engine: one scheduled step, and the KV pool's import/export."""
-
-    @property
-    def device(self) -> torch.device:
-        """Where sampling generators live."""
-        ...
 
     def execute(
         self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
@@ -43,14 +38,15 @@ class StepRunner(Protocol):
 
     def read_layer(
         self, layer: int, block_table: list[int], num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[KVArray, KVArray]:
         """One layer's K, V of a sequence: ``[num_tokens, kv_heads, head_dim]`` copies."""
         ...
 
     def write_layer(
-        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, block_table: list[int], keys: KVArray, values: KVArray
     ) -> None:
-        """Copy ``[num_tokens, kv_heads, head_dim]`` K/V into the slots of ``block_table``."""
+        """Copy ``[num_tokens, kv_heads, head_dim]`` K/V into the slots of ``block_table``
+        (numpy in the wire dtype when a transport received them: ``kv_arrays``)."""
         ...
 
 
@@ -61,8 +57,8 @@ class Compute:
     runner: StepRunner
     layout: KVLayout
     num_blocks: int
-    dtype: torch.dtype
-    """The KV (and compute) dtype."""
+    dtype: torch.dtype | None = None
+    """The torch KV (and compute) dtype; None for a runner without torch (the sim)."""
 
 
 ComputeFactory = Callable[[Path, ModelConfig, EngineConfig, int], Compute]
@@ -74,11 +70,14 @@ def torch_compute(faults: EngineFaults | None = None) -> ComputeFactory:
     ``num_kv_blocks`` or ``kv_cache_bytes``; ``faults`` are injected into its steps."""
 
     def build(model_dir: Path, mc: ModelConfig, config: EngineConfig, max_len: int) -> Compute:
-        import torch  # the engine's module imports it already; here for the factory's types
+        import torch  # the real model's path alone: the engine's module imports no torch
 
+        from pdserve.engine.dtype import resolve_dtype
         from pdserve.engine.model_runner import ModelRunner
         from pdserve.models.loader import checkpoint_fingerprint, load_state_dict
 
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         dtype_name = resolve_dtype(config.dtype, config.device)
         dtype: torch.dtype = getattr(torch, dtype_name)
         block_bytes = (

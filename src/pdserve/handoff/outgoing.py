@@ -31,18 +31,21 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from grpc.aio import AioRpcError
 
 from pdserve.backends import Handoff, NativeKV
+from pdserve.engine.kv_arrays import host_copy
 from pdserve.engine.sequence import LayerHook
 from pdserve.errors import KVTransferError, PdServeError
 from pdserve.handoff.plan import HandoffPlan
 from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.base import HandoffRecord, KVLocation, KVSender, TransportKind
 from pdserve.transfer.links import Links
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class Outgoing:
         self.fingerprint = fingerprint
         self.links = links
         self.bandwidth = bandwidth
-        self._kept: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._kept: list[tuple[int, KVArray, KVArray]] = []
         self.handed_over = False
         """The KV is the decode side's now (else leaving the block discards it)."""
         self._announcement: asyncio.Task[str] | None = None
@@ -108,16 +111,16 @@ class Outgoing:
             return None
         return self._send if self.plan.layerwise else self._keep
 
-    def _send(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _send(self, layer: int, keys: KVArray, values: KVArray) -> None:
         if (p := self.plan.prefix_tokens) > 0:
             keys, values = keys[p:], values[p:]  # views; the transport makes its one copy
         assert self.sender is not None  # only hooked with a sender
         self.sender.send_layer(layer, keys, values)
 
-    def _keep(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _keep(self, layer: int, keys: KVArray, values: KVArray) -> None:
         # Keeping them is the engine's export, done layer by layer (the views die after this).
         p = self.plan.prefix_tokens
-        self._kept.append((layer, keys[p:].detach().clone(), values[p:].detach().clone()))
+        self._kept.append((layer, host_copy(keys[p:]), host_copy(values[p:])))
 
     def planned(self) -> KVLocation:
         """Where the KV is going (what ``hand_over`` returns when it commits)."""

@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
+from pdserve.engine.kv_arrays import concat
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import PdServeError, UnknownRequestError
 
@@ -138,8 +137,8 @@ async def join_cached_prefix(
     joined = KVPayload(
         payload.layout,
         len(prompt_ids),
-        tuple(torch.cat([prefix.keys[i], payload.keys[i]]) for i in range(n)),
-        tuple(torch.cat([prefix.values[i], payload.values[i]]) for i in range(n)),
+        tuple(concat([prefix.keys[i], payload.keys[i]]) for i in range(n)),
+        tuple(concat([prefix.values[i], payload.values[i]]) for i in range(n)),
     )
     if payload.release is not None:  # copied out: the transport's memory is free again
         payload.release()

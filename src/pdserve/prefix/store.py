@@ -37,11 +37,13 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from pdserve.backends import EngineBackend
 from pdserve.engine.block_manager import chain_block_hashes
+from pdserve.engine.kv_arrays import concat, host_copy
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
@@ -49,6 +51,9 @@ from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve.kvstore.backend import StoreClient
 from pdserve.kvstore.keys import prefix_chunk_key
 from pdserve.prefix.store_blocks import StoreBlocks
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +69,15 @@ class ChunkPublisher:
         self.blocks = blocks
         self.first = first
         self.chunk_tokens = chunk_tokens
-        self.keys_out: dict[int, torch.Tensor] = {}
-        self.values_out: dict[int, torch.Tensor] = {}
+        self.keys_out: dict[int, np.ndarray] = {}
+        self.values_out: dict[int, np.ndarray] = {}
         self.error: Exception | None = None
 
-    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(self, layer: int, k: KVArray, v: KVArray) -> None:
         try:
             lo, hi = self.first * self.chunk_tokens, len(self.keys) * self.chunk_tokens
-            self.keys_out[layer] = k[lo:hi].detach().to("cpu", copy=True)
-            self.values_out[layer] = v[lo:hi].detach().to("cpu", copy=True)
+            self.keys_out[layer] = host_copy(k[lo:hi])
+            self.values_out[layer] = host_copy(v[lo:hi])
         except Exception as err:  # a hook never raises into the engine
             self.error = err
 
@@ -166,8 +171,8 @@ class PrefixReuse:
         return KVPayload(
             self.layout,
             sum(c.num_tokens for c in chunks),
-            tuple(torch.cat([c.keys[i] for c in chunks]) for i in range(n)),
-            tuple(torch.cat([c.values[i] for c in chunks]) for i in range(n)),
+            tuple(concat([c.keys[i] for c in chunks]) for i in range(n)),
+            tuple(concat([c.values[i] for c in chunks]) for i in range(n)),
         )
 
     def publisher(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.convert import check_sampling_against, check_token_ids
-from pdserve.engine.logits_processors import tokenize_bad_words
+from pdserve.engine.controls import tokenize_bad_words
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from pdserve.backends.base import SIM
 from pdserve.backends.pytorch import TorchBackend
@@ -118,7 +118,7 @@ def sim_compute(options: SimOptions) -> ComputeFactory:
             head_dim=1,
             block_size=block,
         )
-        return Compute(runner, layout, num_blocks, torch.float32)
+        return Compute(runner, layout, num_blocks)
 
     return build
 
@@ -149,6 +149,6 @@ def sim_backend(
 def stand_in_payload(layout: KVLayout, prompt_ids: list[int]) -> KVPayload:
     """The payload a sim prefill of ``prompt_ids`` hands over (for tests and tools)."""
     n = len(prompt_ids)
-    k = torch.tensor(prompt_ids, dtype=torch.float32).view(n, 1, 1)
-    v = torch.arange(n, dtype=torch.float32).view(n, 1, 1)
+    k = np.asarray(prompt_ids, dtype=np.float32).reshape(n, 1, 1)
+    v = np.arange(n, dtype=np.float32).reshape(n, 1, 1)
     return KVPayload(layout, n, (k,) * layout.num_layers, (v,) * layout.num_layers)

@@ -31,9 +31,8 @@ from pdserve.sim.shapes import ModelShape
 from pdserve.sim.timing import Fitted, SimStep, fit, step_of
 
 if TYPE_CHECKING:
-    import torch
-
     from pdserve.engine.engine import Engine
+    from pdserve.engine.kv_arrays import KVArray
     from pdserve.engine.outputs import StepResult
     from pdserve.engine.scheduler import SchedulerOutput
     from pdserve.engine.step_runner import StepRunner
@@ -57,10 +56,6 @@ class RecordingRunner:
         self.samples: list[Sample] = []
         self.recording = True
 
-    @property
-    def device(self) -> torch.device:
-        return self.inner.device
-
     def execute(
         self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
     ) -> StepResult:
@@ -74,11 +69,11 @@ class RecordingRunner:
 
     def read_layer(
         self, layer: int, block_table: list[int], num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[KVArray, KVArray]:
         return self.inner.read_layer(layer, block_table, num_tokens)
 
     def write_layer(
-        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, block_table: list[int], keys: KVArray, values: KVArray
     ) -> None:
         self.inner.write_layer(layer, block_table, keys, values)
 
@@ -379,6 +374,7 @@ def calibrate(
         max_num_batched_tokens=budget,
         num_kv_blocks=plan.kv_blocks(defaults.block_size, budget),
     )
+    assert engine.dtype is not None  # the torch engine's
     dtype_name = str(engine.dtype).removeprefix("torch.")
     device = describe_device(torch.get_num_threads(), dtype_name)
     shape = dataclasses.replace(

@@ -34,17 +34,21 @@ import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from pdserve.engine.logits_processors import banned_by_bad_words, is_controlled
+from pdserve.engine.controls import banned_by_bad_words, is_controlled
+from pdserve.engine.kv_arrays import host_array
 from pdserve.engine.outputs import StepResult
 from pdserve.engine.sampling_params import LOGIT_BIAS_RANGE
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.sim.timing import TimingModel, step_of
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 _MASK64 = (1 << 64) - 1
 DIGESTS_KEPT = 1024
@@ -74,8 +78,6 @@ def sim_token(digest: int, position: int, seed: int, choices: int) -> int:
 class SimRunner:
     """A ``StepRunner`` that spends modelled time (see the module docstring)."""
 
-    device = torch.device("cpu")
-
     def __init__(
         self,
         timing: TimingModel,
@@ -103,8 +105,9 @@ class SimRunner:
             raise ValueError("no token id is left to emit")
         self._sleep = sleep
         self._clock = clock
-        # Slot -> the token id whose KV it holds; -1: never written.
-        self._kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        # Slot -> 1 + the token id whose KV it holds; 0: never written. Zero-filled, so its
+        # pages take memory only once written (a modelled pool has ~10^5-10^6 slots).
+        self._kv = np.zeros(num_blocks * block_size, dtype=np.int64)
         self.modelled_s = 0.0
         """Modelled seconds of every step so far (before the time scale)."""
         self._digests: OrderedDict[int, tuple[Sequence, int]] = OrderedDict()
@@ -232,11 +235,11 @@ class SimRunner:
 
     def _store(self, seq: Sequence, start: int, count: int) -> None:
         slots = self._slots(seq.block_table, start, count)
-        self._kv[slots] = np.asarray(seq.token_ids[start : start + count], dtype=np.int64)
+        self._kv[slots] = np.asarray(seq.token_ids[start : start + count], dtype=np.int64) + 1
 
     def _check_prompt(self, seq: Sequence) -> str | None:
         n = seq.num_prompt_tokens
-        held = self._kv[self._slots(seq.block_table, 0, n)]
+        held = self._kv[self._slots(seq.block_table, 0, n)] - 1
         bad = np.flatnonzero(held != np.asarray(seq.token_ids[:n], dtype=np.int64))
         if not len(bad):
             return None
@@ -247,27 +250,28 @@ class SimRunner:
 
     def read_layer(
         self, layer: int, block_table: list[int], num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """K: the token id of each position, V: the position; ``[num_tokens, 1, 1]`` float32
         (exact below 2**24), the same in every layer."""
-        tokens = self._kv[self._slots(block_table, 0, num_tokens)]
-        k = torch.from_numpy(tokens.astype(np.float32)).view(num_tokens, 1, 1)
-        v = torch.arange(num_tokens, dtype=torch.float32).view(num_tokens, 1, 1)
+        tokens = self._kv[self._slots(block_table, 0, num_tokens)] - 1
+        k = tokens.astype(np.float32).reshape(num_tokens, 1, 1)
+        v = np.arange(num_tokens, dtype=np.float32).reshape(num_tokens, 1, 1)
         return k, v
 
     def write_layer(
-        self, layer: int, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, block_table: list[int], keys: KVArray, values: KVArray
     ) -> None:
         """Import a layer: its V must count the positions (anything else is a payload that
         was cut or reordered on the way); its K lands in the slots."""
-        n = keys.shape[0]
-        if tuple(keys.shape) != (n, 1, 1) or tuple(values.shape) != (n, 1, 1):
-            raise ValueError(f"simulated KV must be [n, 1, 1], got {tuple(keys.shape)}")
-        positions = values.reshape(-1).to(torch.float32)
-        if not torch.equal(positions, torch.arange(n, dtype=torch.float32)):
+        k, v = host_array(keys), host_array(values)
+        n = k.shape[0]
+        if tuple(k.shape) != (n, 1, 1) or tuple(v.shape) != (n, 1, 1):
+            raise ValueError(f"simulated KV must be [n, 1, 1], got {tuple(k.shape)}")
+        positions = v.reshape(-1).astype(np.float32)
+        if not np.array_equal(positions, np.arange(n, dtype=np.float32)):
             raise ValueError(f"layer {layer} of the simulated KV is out of order")
         slots = self._slots(block_table, 0, n)
-        self._kv[slots] = keys.reshape(-1).to(torch.int64).numpy()
+        self._kv[slots] = k.reshape(-1).astype(np.int64) + 1
 
 
 def _point_mass_prompt(seq: Sequence, num_tokens: int) -> PromptLogprobs:

@@ -57,8 +57,7 @@ from pdserve.transfer.handle import (
 from pdserve.transfer.record import HandoffRecord
 
 if TYPE_CHECKING:
-    import torch
-
+    from pdserve.engine.kv_arrays import KVArray
     from pdserve.engine.kv_payload import KVLayout, KVPayload
 
 __all__ = [
@@ -139,7 +138,7 @@ class KVSender(Protocol):
         """After ``begin``: where the data is going (what ``commit`` will return)."""
         ...
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         """A ``LayerHook``: write one layer's ``[num_tokens, kvh, hd]`` K and V (the engine's
         gathered copies, which a sender may keep). Never raises; a failure surfaces in
         ``commit``."""

@@ -3,7 +3,9 @@
 A layer's K (or V) ``[num_tokens, kv_heads, head_dim]`` in bf16/fp32 becomes int8 values of the
 same shape plus fp32 scales ``[ceil(num_tokens / 16), kv_heads]``; ``scale = absmax / 127`` over
 the block's 16 tokens x ``head_dim`` values of one head, ``q = round(x / scale)``. Dequantizing
-(``q * scale``) is off by at most ``scale / 2`` per element (plus fp32 rounding).
+(``q * scale``) is off by at most ``scale / 2`` per element (plus fp32 rounding). It runs in
+numpy on the wire arrays (``engine.kv_arrays``; a torch tensor is viewed as one first), so a
+process without torch compresses and decompresses too.
 
 Size, exactly, for ``num_tokens`` a multiple of 16: ``T*H*D`` int8 bytes + ``(T/16)*H*4`` scale
 bytes, so the ratio to bf16 (``2*T*H*D``) is ``1/2 + 1/(8*head_dim)``: 0.50391 at head_dim 32
@@ -23,19 +25,21 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
+from pdserve.engine.kv_arrays import from_float32, host_array, to_float32
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
+    from pdserve.engine.kv_arrays import KVArray
 
 BLOCK_TOKENS = 16
 """Tokens that share one scale (per head)."""
 _QMAX = 127  # symmetric: -128 is never produced, so negation is exact
-_SCALE_DTYPE = torch.float32
+_SCALE_DTYPE = np.dtype(np.float32)
 
 
 class Compression(StrEnum):
@@ -49,20 +53,19 @@ class Compression(StrEnum):
 class QuantizedTensor:
     """One int8-compressed ``[num_tokens, heads, head_dim]`` tensor."""
 
-    data: torch.Tensor
+    data: np.ndarray
     """int8 ``[num_tokens, heads, head_dim]``."""
-    scales: torch.Tensor
+    scales: np.ndarray
     """fp32 ``[ceil(num_tokens / 16), heads]``."""
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.scales.numel() * self.scales.element_size()
+        return self.data.nbytes + self.scales.nbytes
 
     def to_bytes(self) -> bytes:
         """Scales (fp32, native little-endian) then the int8 values."""
         return (
-            self.scales.contiguous().view(torch.uint8).numpy().tobytes()
-            + self.data.contiguous().view(torch.uint8).numpy().tobytes()
+            np.ascontiguousarray(self.scales).tobytes() + np.ascontiguousarray(self.data).tobytes()
         )
 
     @classmethod
@@ -77,9 +80,9 @@ class QuantizedTensor:
             )
         num_blocks = -(-num_tokens // BLOCK_TOKENS)
         split = num_blocks * heads * _SCALE_DTYPE.itemsize
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        scales = raw[:split].view(_SCALE_DTYPE).view(num_blocks, heads)
-        values = raw[split:].view(torch.int8).view(num_tokens, heads, head_dim)
+        raw = np.frombuffer(bytearray(data), dtype=np.uint8)
+        scales = raw[:split].view(_SCALE_DTYPE).reshape(num_blocks, heads)
+        values = raw[split:].view(np.int8).reshape(num_tokens, heads, head_dim)
         return cls(values, scales)
 
 
@@ -98,33 +101,33 @@ def compression_ratio(layout: KVLayout, num_tokens: int) -> float:
     return packed / plain
 
 
-def quantize(x: torch.Tensor) -> QuantizedTensor:
-    """``x`` ``[num_tokens, heads, head_dim]`` (any float dtype, any device) as int8 + scales."""
-    if x.dim() != 3 or x.shape[0] < 1:
+def quantize(x: KVArray) -> QuantizedTensor:
+    """``x`` ``[num_tokens, heads, head_dim]`` (a float or bfloat16-word array, or a tensor
+    on any device) as int8 + scales."""
+    a = host_array(x)
+    if a.ndim != 3 or a.shape[0] < 1:
         raise InvalidArgumentError(
-            "x", f"expected [num_tokens >= 1, heads, head_dim], got {tuple(x.shape)}"
+            "x", f"expected [num_tokens >= 1, heads, head_dim], got {tuple(a.shape)}"
         )
-    if not x.is_floating_point():
+    if a.dtype != np.uint16 and not np.issubdtype(a.dtype, np.floating):
         raise InvalidArgumentError("x", f"expected a float tensor, got {x.dtype}")
-    T, H, D = x.shape
+    T, H, D = a.shape
     num_blocks = -(-T // BLOCK_TOKENS)
-    xf = x.detach().to(torch.float32)
-    pad = num_blocks * BLOCK_TOKENS - T
-    if pad:  # zero tokens do not change a block's absmax
-        xf = torch.cat([xf, xf.new_zeros(pad, H, D)])
-    blocks = xf.view(num_blocks, BLOCK_TOKENS, H, D)
-    scales = blocks.abs().amax(dim=(1, 3)) / _QMAX  # [num_blocks, H]
+    blocks = np.zeros((num_blocks * BLOCK_TOKENS, H, D), dtype=np.float32)
+    blocks[:T] = to_float32(a)  # zero tokens pad the last block: they change no absmax
+    blocks = blocks.reshape(num_blocks, BLOCK_TOKENS, H, D)
+    scales = np.abs(blocks).max(axis=(1, 3)) / np.float32(_QMAX)  # [num_blocks, H]
     # An all-zero block has scale 0; divide by 1 there (its values quantize to 0 either way).
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None, :, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    return QuantizedTensor(q.view(-1, H, D)[:T].contiguous().cpu(), scales.cpu())
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.clip(np.rint(blocks / safe[:, None, :, None]), -_QMAX, _QMAX).astype(np.int8)
+    return QuantizedTensor(np.ascontiguousarray(q.reshape(-1, H, D)[:T]), scales)
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Back to ``[num_tokens, heads, head_dim]`` in ``dtype`` (on CPU)."""
+def dequantize(q: QuantizedTensor, dtype: str) -> np.ndarray:
+    """Back to ``[num_tokens, heads, head_dim]`` in the layout dtype ``dtype``'s wire dtype."""
     T = q.data.shape[0]
-    per_token = q.scales.repeat_interleave(BLOCK_TOKENS, dim=0)[:T]  # [T, H]
-    return (q.data.to(torch.float32) * per_token[:, :, None]).to(dtype).contiguous()
+    per_token = np.repeat(q.scales, BLOCK_TOKENS, axis=0)[:T]  # [T, H]
+    return from_float32(q.data.astype(np.float32) * per_token[:, :, None], dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +154,7 @@ def compress_payload(payload: KVPayload) -> CompressedKV:
 
 
 def decompress_payload(packed: CompressedKV) -> KVPayload:
-    dtype = DTYPES[packed.layout.dtype]
+    dtype = packed.layout.dtype
     return KVPayload(
         packed.layout,
         packed.num_tokens,

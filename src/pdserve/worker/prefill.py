@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.backends import EngineBackend, Prefilled
 from pdserve.convert import check_sampling_against, check_token_ids
@@ -29,6 +28,9 @@ from pdserve.logprobs import PromptLogprobs, TopLogprobs
 from pdserve.prefix.store import PrefixReuse
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.base import HandoffRecord, KVLocation
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ class PrefillWorker:
             publisher = self.prefix.publisher(prompt_ids, tenant, first=found)
         hooks = [h for h in (out.layer_hook, publisher) if h is not None]
 
-        def hook(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        def hook(layer: int, keys: KVArray, values: KVArray) -> None:
             for h in hooks:  # each one never raises
                 h(layer, keys, values)
 

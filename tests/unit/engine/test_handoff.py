@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.kv_tensors import as_tensor
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import KVPayloadMismatchError
 from tests.unit.engine.test_parity import prompts_of, run_collect
@@ -57,7 +58,10 @@ def test_export_import_continues_exactly(
         # The layer hook saw exactly what the export holds, every layer once.
         assert sorted(layers) == list(range(a.model_config.num_layers))
         for layer, (k, v) in layers.items():
-            assert torch.equal(k, payload.keys[layer]) and torch.equal(v, payload.values[layer])
+            # the export is numpy in the wire dtype (``kv_arrays``): viewed back to compare
+            keys, values = payload.keys[layer], payload.values[layer]
+            assert torch.equal(k, as_tensor(keys, k.dtype))
+            assert torch.equal(v, as_tensor(values, v.dtype))
         wire = KVPayload.from_bytes(payload.to_bytes())
         b.add_request(f"y{i}", p, PARAMS, kv=wire, first_token=first)
         tokens = [first[0]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.engine.engine import Engine
@@ -96,7 +97,7 @@ def test_an_import_that_cannot_be_written_fails_alone(tiny_llama_dir: Path) -> N
     payload = a.export_kv("p")
     a.release_kv("p")
     bad_shape = dataclasses.replace(
-        payload, keys=tuple(k[:, :, :-1].contiguous() for k in payload.keys)
+        payload, keys=tuple(np.ascontiguousarray(k[:, :, :-1]) for k in payload.keys)
     )
     undisturbed, _ = run(load(tiny_llama_dir), {"c": (prompts[1], GREEDY)})
     b.add_request("d", prompts[0], GREEDY, kv=bad_shape, first_token=(out.new_token_ids[0], 0.0))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_tensors import as_tensor
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling_params import SamplingParams
@@ -272,7 +273,11 @@ def test_layer_hook_sees_each_layer_of_the_whole_prompt_once(tiny_llama_dir: Pat
         payload = await ae.export_and_release("hooked")
         assert sorted(seen) == list(range(payload.layout.num_layers))
         for layer, (k, v) in seen.items():
-            assert torch.equal(k, payload.keys[layer]) and torch.equal(v, payload.values[layer])
+            # the export is numpy in the wire dtype (``kv_arrays``): viewed back to compare
+            keys, values = payload.keys[layer], payload.values[layer]
+            assert torch.equal(k, as_tensor(keys, k.dtype)) and torch.equal(
+                v, as_tensor(values, v.dtype)
+            )
         await ae.close()
 
     run(body)

@@ -64,7 +64,6 @@ def test_recorder_records_each_executed_step_as_scheduled(
     steps = [step for step, _ in recorder.samples]
     assert any(c > 0 for s in steps for _, c in s.prefills)  # a chunk after an earlier one
     assert any(s.prefills and s.decodes for s in steps)  # a mixed step
-    assert recorder.device == inner.device
 
     recorded = len(recorder.samples)
     recorder.recording = False

@@ -8,10 +8,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
+from pdserve.engine.kv_arrays import dtype_name, host_array
+from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_tensors import TORCH_DTYPES
 from pdserve.transfer.janitor import SHM_DIR
 
 
@@ -24,16 +27,18 @@ def make_layout(
 def random_payload(layout: KVLayout, num_tokens: int, seed: int = 0) -> KVPayload:
     g = torch.Generator().manual_seed(seed)
     shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
-    dtype = DTYPES[layout.dtype]
+    dtype = TORCH_DTYPES[layout.dtype]
     keys = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layout.num_layers))
     values = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layout.num_layers))
     return KVPayload(layout, num_tokens, keys, values)
 
 
 def assert_same_payload(a: KVPayload, b: KVPayload) -> None:
+    """Equal layouts and bit-equal arrays (a sent tensor against the numpy array received)."""
     assert a.layout == b.layout and a.num_tokens == b.num_tokens
     for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
-        assert x.dtype == y.dtype and torch.equal(x, y)
+        assert dtype_name(x) == dtype_name(y) == a.layout.dtype
+        assert np.array_equal(host_array(x), host_array(y))
 
 
 def leftovers(prefix: str) -> list[str]:

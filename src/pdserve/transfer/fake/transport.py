@@ -19,8 +19,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import InvalidArgumentError, KVTransferError
@@ -42,6 +41,9 @@ from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.frames import FrameCollector, LayerCopy, stream_bytes
 from pdserve.transfer.stream.header import StreamHeader, check_layer, missing_layers, read_header
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 FAKE_ADDRESS = "fake"
 """The ``address`` of every fake location (there is no endpoint)."""
@@ -156,7 +158,7 @@ class FakeSender:
         self.hub.open(self.key, header.encode())
         self.state = advance(self.state, TransferState.SENDING)
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         start = time.monotonic_ns()
         if self._error is None:
             try:
@@ -168,7 +170,7 @@ class FakeSender:
         self.record.first_layer_ns = self.record.first_layer_ns or start
         self.record.last_layer_ns = end
 
-    def _send(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _send(self, layer: int, k: KVArray, v: KVArray) -> None:
         h = self._header
         if self.state is not TransferState.SENDING or h is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")

@@ -13,9 +13,9 @@ import asyncio
 import secrets
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
 from pdserve.errors import InvalidArgumentError, KVTransferError
@@ -34,9 +34,13 @@ from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.frames import FRAME_HEAD, FRAME_MAGIC, LayerCopy, frame_bytes
 from pdserve.transfer.stream.header import StreamHeader, check_layer, missing_layers
 
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
+
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    """A ``LayerCopy``'s contiguous host array as its bytes (a view)."""
+    return a.reshape(-1).view(np.uint8)
 
 
 class NixlSender:
@@ -82,7 +86,7 @@ class NixlSender:
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
         self.state = advance(self.state, TransferState.SENDING)
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         start = time.monotonic_ns()
         if self._error is None:
             try:
@@ -94,7 +98,7 @@ class NixlSender:
         self.record.first_layer_ns = self.record.first_layer_ns or start
         self.record.last_layer_ns = end
 
-    def _send(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _send(self, layer: int, k: KVArray, v: KVArray) -> None:
         h = self._header
         if self.state is not TransferState.SENDING or h is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")

@@ -28,13 +28,16 @@ import importlib
 import struct
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
 import xxhash
 
 from pdserve.cpuinfo import cpu_flags
+from pdserve.engine.kv_arrays import host_view
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 Buffer = bytes | bytearray | memoryview
 
@@ -64,8 +67,8 @@ _NATIVE_PIECE_BYTES = 64 * 1024
 
 _R = TypeVar("_R")
 _DIGESTS = struct.Struct("<QQ")
-# numpy has no bfloat16: a tensor is copied as the signed int of its element size.
-_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Copied as the unsigned int of its item size: no dtype conversion, bfloat16 words included.
+_INT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def layer_checksum(data: Buffer) -> int:
@@ -110,37 +113,41 @@ def in_pair(
 
 
 def copy_and_hash(
-    dst: np.ndarray, src: torch.Tensor, piece_bytes: int, *, torch_copy: bool = False
+    dst: np.ndarray, src: KVArray, piece_bytes: int, *, torch_copy: bool = False
 ) -> int:
-    """Copy ``src`` (``[T, ...]``, any strides, any device) into the contiguous uint8
-    ``dst`` (exactly its size) and return the XXH3-64 of what was written.
+    """Copy ``src`` (``[T, ...]``, any strides; a numpy array or a tensor on any device)
+    into the contiguous uint8 ``dst`` (exactly its size) and return the XXH3-64 of what was
+    written.
 
-    A contiguous CPU ``src`` goes through ``_hashcopy`` on this thread when it was built.
+    A contiguous host ``src`` goes through ``_hashcopy`` on this thread when it was built.
     Otherwise the copy goes ``piece_bytes`` (rounded to whole leading rows) at a time and each
-    piece is hashed right after it is written, while it is still in cache; a CPU ``src`` is
-    copied by numpy on this thread, unless ``torch_copy`` (then by ``Tensor.copy_``, on
-    torch's intra-op threads: faster when this is the only thread copying).
+    piece is hashed right after it is written, while it is still in cache; a host ``src`` is
+    copied by numpy on this thread, unless it is a tensor and ``torch_copy`` (then by
+    ``Tensor.copy_``, on torch's intra-op threads: faster when this is the only thread
+    copying). A device tensor is copied by torch, straight into ``dst``.
     """
-    cpu = src.device.type == "cpu" and not torch_copy
-    if cpu and _hash_copy is not None and src.is_contiguous():
-        flat = src.detach().reshape(-1).view(torch.uint8).numpy()
-        return _hash_copy(dst, flat, _NATIVE_PIECE_BYTES)
+    view = None if torch_copy and not isinstance(src, np.ndarray) else host_view(src)
+    if view is not None and _hash_copy is not None and view.flags.c_contiguous:
+        return _hash_copy(dst, view.reshape(-1).view(np.uint8), _NATIVE_PIECE_BYTES)
     rows = src.shape[0]
     row_bytes = dst.size // max(1, rows)
     step = max(1, piece_bytes // max(1, row_bytes))
     hasher = xxhash.xxh3_64()
     written = dst.data  # a memoryview: what the hasher reads
-    if cpu:
+    if view is not None:
         # Same-size int views of both sides ([T, ...], src strided as it comes): no dtype
         # conversion, one strided memcpy loop per piece, GIL released.
-        s = src.detach().view(_INT_BY_SIZE[src.element_size()]).numpy()
+        s = view.view(_INT_BY_SIZE[view.itemsize])
         d = dst.view(s.dtype).reshape(s.shape)
         for start in range(0, rows, step):
             np.copyto(d[start : start + step], s[start : start + step])
             hasher.update(written[start * row_bytes : (start + step) * row_bytes])
     else:
         # Device-to-host (or the intra-op threads): torch's copy, straight into the destination.
-        out = torch.from_numpy(dst).view(src.dtype).view(src.shape)
+        from pdserve.engine.kv_tensors import copy_into  # a tensor: torch is loaded
+
+        assert not isinstance(src, np.ndarray)  # an array always has a host view
+        out = copy_into(dst, src)
         for start in range(0, rows, step):
             out[start : start + step].copy_(src[start : start + step])
             hasher.update(written[start * row_bytes : (start + step) * row_bytes])

@@ -8,9 +8,9 @@ timeout; corrupt flips a byte of layer 0 after it was hashed (the reader must no
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import KVTransferError
@@ -20,6 +20,9 @@ from pdserve.transfer.janitor import parse_owner_pid
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.writer import SegmentWriter
 from pdserve.transfer.stamp import holds_capability
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 
 class ShmSender:
@@ -52,7 +55,7 @@ class ShmSender:
     def planned(self) -> KVLocation:
         return self.writer.planned()
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         self.writer.send_layer(layer, k, v)
 
     async def commit(self, timeout_s: float) -> KVLocation:

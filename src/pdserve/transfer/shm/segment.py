@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, parse_header
 from pdserve.errors import CapacityError, DuplicateRequestError, KVTransferError
@@ -398,15 +397,15 @@ def payload_views(
     span = geom.num_layers * size
     base = np.frombuffer(mm, dtype=np.uint8, count=span, offset=offset + geom.data_offset)
     done = None if release is None else weakref.finalize(base, release)
-    body = torch.from_numpy(base)  # keeps ``base`` (and so the finalizer's trigger) alive
-    del base
+    # Every view below keeps ``base`` (and so the finalizer's trigger) alive.
     dtype, shape = DTYPES[layout.dtype], (num_tokens, layout.num_kv_heads, layout.head_dim)
-    layers = [body[i * size : (i + 1) * size] for i in range(geom.num_layers)]
+    layers = [base[i * size : (i + 1) * size] for i in range(geom.num_layers)]
+    del base
     return KVPayload(
         layout,
         num_tokens,
-        tuple(t[:half].view(dtype).view(shape) for t in layers),
-        tuple(t[half:].view(dtype).view(shape) for t in layers),
+        tuple(t[:half].view(dtype).reshape(shape) for t in layers),
+        tuple(t[half:].view(dtype).reshape(shape) for t in layers),
         release=done,
     )
 

@@ -42,9 +42,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import (
@@ -64,6 +64,9 @@ from pdserve.transfer.shm.checksum import combine, copy_and_hash
 from pdserve.transfer.shm.slots import Slot, SlotPool
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.header import check_layer, missing_layers
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +223,7 @@ class SegmentWriter:
         self._mapper.start()
         return name
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         """Write one layer at its offset. Never raises: ``finish`` reports a failure."""
         start = time.monotonic_ns()
         if self._error is None:
@@ -247,7 +250,7 @@ class SegmentWriter:
             raise KVTransferError(f"shm segment {self.name!r} is not mapped")
         return self._mm
 
-    def _write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         if self.state is not TransferState.SENDING or self._layout is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
         mm = self._mapping()
@@ -275,12 +278,10 @@ class SegmentWriter:
             self._collect()
             self._seal()
 
-    def _copy(
-        self, layer: int, dst: np.ndarray, k: torch.Tensor, v: torch.Tensor, torch_copy: bool
-    ) -> int:
+    def _copy(self, layer: int, dst: np.ndarray, k: KVArray, v: KVArray, torch_copy: bool) -> int:
         """Copy and hash one layer into ``dst``; ``torch_copy``: with torch's intra-op threads
         (the only lane), else on this thread alone (numpy; two lanes run at once)."""
-        half = k.numel() * k.element_size()
+        half = dst.size // 2  # K then V, of one size
         checksum = combine(
             copy_and_hash(dst[:half], k, _PIECE_BYTES, torch_copy=torch_copy),
             copy_and_hash(dst[half:], v, _PIECE_BYTES, torch_copy=torch_copy),

@@ -28,12 +28,12 @@ the one implementation of the format (the ``stream`` and ``fake`` transports use
 from __future__ import annotations
 
 import struct
-import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from pdserve.engine.kv_arrays import byte_view, contiguous, from_buffer
 from pdserve.engine.kv_payload import DTYPES, KVLayout, KVPayload
 from pdserve.errors import KVPayloadMismatchError, KVTransferError
 from pdserve.kvstore.client import Piece
@@ -46,6 +46,9 @@ from pdserve.transfer.compress import (
     quantized_nbytes,
 )
 from pdserve.transfer.stream.header import StreamHeader
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 FRAME_HEAD = struct.Struct("<4sIQQI")
 """A frame's header (magic, layer, len K, len V, crc of K then V)."""
@@ -72,36 +75,23 @@ def stream_bytes(header: StreamHeader) -> int:
     )
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def _on_cpu(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu" and t.is_contiguous():
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype)
-    out.copy_(t)
-    return out
-
-
 @dataclass(slots=True)
 class LayerCopy:
     """One layer taken out of the engine: private copies of its K and V."""
 
     layer: int
-    k: torch.Tensor
-    v: torch.Tensor
+    k: np.ndarray
+    v: np.ndarray
 
     @classmethod
-    def take(cls, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerCopy:
-        """The hooked ``[num_tokens, kvh, hd]`` K and V as contiguous CPU tensors.
+    def take(cls, layer: int, k: KVArray, v: KVArray) -> LayerCopy:
+        """The hooked ``[num_tokens, kvh, hd]`` K and V as contiguous host arrays.
 
-        They are the engine's gathered copies (``LayerHook``), kept as they are when already
-        contiguous on the CPU; else copied once (``copy_`` into uninitialised tensors: a
-        gather from a strided view, or device-to-host on a GPU, no zero-filling first).
+        They are the engine's gathered copies (``LayerHook``), viewed as they are when
+        already contiguous on the host; else copied once (``kv_arrays.contiguous``: a gather
+        from a strided view, or device-to-host on a GPU).
         """
-        return cls(layer, _on_cpu(k), _on_cpu(v))
+        return cls(layer, contiguous(k), contiguous(v))
 
     def seal(
         self, piece_bytes: int, compression: Compression, *, corrupt: bool = False
@@ -116,11 +106,11 @@ class LayerCopy:
         layer made a seventh of a 1K-token hand-off's time. It is the first piece's lead, not
         joined to it here: the chunk codec copies both straight into the message (measured,
         a joined copy of each frame's first MiB cost a 1K ``direct`` hand-off a tenth of its
-        rate). Every piece is a view of the ``LayerCopy``'s tensors, which it keeps alive."""
+        rate). Every piece is a view of the ``LayerCopy``'s arrays, which it keeps alive."""
         if compression is Compression.INT8:
             parts = [memoryview(quantize(t).to_bytes()) for t in (self.k, self.v)]
         else:
-            parts = [_byte_view(self.k), _byte_view(self.v)]
+            parts = [byte_view(self.k), byte_view(self.v)]
         pieces: list[tuple[memoryview, int]] = []
         crc = 0  # CRC-32 of nothing
         for part in parts:
@@ -136,7 +126,7 @@ class LayerCopy:
         lead, lead_crc = pieces[0]
         if corrupt:
             # After the frame's CRC, before the chunk's: the store accepts it, the reader
-            # must not. On a copy: the tensors may be the engine's.
+            # must not. On a copy: the arrays may be the engine's.
             flipped = bytearray(lead)
             flipped[0] ^= 0xFF
             lead, lead_crc = memoryview(flipped), fast_crc32(flipped)
@@ -150,8 +140,8 @@ def _frame_buffer(size: int) -> memoryview:
     return np.empty(size, dtype=np.uint8).data.cast("B")
 
 
-Kept = memoryview | torch.Tensor
-"""A received layer's K (or V): its bytes, viewed as a tensor by ``build()``; int8 ones are
+Kept = memoryview | np.ndarray
+"""A received layer's K (or V): its bytes, viewed as an array by ``build()``; int8 ones are
 dequantized at once (compute that overlaps the stream)."""
 
 
@@ -240,7 +230,7 @@ class FrameCollector:
         never copied together: measured, the endpoint's copy of each piece into its frame was
         about a tenth of a 1K ``direct`` hand-off's time. Only read-only pieces are kept (a
         received message's bytes, which nothing else holds or writes); the K and V tensors
-        are views over them, which torch cannot mark read-only (nothing writes into a
+        are read-only views over them (nothing writes into a
         received payload: the engine copies it into its blocks).
         """
         head = FRAME_HEAD.size
@@ -294,7 +284,7 @@ class FrameCollector:
         if kv_crc != crc:
             raise KVTransferError(f"KV layer {layer} failed its checksum")
         if self.header.compression is Compression.INT8:
-            dtype = DTYPES[self.header.layout.dtype]
+            dtype = self.header.layout.dtype
             self._layers[layer] = (
                 dequantize(QuantizedTensor.from_bytes(keys, *self._shape), dtype),
                 dequantize(QuantizedTensor.from_bytes(values, *self._shape), dtype),
@@ -302,17 +292,6 @@ class FrameCollector:
         else:
             self._layers[layer] = (keys, values)
         self.frames.extend(parts)
-
-    def _view(self, data: memoryview, dtype: torch.dtype) -> torch.Tensor:
-        # A view over the buffer (which the tensor keeps alive): no further copy.
-        if not data.readonly:
-            return torch.frombuffer(data, dtype=dtype).view(self._shape)
-        with warnings.catch_warnings():
-            # A received piece kept as it came (``_keep``): torch warns that it cannot mark
-            # the tensor read-only; nothing writes into a received payload.
-            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-            raw = torch.frombuffer(data, dtype=dtype)
-        return raw.view(self._shape)
 
     def build(self) -> KVPayload:
         """The payload; ``KVTransferError`` naming what is missing or left over."""
@@ -323,14 +302,13 @@ class FrameCollector:
         missing = [i for i in range(n) if i not in self._layers]
         if missing:
             raise KVTransferError(f"KV layers {missing} never arrived")
-        # The views are made here, not as frames arrive: each torch call lets go of the
-        # GIL, and while the stream runs grpcio's threads take it at every such point.
-        # Measured, views made frame by frame cost a 1K ``store`` read ~4 ms of its ~40
-        # (~80 us a tensor, against ~4 us once the stream has ended).
-        dtype = DTYPES[self.header.layout.dtype]
+        # The views (over the buffers, which they keep alive: no further copy; a piece kept
+        # as it came, ``_keep``, gives a read-only one) are made here, once the stream has
+        # ended, not frame by frame while grpcio's threads compete for the GIL.
+        dtype = self.header.layout.dtype
 
-        def tensor(kept: Kept) -> torch.Tensor:
-            return self._view(kept, dtype) if isinstance(kept, memoryview) else kept
+        def tensor(kept: Kept) -> np.ndarray:
+            return from_buffer(kept, dtype, self._shape) if isinstance(kept, memoryview) else kept
 
         layers = [self._layers[i] for i in range(n)]
         return KVPayload(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from pdserve.engine.kv_payload import DTYPES, KVLayout, kv_fingerprint
+from pdserve.engine.kv_arrays import dtype_name
+from pdserve.engine.kv_payload import KVLayout, kv_fingerprint
 from pdserve.errors import KVPayloadMismatchError, KVTransferError
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.handle import KVLocation, TransportKind
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 _HEADER_MAGIC = b"PDKVS1\n"
 
@@ -25,8 +28,8 @@ def check_layer(
     layout: KVLayout,
     num_tokens: int,
     layer: int,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: KVArray,
+    v: KVArray,
     seen: Collection[int],
 ) -> None:
     """What every sender checks of a hooked layer: in range, new, and of the layout's shape."""
@@ -35,12 +38,11 @@ def check_layer(
     if layer in seen:
         raise KVTransferError(f"KV layer {layer} sent twice")
     shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
-    dtype = DTYPES[layout.dtype]
     for which, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != shape or t.dtype != dtype:
+        if tuple(t.shape) != shape or dtype_name(t) != layout.dtype:
             raise KVPayloadMismatchError(
-                f"layer {layer} {which} is {tuple(t.shape)} {t.dtype}; "
-                f"the layout needs {shape} {dtype}"
+                f"layer {layer} {which} is {tuple(t.shape)} {dtype_name(t)}; "
+                f"the layout needs {shape} {layout.dtype}"
             )
 
 

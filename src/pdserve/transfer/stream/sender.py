@@ -24,9 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from concurrent.futures import Executor, Future
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.engine.kv_payload import KVLayout
 from pdserve.errors import InvalidArgumentError, KVTransferError, PdServeError
@@ -44,6 +42,9 @@ from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.frames import LayerCopy, frame_bytes, stream_bytes
 from pdserve.transfer.stream.header import StreamHeader, check_layer, missing_layers
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_arrays import KVArray
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class StreamSender:
             name=f"kv-put-{request_id}",
         )
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
         """The layer hook (engine thread): take the layer, queue it. Never raises."""
         start = time.monotonic_ns()
         if self._error is None:
@@ -173,7 +174,7 @@ class StreamSender:
         self.record.first_layer_ns = self.record.first_layer_ns or start
         self.record.last_layer_ns = end
 
-    def _take(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _take(self, layer: int, k: KVArray, v: KVArray) -> None:
         h, loop = self._header, self._loop
         if self.state is not TransferState.SENDING or h is None or loop is None:
             raise KVTransferError(f"send_layer on a sender that is {self.state.name}")
