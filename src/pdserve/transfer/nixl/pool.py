@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor, nixl_api
@@ -85,12 +84,12 @@ class NixlPool:
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         n = num_bytes // block_bytes
         tags_len = -(-n * TAG_BYTES // PAGE) * PAGE
-        self._mem = torch.zeros(tags_len + n * block_bytes, dtype=torch.uint8)
-        self._registration = self.agent.register_memory(self._mem)
-        view = self._mem.numpy()
+        self._mem = np.zeros(tags_len + n * block_bytes, dtype=np.uint8)
+        base = self._mem.ctypes.data
+        self._registration = self.agent.register_memory([(base, self._mem.nbytes, 0, "")], "DRAM")
+        view = self._mem
         self.tags = view[: n * TAG_BYTES].reshape(n, TAG_BYTES)
         self.data = view[tags_len:]
-        base = self._mem.data_ptr()
         self.descriptor = AgentDescriptor(
             agent=self.name,
             metadata=self.agent.get_agent_metadata(),

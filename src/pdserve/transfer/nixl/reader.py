@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError, KVTransferError
@@ -118,10 +117,12 @@ class NixlReader:
         self.name = name or f"pdserve-decode-{self.host}-{secrets.token_hex(6)}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         n = max(1, num_bytes // block_bytes)
-        self._mem = torch.zeros(n * block_bytes, dtype=torch.uint8)
-        self._registration = self.agent.register_memory(self._mem)
-        self.base = self._mem.data_ptr()
-        self.data = self._mem.numpy()
+        self._mem = np.zeros(n * block_bytes, dtype=np.uint8)
+        self.base = self._mem.ctypes.data
+        self._registration = self.agent.register_memory(
+            [(self.base, self._mem.nbytes, 0, "")], "DRAM"
+        )
+        self.data = self._mem
         self.block_bytes = block_bytes
         self.allocator = BlockAllocator(n)
         self.lost: list[int] = []

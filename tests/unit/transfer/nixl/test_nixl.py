@@ -152,7 +152,7 @@ def test_a_payload_lies_in_its_landing_blocks_until_imported_or_dropped() -> Non
                 reader, await committed(pool, "a"), expected_layout=None
             ).receive(5.0)
             base, end = reader.base, reader.base + reader.data.nbytes
-            assert all(base <= t.data_ptr() < end for t in got.keys + got.values)  # no copy
+            assert all(base <= t.ctypes.data < end for t in got.keys + got.values)  # no copy
             assert reader.lent > 0 and reader.allocator.num_free == free - reader.lent
             assert got.release is not None
             got.release()  # the engine's import
