@@ -366,14 +366,18 @@ class SlotMappings:
         its lock until ``deadline`` (``time.monotonic``). ``KVTransferError`` if the slot is
         gone, held, or holds another hand-off (or this one unsealed); ``CapabilityError`` if
         ``capability`` is not the hand-off's."""
-        m = self._verified(path, generation, capability)
         name = path.name
-        if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
-            check_capability(mapped_capability(m.mm), capability, name)
-        with self._lock:
+        with self._lock:  # found and marked in one step: no other thread unmaps it between
+            m = self._verified(path, generation, capability)
             if m.claimed:
                 raise KVTransferError(f"shm slot {name!r} is already claimed by this reader")
             m.claimed = True
+        try:
+            if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
+                check_capability(mapped_capability(m.mm), capability, name)
+        except BaseException:
+            m.claimed = False
+            raise
         claim = Claim(self, m, name)
         try:
             _lock(m.fd, deadline, name)
@@ -394,11 +398,11 @@ class SlotMappings:
         ``capability``: its reader gives it up unread (a refused request, a failed
         follow-read). True if it did; anything else (gone, claimed, being written, another
         hand-off or capability) is left as it is."""
-        try:
-            m = self._verified(path, generation, capability)
-        except (KVTransferError, CapabilityError):  # gone, moved on, or not this handle's
-            return False
-        with self._lock:
+        with self._lock:  # found and marked in one step (``claim``)
+            try:
+                m = self._verified(path, generation, capability)
+            except (KVTransferError, CapabilityError):  # gone, moved on, or not this handle's
+                return False
             if m.claimed:  # this process holds it: its payload's release frees it
                 return False
             m.claimed = True

@@ -410,3 +410,43 @@ def test_a_claimed_slot_is_not_expired(pool: SlotPool, maps: SlotMappings) -> No
     assert state(pool) is SegmentState.CLAIMED
     assert got.release is not None
     got.release()
+
+
+def test_a_slot_being_claimed_is_not_unmapped_by_another_thread(
+    pool: SlotPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One mapping kept at most: mapping a second slot unmaps the least recently used one that
+    # is not claimed. A claim found its mapping, and before it marked it claimed another
+    # thread mapped the other slot: the claim's descriptor was closed under it (EBADF at its
+    # flock). Finding and marking are now one step under the mappings' lock, so the other
+    # thread waits and then leaves the claimed mapping alone.
+    maps = SlotMappings(max_slots=1)
+    first, _, _ = send(pool, "a", finish=False)  # keeps its slot: the next takes another
+    _, other, _ = send(pool, "b", seed=1)
+    d = first.finish()
+    assert d is not None and other is not None and other.key != d.key
+    sent_keys = {d.key, other.key}
+    assert sent_keys == {s.path.name for s in pool.slots}
+    other_path = next(s.path for s in pool.slots if s.path.name == other.key)
+    verified = maps._verified
+    through: list[bool] = []
+
+    def racing(path: Path, generation: int, capability: bytes) -> Any:
+        m = verified(path, generation, capability)
+        if path.name == d.key and not through:
+            rival = threading.Thread(
+                target=maps.mapping, args=(other_path, other.generation, other.capability)
+            )
+            rival.start()
+            # Unfixed, the rival maps its slot and unmaps this one at once; fixed, it waits
+            # for the lock this claim holds, so it cannot finish now.
+            rival.join(timeout=0.5)
+            through.append(not rival.is_alive())
+        return m
+
+    monkeypatch.setattr(maps, "_verified", racing)
+    got = receive(maps, d)
+    assert through == [False]
+    assert got.num_tokens == 6 and got.release is not None
+    got.release()
+    maps.close()
