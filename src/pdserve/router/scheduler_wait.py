@@ -32,6 +32,7 @@ release's) with its cause, time, tries and outcome; for placements also
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -106,7 +107,12 @@ class WaitPolicy:
         """The sleep after ``rounds`` (>= 1) failed rounds: half of the exponential step, plus
         a random part of the other half (callers that failed together spread out, and none
         comes back at once)."""
-        step = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (rounds - 1))
+        step = self.max_backoff_s
+        if self.multiplier == 1 or rounds - 1 < math.log(step / self.initial_backoff_s,
+                                                          self.multiplier):  # fmt: skip
+            # Below the cap; past it the power is never taken (it overflows a float after
+            # about a thousand rounds of a long wait).
+            step = min(step, self.initial_backoff_s * self.multiplier ** (rounds - 1))
         return step / 2 + random.uniform(0.0, step / 2)
 
 

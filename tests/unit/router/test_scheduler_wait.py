@@ -238,3 +238,13 @@ def test_the_policy_is_checked() -> None:
     policy = WaitPolicy(initial_backoff_s=0.1, max_backoff_s=0.4)
     for rounds, step in ((1, 0.1), (2, 0.2), (3, 0.4), (9, 0.4)):
         assert step / 2 <= policy.backoff_s(rounds) <= step
+
+
+def test_a_long_wait_keeps_its_capped_backoff() -> None:
+    # A 30 s wait at a 20 ms cap runs past a thousand rounds; 2.0 ** 1024 overflows a float,
+    # which once ended such a wait in an OverflowError instead of the next round.
+    policy = WaitPolicy(bound_s=30.0, initial_backoff_s=0.01, max_backoff_s=0.02)
+    for rounds in (1024, 1025, 5000, 10**9):
+        assert 0.01 <= policy.backoff_s(rounds) <= 0.02
+    flat = WaitPolicy(initial_backoff_s=0.1, max_backoff_s=0.1, multiplier=1.0)
+    assert 0.05 <= flat.backoff_s(10**9) <= 0.1
