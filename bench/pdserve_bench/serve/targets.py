@@ -161,7 +161,10 @@ class RouterTarget:
         self._cluster = cluster
         self._spec = spec
         # One attempt per request: a retry would hide the failure the benchmark must count.
-        self._client = AsyncClient(address, retry=RetryPolicy(max_attempts=1))
+        # No deadline of the SDK's own: the runner bounds each request by --request-timeout,
+        # in real seconds (the SDK's 60 s default cut off streams of time-scaled sim clusters
+        # whose --request-timeout, in modelled time, was longer).
+        self._client = AsyncClient(address, retry=RetryPolicy(max_attempts=1), timeout=None)
 
     async def open(self) -> None:
         pass  # the channel opens on the first call, inside the running loop
