@@ -134,8 +134,8 @@ IMPORT_STEPS = (
     ("numpy", "numpy"),
     ("grpc", "grpc"),
     ("redis", "redis"),
-    ("opentelemetry", "opentelemetry.sdk.trace, opentelemetry.instrumentation.grpc, "
-     "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"),
+    # The gRPC instrumentation and the OTLP exporter load only where tracing is on.
+    ("opentelemetry", "opentelemetry.sdk.trace"),
     ("prometheus_client", "prometheus_client"),
     ("tokenizers", "tokenizers"),
     ("pdserve worker", "services.prefill.__main__, services.decode.__main__, pdserve.sim.backend"),

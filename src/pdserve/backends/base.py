@@ -103,6 +103,8 @@ class Capacity:
     """Requests being computed."""
     waiting: int
     """Requests admitted but not yet computing."""
+    waiting_decodes: int = 0
+    """Of ``waiting``: handed-over requests whose KV waits for a batch slot."""
     tags: tuple[str, ...] = ()
     """Tags (scheduler reservation ids) of the requests the engine holds."""
     failed_steps: int = 0

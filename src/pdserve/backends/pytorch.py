@@ -264,6 +264,7 @@ class TorchBackend:
             queued_tokens=stats.queued_tokens,
             running=stats.num_running,
             waiting=stats.num_waiting,
+            waiting_decodes=stats.num_waiting_imports,
             tags=snapshot.tags,
             failed_steps=snapshot.failed_steps,
             failed_requests=snapshot.failed_requests,

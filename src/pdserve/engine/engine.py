@@ -461,6 +461,7 @@ class Engine:
             block_size=bm.block_size,
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self._imports),
+            num_waiting_imports=len(self._imports),
             num_held=len(self._held),
             queued_tokens=queued,
             num_preemptions=s.num_preemptions,

@@ -91,6 +91,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_held: int
+    num_waiting_imports: int
+    """Of ``num_waiting``: handed-over KV waiting for a batch slot (decodes, not prompts)."""
     queued_tokens: int
     """Tokens still to prefill across waiting and running sequences."""
     num_preemptions: int

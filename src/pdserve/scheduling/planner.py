@@ -12,10 +12,10 @@ offline profile): through the cost model (``costmodel``),
   decode-duty worker (its decode step, plus what a step carrying the prompt tokens queued
   there adds: a decode-duty mixed worker also serves colocated requests) over the ITL SLO;
   the share of KV blocks in use on the fullest one; and the share of the decode side's batch
-  slots taken, counting the sequences that wait for one (running plus waiting over the
-  engines' ``max_num_seqs``). The last is what saturates first on an accelerator, whose
-  decode step hardly grows with the batch: with every slot taken, new streams queue though
-  no step is slow.
+  slots taken, counting the handed-over sequences that wait for one (running plus waiting
+  decodes over the engines' ``max_num_seqs``; prompts waiting there are the stall term's).
+  The last is what saturates first on an accelerator, whose decode step hardly grows with
+  the batch: with every slot taken, new streams queue though no step is slow.
 
 So 1 means "at the SLO" (or "KV full", or "every slot taken"). A side is *saturated* when
 its pressure reaches 1 or the schedulers refused requests for want of its capacity since the
@@ -207,7 +207,7 @@ def slots_taken(decodes: Sequence[WorkerView]) -> float:
     where no worker publishes its ``max_seqs``). Above 1, streams queue for a slot."""
     sized = [v.info for v in decodes if v.info.max_seqs > 0]
     slots = sum(i.max_seqs for i in sized)
-    return sum(i.running_seqs + i.waiting_seqs for i in sized) / slots if slots else 0.0
+    return sum(i.running_seqs + i.waiting_decodes for i in sized) / slots if slots else 0.0
 
 
 def _relaxed(asking: float, giving: float, config: PlannerConfig) -> bool:

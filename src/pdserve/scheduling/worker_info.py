@@ -56,7 +56,7 @@ _INT_FIELDS = (
     "max_batch_tokens",
     "queued_tokens",
     "running_seqs",
-    "waiting_seqs",
+    "waiting_decodes",
     "max_seqs",
     "kv_bytes_per_token",
     "interactive_tokens",
@@ -89,9 +89,9 @@ class WorkerInfo:
     queued_tokens: int = 0
     """Prompt tokens admitted but not yet prefilled."""
     running_seqs: int = 0
-    waiting_seqs: int = 0
-    """Requests admitted but not running: prompts waiting to prefill, handed-over KV waiting
-    for a batch slot."""
+    waiting_decodes: int = 0
+    """Handed-over requests whose KV waits for a batch slot (prompts waiting to prefill are
+    ``queued_tokens``)."""
     max_seqs: int = 0
     """Sequences one engine step carries at most (its batch slots); 0: unknown."""
     draining: bool = False

@@ -33,8 +33,6 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
-from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_prefix
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
@@ -186,6 +184,8 @@ def _traced_provider(tracer_provider: trace.TracerProvider | None) -> trace.Trac
 
 
 def _call_filter() -> Callable[[object], bool]:
+    from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_prefix
+
     return negate(any_of(*(service_prefix(p) for p in _UNTRACED_SERVICE_PREFIXES)))
 
 
@@ -201,6 +201,9 @@ def server_interceptors(
     provider = _traced_provider(tracer_provider)
     if provider is None:
         return []
+    # Imported only when tracing is on: the instrumentation weighs a few MB in every process.
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
     return [aio_server_interceptor(tracer_provider=provider, filter_=_call_filter())]
 
 
@@ -213,6 +216,8 @@ def client_interceptors(
     provider = _traced_provider(tracer_provider)
     if provider is None:
         return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors  # as above
+
     interceptors: list[grpc.aio.ClientInterceptor] = aio_client_interceptors(
         tracer_provider=provider, filter_=_call_filter()
     )

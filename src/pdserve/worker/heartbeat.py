@@ -76,7 +76,7 @@ def worker_info(
         max_batch_tokens=identity.max_batch_tokens,
         queued_tokens=load.queued_tokens,
         running_seqs=load.running,
-        waiting_seqs=load.waiting,
+        waiting_decodes=load.waiting_decodes,
         max_seqs=identity.max_seqs,
         draining=draining,
         reservations=load.tags,

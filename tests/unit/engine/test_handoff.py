@@ -107,3 +107,23 @@ def test_seeded_sampling_continues_across_handoff(tiny_llama_dir: Path) -> None:
             tokens += o.new_token_ids
     assert tokens == alone
     assert len(set(alone)) > 4
+
+
+def test_handed_over_requests_waiting_for_a_slot_are_counted_apart(tiny_llama_dir: Path) -> None:
+    # The planner's slot pressure counts decodes that wait for a batch slot, not prompts that
+    # wait to be prefilled (those are queued tokens): the engine tells them apart.
+    a = Engine.from_pretrained(tiny_llama_dir, dtype="float32")
+    b = Engine.from_pretrained(tiny_llama_dir, dtype="float32", max_num_seqs=2)
+    prompts = prompts_of(a, [12, 13, 14, 15], seed=5)
+    handed = [prefill_and_export(a, f"x{i}", p) for i, p in enumerate(prompts[:3])]
+    for i, (first, payload) in enumerate(handed):
+        b.add_request(f"d{i}", prompts[i], PARAMS, kv=payload, first_token=first)
+    b.add_request("fresh", prompts[3], PARAMS)
+    b.step()  # two of the three imports take the two slots
+    stats = b.stats()
+    assert (stats.num_running, stats.num_waiting_imports) == (2, 1)
+    assert stats.num_waiting == 2  # the third import and the fresh prompt
+    while b.has_unfinished():
+        b.step()
+    assert b.stats().num_waiting_imports == 0
+    b.check_no_leaks()

@@ -136,7 +136,7 @@ def test_streams_waiting_for_a_batch_slot_are_decode_pressure() -> None:
     # Accelerator-like steps: 10 ms whatever the batch, far under the ITL SLO; but every one
     # of the 16 slots is taken and 8 more streams wait for one.
     fast = {"decode_seq_s": 0.0001, "max_seqs": 16}
-    full = on_decode("d", running_seqs=16, waiting_seqs=8, **fast)
+    full = on_decode("d", running_seqs=16, waiting_decodes=8, **fast)
     calm = on_decode("d", running_seqs=4, **fast)
     assert slots_taken([full]) == pytest.approx(1.5)
     assert pressure([on_prefill("p"), full], MODEL, CONFIG).decode == pytest.approx(1.5)
@@ -150,7 +150,7 @@ def test_a_shifted_mix_moves_several_workers_at_once() -> None:
     # drain for the whole shift, not one per worker; one prefill worker stays (min_prefill).
     fast = {"decode_seq_s": 0.0001, "max_seqs": 16}
     views = [on_prefill(f"p{i}") for i in range(6)] + [
-        on_decode(f"d{i}", running_seqs=16, waiting_seqs=16, **fast) for i in range(2)
+        on_decode(f"d{i}", running_seqs=16, waiting_decodes=16, **fast) for i in range(2)
     ]
     moves = decide(views, MODEL, CONFIG, hour=12)
     assert len(moves) == 5 and len({m.worker_id for m in moves}) == 5
