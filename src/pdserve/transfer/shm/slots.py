@@ -369,15 +369,11 @@ class SlotMappings:
         name = path.name
         with self._lock:  # found and marked in one step: no other thread unmaps it between
             m = self._verified(path, generation, capability)
+            if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
+                check_capability(mapped_capability(m.mm), capability, name)
             if m.claimed:
                 raise KVTransferError(f"shm slot {name!r} is already claimed by this reader")
             m.claimed = True
-        try:
-            if segment.mapped_generation(m.mm) == generation:  # first, whoever holds it now
-                check_capability(mapped_capability(m.mm), capability, name)
-        except BaseException:
-            m.claimed = False
-            raise
         claim = Claim(self, m, name)
         try:
             _lock(m.fd, deadline, name)
