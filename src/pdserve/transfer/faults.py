@@ -34,6 +34,13 @@ class SendFaults:
     def stalls(self, request_id: str) -> bool:
         return self.stall_prefix is not None and request_id.startswith(self.stall_prefix)
 
+    def withholds(self, request_id: str, layer: int, layers_taken: int) -> bool:
+        """The sender keeps ``layer`` back: dropped, or stalled after ``layers_taken`` (this
+        one counted) passed ``stall_after_layers``."""
+        if self.drops(request_id, layer):
+            return True
+        return self.stalls(request_id) and layers_taken > self.stall_after_layers
+
     def drops(self, request_id: str, layer: int) -> bool:
         return (
             self.drop_prefix is not None

@@ -44,6 +44,13 @@ class HandoffRecord:
     prefetched: bool = False
     """Receiver: the read began at the prefill's announcement, before the Decode call."""
 
+    def hooked(self, start_ns: int, end_ns: int) -> None:
+        """One layer hook's call ran from ``start_ns`` to ``end_ns`` (``time.monotonic_ns``):
+        what every sender's ``send_layer`` records."""
+        self.hook_ns += end_ns - start_ns
+        self.first_layer_ns = self.first_layer_ns or start_ns
+        self.last_layer_ns = end_ns
+
     def replace(self, **changes: object) -> HandoffRecord:
         """A copy with ``changes`` (the record a transport fills stays its own)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

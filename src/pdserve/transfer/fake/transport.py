@@ -165,10 +165,7 @@ class FakeSender:
                 self._send(layer, k, v)
             except Exception as err:  # as a real sender: never raise into the engine
                 self._error = err
-        end = time.monotonic_ns()
-        self.record.hook_ns += end - start
-        self.record.first_layer_ns = self.record.first_layer_ns or start
-        self.record.last_layer_ns = end
+        self.record.hooked(start, time.monotonic_ns())
 
     def _send(self, layer: int, k: KVArray, v: KVArray) -> None:
         h = self._header
@@ -178,9 +175,7 @@ class FakeSender:
         first = not self._seen
         self._seen.add(layer)
         rid = h.request_id
-        if self.faults.drops(rid, layer):
-            return
-        if self.faults.stalls(rid) and len(self._seen) > self.faults.stall_after_layers:
+        if self.faults.withholds(rid, layer, len(self._seen)):
             return
         corrupt = first and self.faults.corrupts(rid)
         copy = LayerCopy.take(layer, k, v)

@@ -234,10 +234,7 @@ class SegmentWriter:
                 # would keep the mapping from closing.
                 traceback.clear_frames(err.__traceback__)
                 self._error = err
-        end = time.monotonic_ns()
-        self.record.hook_ns += end - start
-        self.record.first_layer_ns = self.record.first_layer_ns or start
-        self.record.last_layer_ns = end
+        self.record.hooked(start, time.monotonic_ns())
 
     def _mapping(self) -> mmap.mmap:
         """The segment's mapping, once the mapper thread has made it (or its error)."""

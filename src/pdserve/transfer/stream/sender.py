@@ -169,10 +169,7 @@ class StreamSender:
                 self._take(layer, k, v)
             except Exception as err:  # raising here would fail the engine's whole batch
                 self._error = err
-        end = time.monotonic_ns()
-        self.record.hook_ns += end - start
-        self.record.first_layer_ns = self.record.first_layer_ns or start
-        self.record.last_layer_ns = end
+        self.record.hooked(start, time.monotonic_ns())
 
     def _take(self, layer: int, k: KVArray, v: KVArray) -> None:
         h, loop = self._header, self._loop
