@@ -87,6 +87,10 @@ class WorkerOptions:
     """With a host lease: while bulk work waits, interactive steps start at most this often."""
     bulk_tokens: int = BULK_TOKENS
     """With a host lease: a step computing more prompt tokens than this is bulk."""
+    lease_split_threads: int | None = None
+    """With a host lease: threads interactive steps keep while a bulk step runs beside them
+    on the rest (``pdserve.compute.CoreSplit``); None: half the engine's; 0: no split, the
+    steps take turns on every thread."""
     grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     transport: str = "auto"
@@ -275,6 +279,13 @@ def worker_parser(
         type=int,
         default=int(d("bulk_tokens", BULK_TOKENS)),
         help="steps computing more prompt tokens than this lend the cores to decode steps",
+    )
+    c.add_argument(
+        "--lease-split-threads",
+        type=int,
+        default=_int(d("lease_split_threads")),
+        help="threads decode steps keep while a long prefill runs beside them on the rest "
+        "(default: half the engine's threads; 0: no split, the steps take turns)",
     )
     p.add_argument("--grace-s", type=float, default=float(d("grace_s", 10.0)), help="drain time")
     p.add_argument("--log-level", default=d("log_level", "INFO"))
@@ -493,6 +504,8 @@ def options_from_args(
         raise InvalidArgumentError("--interactive-period-ms", "must be >= 0")
     if args.bulk_tokens < 0:
         raise InvalidArgumentError("--bulk-tokens", "must be >= 0")
+    if args.lease_split_threads is not None and args.lease_split_threads < 0:
+        raise InvalidArgumentError("--lease-split-threads", "must be >= 0")
     parse_faults(args.fault)  # refuse a bad spec at start
     check_backend(args)
     return WorkerOptions(
@@ -523,6 +536,7 @@ def options_from_args(
         host_lease=args.host_lease,
         interactive_period_ms=args.interactive_period_ms,
         bulk_tokens=args.bulk_tokens,
+        lease_split_threads=args.lease_split_threads,
         grace_s=args.grace_s,
         transport=args.transport,
         network_transport=args.network_transport,
