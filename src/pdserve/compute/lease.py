@@ -136,10 +136,11 @@ class LeaseStats:
 class HostLease:
     """One process's handle on the host's cores (see the module docstring).
 
-    ``hold(prefill_tokens)`` wraps one engine step: a step that computes more than
-    ``bulk_tokens`` prompt tokens is bulk. ``checkpoint()`` is called between layers. Used
-    by one step at a time (the engine thread's). With ``split`` the lease splits the threads
-    while bulk and interactive work overlap; without, the steps take turns.
+    ``hold(prefill_tokens, decodes)`` wraps one engine step: a step that computes more than
+    ``bulk_tokens`` prompt tokens is bulk (with a split, so is one that decodes no stream).
+    ``checkpoint()`` is called between layers. Used by one step at a time (the engine
+    thread's). With ``split`` the lease splits the threads while bulk and interactive work
+    overlap; without, the steps take turns.
     """
 
     def __init__(
@@ -181,9 +182,13 @@ class HostLease:
 
     # -- the seam ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def hold(self, prefill_tokens: int) -> Iterator[None]:
-        """Hold the cores for one step that computes ``prefill_tokens`` prompt tokens."""
-        bulk = prefill_tokens > self.bulk_tokens
+    def hold(self, prefill_tokens: int, decodes: int = 0) -> Iterator[None]:
+        """Hold the cores for one step that computes ``prefill_tokens`` prompt tokens and
+        the next token of ``decodes`` streams. With a split, a step that decodes no stream is
+        bulk whatever its size: it stalls no stream, so it runs beside the decode steps."""
+        bulk = prefill_tokens > self.bulk_tokens or (
+            self.split is not None and prefill_tokens > 0 and decodes == 0
+        )
         with self._lock:
             started = time.monotonic()
             self._holding = self._take_bulk() if bulk else self._take_interactive()

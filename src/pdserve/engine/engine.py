@@ -351,7 +351,7 @@ class Engine:
         if sched.is_empty:
             return self._finish_step(outputs, failures)
         try:
-            with self.gate.hold(prefill_tokens):
+            with self.gate.hold(prefill_tokens, len(sched.decodes)):
                 result = self.runner.execute(
                     sched, self.gate.checkpoint if prefill_tokens else None
                 )

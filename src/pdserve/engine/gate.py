@@ -1,6 +1,6 @@
 """ComputeGate: the seam through which an engine shares its device with other processes.
 
-The engine brackets the compute of each step with ``hold(prefill_tokens)``, calls
+The engine brackets the compute of each step with ``hold(prefill_tokens, decodes)``, calls
 ``checkpoint()`` between layers of a step that computes prompt tokens (a place where a long
 step can lend the device to a short one of another engine; ``pdserve.compute.HostLease`` on
 a CPU host) and ``idle()`` when a step leaves it with no work. ``UNGATED`` does none of it:
@@ -15,8 +15,9 @@ from typing import Protocol
 
 
 class ComputeGate(Protocol):
-    def hold(self, prefill_tokens: int) -> AbstractContextManager[None]:
-        """Hold the device for one step that computes ``prefill_tokens`` prompt tokens."""
+    def hold(self, prefill_tokens: int, decodes: int = 0) -> AbstractContextManager[None]:
+        """Hold the device for one step that computes ``prefill_tokens`` prompt tokens and
+        the next token of ``decodes`` running streams."""
         ...
 
     def checkpoint(self) -> None:
@@ -31,7 +32,7 @@ class ComputeGate(Protocol):
 class Ungated:
     """No sharing: the engine has its device to itself."""
 
-    def hold(self, prefill_tokens: int) -> AbstractContextManager[None]:
+    def hold(self, prefill_tokens: int, decodes: int = 0) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def checkpoint(self) -> None:

@@ -37,7 +37,7 @@ def test_an_engine_alone_uses_every_thread(tmp_path: Path) -> None:
     lease = _lease(tmp_path, threads)
     with lease.hold(BULK_TOKENS + 1):
         lease.checkpoint()
-    with lease.hold(1):
+    with lease.hold(0, 1):
         pass
     assert threads.applied == [4]  # set once: both kinds of step ran alone
     assert lease.stats.splits == 0
@@ -46,14 +46,14 @@ def test_an_engine_alone_uses_every_thread(tmp_path: Path) -> None:
 def test_interactive_step_runs_beside_a_bulk_step_that_never_checkpoints(tmp_path: Path) -> None:
     bulk_threads, decode_threads = Threads(), Threads()
     bulk, decode = _lease(tmp_path, bulk_threads, 1), _lease(tmp_path, decode_threads, 1)
-    with decode.hold(1):  # streams are announced from the first interactive step on
+    with decode.hold(0, 1):  # streams are announced from the first interactive step on
         pass
     with bulk.hold(BULK_TOKENS + 1):
         assert bulk_threads.applied == [3]  # started on its share: streams were announced
         done = threading.Event()
 
         def step() -> None:
-            with decode.hold(1):
+            with decode.hold(0, 1):
                 done.set()
 
         t = threading.Thread(target=step)
@@ -70,7 +70,7 @@ def test_a_full_bulk_step_gives_its_share_away_at_a_checkpoint(tmp_path: Path) -
     ran, release = threading.Event(), threading.Event()
 
     def step() -> None:
-        with decode.hold(1):
+        with decode.hold(0, 1):
             ran.set()
             assert release.wait(LIVENESS_S)
 
@@ -96,7 +96,7 @@ def test_bulk_steps_still_go_one_at_a_time(tmp_path: Path) -> None:
     guard = threading.Lock()
     leases = [_lease(tmp_path, Threads()) for _ in range(3)]
     decode = _lease(tmp_path, Threads())
-    with decode.hold(1):  # streams stay announced after it: every bulk step below splits
+    with decode.hold(0, 1):  # streams stay announced after it: every bulk step below splits
         pass
 
     def run(name: str, lease: HostLease) -> None:
@@ -126,3 +126,21 @@ def test_bulk_steps_still_go_one_at_a_time(tmp_path: Path) -> None:
 def test_bad_splits_name_the_field(threads: int, interactive: int, field: str) -> None:
     with pytest.raises(InvalidArgumentError, match=field):
         CoreSplit(threads=threads, interactive=interactive, set_threads=Threads())
+
+
+def test_a_short_prompt_only_step_runs_beside_decode_steps(tmp_path: Path) -> None:
+    """It stalls no stream of its own: bulk under a split, interactive when taking turns."""
+    prefill_threads, decode_threads = Threads(), Threads()
+    prefill, decode = _lease(tmp_path, prefill_threads), _lease(tmp_path, decode_threads)
+    with decode.hold(0, 1):
+        pass
+    with prefill.hold(BULK_TOKENS // 2):
+        assert prefill_threads.applied == [3]
+    assert prefill.stats.bulk_steps == 1 and prefill.stats.interactive_steps == 0
+    with prefill.hold(BULK_TOKENS // 2, 1):  # with a stream of its own: interactive
+        pass
+    assert prefill.stats.interactive_steps == 1
+    turns = HostLease(tmp_path / "turns", bulk_tokens=BULK_TOKENS)
+    with turns.hold(BULK_TOKENS // 2):
+        pass
+    assert turns.stats.interactive_steps == 1

@@ -21,7 +21,7 @@ class RecordingGate:
         self._inside: int | None = None
 
     @contextlib.contextmanager
-    def hold(self, prefill_tokens: int) -> Iterator[None]:
+    def hold(self, prefill_tokens: int, decodes: int = 0) -> Iterator[None]:
         assert self._inside is None, "steps nest"
         self._inside = 0
         try:
