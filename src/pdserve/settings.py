@@ -81,12 +81,8 @@ class _Setting:
 
     @property
     def names(self) -> tuple[str, ...]:
-        if self.flag.names:
-            return self.flag.names
-        dashed = self.name.replace("_", "-")
-        return (
-            (f"--no-{dashed}",) if self.kind is bool and self.default is True else (f"--{dashed}",)
-        )
+        no = "no-" if self.kind is bool and self.default is True else ""
+        return self.flag.names or (f"--{no}{self.name.replace('_', '-')}",)
 
     def render(self, value: Any) -> list[str]:
         """The flags giving ``value`` (none for a switch at its default, or None)."""
@@ -117,7 +113,7 @@ def _members(cls: type) -> Iterator[tuple[str, _Setting | type]]:
         if flag is not None:
             default = None if f.default is dataclasses.MISSING else f.default
             if f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
+                default = f.default_factory()  # host_name: this machine's, each time
             yield f.name, _Setting(f.name, flag, kind, default, many)
         elif dataclasses.is_dataclass(kind) and isinstance(kind, type) and settings(kind):
             yield f.name, kind
@@ -143,14 +139,14 @@ def add_flags(
     for s in settings(cls):
         f = s.flag
         container: Any = parser
-        if f.group is not None:
-            if f.group not in groups:
-                groups[f.group] = parser.add_argument_group(f.group)
-            container = groups[f.group]
+        if f.group is not None:  # sections and exclusive groups: made by their first flag
+            container = groups.get(f.group) or groups.setdefault(
+                f.group, parser.add_argument_group(f.group)
+            )
         if f.exclusive is not None:
-            if f.exclusive not in exclusive:
-                exclusive[f.exclusive] = container.add_mutually_exclusive_group()
-            container = exclusive[f.exclusive]
+            container = exclusive.get(f.exclusive) or exclusive.setdefault(
+                f.exclusive, container.add_mutually_exclusive_group()
+            )
         default = (defaults or {}).get(s.name, s.default)
         raw = env.get(ENV_PREFIX + s.name.upper()) if f.env else None
         kw: dict[str, Any] = {"dest": s.name, "help": f.help}
@@ -185,13 +181,11 @@ def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
 def check_choices(obj: Any) -> None:
     """Refuse a value outside a setting's choices (argparse checks only the command line, not
     a default from the environment), naming the flag."""
-    for _, s in _members(type(obj)):
-        if isinstance(s, _Setting) and s.flag.choices is not None:
-            value = getattr(obj, s.name)
-            if value not in s.flag.choices:
-                raise InvalidArgumentError(
-                    s.names[0], f"must be one of {', '.join(s.flag.choices)}, got {value!r}"
-                )
+    for s in (x for _, x in _members(type(obj)) if isinstance(x, _Setting)):
+        got = getattr(obj, s.name)
+        if s.flag.choices is not None and got not in s.flag.choices:
+            choices = ", ".join(s.flag.choices)
+            raise InvalidArgumentError(s.names[0], f"must be one of {choices}, got {got!r}")
 
 
 def flags_for(cls: type, **values: Any) -> list[str]:

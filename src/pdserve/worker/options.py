@@ -53,12 +53,11 @@ class WorkerOptions:
     model: Path = required("checkpoint directory (required)")
     role: WorkerRole = required(choices=[r.value for r in WorkerRole])
     backend: str = setting(
-        TORCH,
-        "the engine: torch (pdserve's own, CPU or CUDA), tensorrt-llm (TensorRT-LLM's "
+        TORCH, "the engine: torch (pdserve's own, CPU or CUDA), tensorrt-llm (TensorRT-LLM's "
         "LLM API on a GPU; KV moves through its own transfer, transport native) or sim "
         "(pdserve's engine with modelled step times; see docs/simulation.md)",
         choices=BACKEND_NAMES,
-    )
+    )  # fmt: skip
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0 for all)")
     port: int = setting(0, "0 picks a free port")
     port_file: Path | None = setting(None, "bound port, once serving")
@@ -69,10 +68,9 @@ class WorkerOptions:
     worker_id: str | None = setting(None)
     """Defaults to ``{role}-{host_name}-{port}``."""
     kvstore: str | None = setting(
-        None,
-        "KV store (prefill): host:port of pdserve's, or mooncake://MASTER[?...]",
+        None, "KV store (prefill): host:port of pdserve's, or mooncake://MASTER[?...]",
         flags=("--kvstore", "--kv-store"),
-    )
+    )  # fmt: skip
     """Required for role prefill (``kvstore.backend``)."""
     kv_lease_s: float = setting(60.0)
     kv_timeout_s: float = setting(10.0)
@@ -91,69 +89,50 @@ class WorkerOptions:
     kv_cache_bytes: int | None = setting(None, exclusive="kv")
     threads: int | None = setting(None, "torch CPU threads")
     host_lease: Path | None = setting(
-        None,
-        "directory shared by this host's workers: their engines take turns on the cores, "
-        "decode steps first (default: none, the engine owns its cores)",
-        group=CORES,
-    )
+        None, "directory shared by this host's workers: their engines take turns on the cores, "
+        "decode steps first (default: none, the engine owns its cores)", group=CORES,
+    )  # fmt: skip
     """``pdserve.compute.HostLease``; None: this engine has its cores to itself."""
     interactive_period_ms: float = setting(
         INTERACTIVE_PERIOD_S * 1000.0,
-        "while a long prefill waits, start decode steps at most this often",
-        group=CORES,
-    )
+        "while a long prefill waits, start decode steps at most this often", group=CORES,
+    )  # fmt: skip
     bulk_tokens: int = setting(
         BULK_TOKENS,
-        "steps computing more prompt tokens than this lend the cores to decode steps",
-        group=CORES,
-    )
+        "steps computing more prompt tokens than this lend the cores to decode steps", group=CORES,
+    )  # fmt: skip
     grace_s: float = setting(10.0, "drain time")
     """On SIGTERM, how long in-flight requests may take to finish."""
     transport: str = setting(
-        "auto",
-        "prefill: force a transport; auto: shm on the decode worker's host, "
+        "auto", "prefill: force a transport; auto: shm on the decode worker's host, "
         "else --network-transport, or recompute when moving costs more",
-        choices=TRANSPORT_CHOICES,
-        group=HANDOFF,
-    )
+        choices=TRANSPORT_CHOICES, group=HANDOFF,
+    )  # fmt: skip
     network_transport: str = setting("direct", choices=["direct", "store"], group=HANDOFF)
     allow_shm: bool = setting(True, flags=("--no-shm",), group=HANDOFF, env=False)
     allow_recompute: bool = setting(True, flags=("--no-recompute",), group=HANDOFF, env=False)
     kv_compression: str = setting(
-        "none",
-        "int8 on the wire (store, direct)",
-        choices=[c.value for c in Compression],
+        "none", "int8 on the wire (store, direct)", choices=[c.value for c in Compression],
         group=HANDOFF,
-    )
+    )  # fmt: skip
     layerwise: bool = setting(
-        True,
-        "send the KV after the prefill instead of layer by layer during it",
-        group=HANDOFF,
-        env=False,
-    )
+        True, "send the KV after the prefill instead of layer by layer during it",
+        group=HANDOFF, env=False,
+    )  # fmt: skip
     decode_prefix: bool = setting(
-        True,
-        "send the whole prompt's KV even when the decode worker caches a prefix of it",
-        group=HANDOFF,
-        env=False,
-    )
+        True, "send the whole prompt's KV even when the decode worker caches a prefix of it",
+        group=HANDOFF, env=False,
+    )  # fmt: skip
     kv_prefetch: bool = setting(
-        True,
-        "do not announce layer-wise store/shm hand-offs to the decode worker as they "
-        "begin (it then reads them only when the Decode call comes)",
-        group=HANDOFF,
-        env=False,
-    )
+        True, "do not announce layer-wise store/shm hand-offs to the decode worker as they "
+        "begin (it then reads them only when the Decode call comes)", group=HANDOFF, env=False,
+    )  # fmt: skip
     kv_prefetch_min_bytes: int = setting(
-        4 * 1024 * 1024,
-        "announce only hand-offs of at least this many bytes (smaller ones are read "
-        "faster than an announcement costs)",
-        group=HANDOFF,
-    )
+        4 * 1024 * 1024, "announce only hand-offs of at least this many bytes (smaller ones "
+        "are read faster than an announcement costs)", group=HANDOFF,
+    )  # fmt: skip
     kv_transfer_timeout_s: float = setting(
-        0.0,
-        "bound on a hand-off's commit and read; 0: from size and bandwidth",
-        group=HANDOFF,
+        0.0, "bound on a hand-off's commit and read; 0: from size and bandwidth", group=HANDOFF
     )
     prefix_reuse: bool = setting(
         False, "prefill: share prompt-prefix KV chunks through the KV store", group=HANDOFF
@@ -164,19 +143,15 @@ class WorkerOptions:
         2 * 1024**3, "decode: RAM budget of the inbox of pushed direct hand-offs", group=HANDOFF
     )
     shm_slot_bytes: int = setting(
-        1024**3,
-        "prefill: /dev/shm bytes of shm segments kept mapped and reused (at most a "
-        "quarter of /dev/shm); 0: a fresh segment per hand-off",
-        group=HANDOFF,
-    )
+        1024**3, "prefill: /dev/shm bytes of shm segments kept mapped and reused (at most a "
+        "quarter of /dev/shm); 0: a fresh segment per hand-off", group=HANDOFF,
+    )  # fmt: skip
     """``transfer.shm.slots``."""
     nixl_pool_bytes: int = setting(
-        0,
-        "nixl: KV block bytes registered with the NIXL agent at start (prefill; 0: 256 "
+        0, "nixl: KV block bytes registered with the NIXL agent at start (prefill; 0: 256 "
         "MiB with --transport nixl, else none), or landing blocks registered at the first "
-        "nixl hand-off (decode; 0: 256 MiB)",
-        group=HANDOFF,
-    )
+        "nixl hand-off (decode; 0: 256 MiB)", group=HANDOFF,
+    )  # fmt: skip
     nixl_block_bytes: int = setting(
         64 * 1024, "nixl: bytes of one registered block (a multiple of 4096)", group=HANDOFF
     )
@@ -190,31 +165,25 @@ class WorkerOptions:
     security: SecurityOptions = INSECURE
     """TLS, the internal credential and reflection (``pdserve.security``; its own flags)."""
     trtllm_transceiver: str = setting(
-        "DEFAULT",
-        "communication backend of TensorRT-LLM's cache transceiver (the KV transfer)",
-        choices=TRANSCEIVER_BACKENDS,
-        group=TRTLLM,
-    )
+        "DEFAULT", "communication backend of TensorRT-LLM's cache transceiver (the KV transfer)",
+        choices=TRANSCEIVER_BACKENDS, group=TRTLLM,
+    )  # fmt: skip
     trtllm_kv_fraction: float | None = setting(
-        None,
-        "share of free GPU memory for TensorRT-LLM's KV cache (default: its own)",
+        None, "share of free GPU memory for TensorRT-LLM's KV cache (default: its own)",
         group=TRTLLM,
-    )
+    )  # fmt: skip
     sim_profile: str = setting(
-        "",
-        "timing model: roofline:ACCEL:MODEL[:tpN] (ACCEL h100, a100; MODEL llama-3-8b, "
+        "", "timing model: roofline:ACCEL:MODEL[:tpN] (ACCEL h100, a100; MODEL llama-3-8b, "
         "llama-3-70b, qwen2-7b or a config.json) or fitted:FILE (pdserve sim calibrate)",
         group=SIM_GROUP,
-    )
+    )  # fmt: skip
     sim_time_scale: float = setting(
         1.0, "every modelled second lasts this many real ones (> 0)", group=SIM_GROUP
     )
     sim_link: str = setting(
-        DEFAULT_LINK,
-        "modelled link of hand-offs into this worker: nvlink, rdma-400, rdma-200, "
-        "tcp-25, same-host",
-        group=SIM_GROUP,
-    )
+        DEFAULT_LINK, "modelled link of hand-offs into this worker: nvlink, rdma-400, "
+        "rdma-200, tcp-25, same-host", group=SIM_GROUP,
+    )  # fmt: skip
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     """Lane, waiting order, KV events (``scheduling_options``)."""
 

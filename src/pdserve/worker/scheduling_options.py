@@ -22,37 +22,27 @@ class SchedulingOptions:
     """How a worker presents itself to the scheduler, and orders its own queue."""
 
     lane: str = setting(
-        "any",
-        "prefill only prompts above (long) or below (short) the scheduler's long-prompt "
-        "threshold; any: every prompt",
-        choices=LANES,
-        group=SCHEDULING,
-    )
+        "any", "prefill only prompts above (long) or below (short) the scheduler's long-prompt "
+        "threshold; any: every prompt", choices=LANES, group=SCHEDULING,
+    )  # fmt: skip
     waiting_order: str = setting(
-        "fcfs",
-        "which waiting prompt the engine admits next: arrival order, or the one with the "
-        "fewest tokens to compute (aged by its wait)",
-        choices=WAITING_ORDERS,
+        "fcfs", "which waiting prompt the engine admits next: arrival order, or the one with "
+        "the fewest tokens to compute (aged by its wait)", choices=WAITING_ORDERS,
         group=SCHEDULING,
-    )
+    )  # fmt: skip
     """The engine's waiting queue (``EngineConfig``)."""
     aging_tokens_per_s: float = setting(
-        2000.0,
-        "short_first: a waiting prompt counts this many tokens fewer per second waited",
+        2000.0, "short_first: a waiting prompt counts this many tokens fewer per second waited",
         group=SCHEDULING,
-    )
+    )  # fmt: skip
     kv_events: bool = setting(
-        True,
-        "do not publish prefix-cache changes (KV-aware placement then sees none here)",
+        True, "do not publish prefix-cache changes (KV-aware placement then sees none here)",
         group=SCHEDULING,
-    )
+    )  # fmt: skip
     duty: str = setting(
-        "",
-        "mixed worker: start on prefill or decode duty (default: everything it can); "
-        "a planner may move it later",
-        choices=[d for d in DUTIES if d],
-        group=SCHEDULING,
-    )
+        "", "mixed worker: start on prefill or decode duty (default: everything it can); "
+        "a planner may move it later", choices=[d for d in DUTIES if d], group=SCHEDULING,
+    )  # fmt: skip
     """A mixed worker's duty until a planner orders another (``worker.duty``); empty: any."""
 
     def __post_init__(self) -> None:
