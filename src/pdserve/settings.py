@@ -124,6 +124,11 @@ def settings(cls: type) -> list[_Setting]:
     return [s for _, x in _members(cls) for s in (settings(x) if isinstance(x, type) else [x])]
 
 
+def flag_names(cls: type, field: str) -> tuple[str, ...]:
+    """The flags of ``cls``'s setting ``field`` (or a nested settings class's)."""
+    return next(s.names for s in settings(cls) if s.name == field)
+
+
 def add_flags(
     parser: argparse.ArgumentParser,
     cls: type,
