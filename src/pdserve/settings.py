@@ -43,21 +43,20 @@ class Flag:
     """Whether ``PDSERVE_<FIELD>`` in the environment gives the default."""
     exclusive: str | None = None
     """Flags sharing this name are mutually exclusive on the command line."""
+    engine: str | None = None
+    """The ``EngineConfig`` field this setting is (``engine_fields``)."""
 
 
 def setting(
-    default: T,
-    help: str | None = None,
-    *,
-    flags: tuple[str, ...] = (),
-    choices: Sequence[str] | None = None,
-    group: str | None = None,
-    env: bool = True,
-    exclusive: str | None = None,
-    factory: Callable[[], T] | None = None,
-) -> T:
+    default: T, help: str | None = None, *, flags: tuple[str, ...] = (),
+    choices: Sequence[str] | None = None, group: str | None = None, env: bool = True,
+    exclusive: str | None = None, factory: Callable[[], T] | None = None,
+    engine: str | None = None,
+) -> T:  # fmt: skip
     """A dataclass field that is a flag (module doc); ``factory`` makes the default instead."""
-    flag = Flag(help, flags, None if choices is None else tuple(choices), group, env, exclusive)
+    flag = Flag(
+        help, flags, None if choices is None else tuple(choices), group, env, exclusive, engine
+    )
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={_KEY: flag})
     return dataclasses.field(default=default, metadata={_KEY: flag})
@@ -130,13 +129,9 @@ def flag_names(cls: type, field: str) -> tuple[str, ...]:
 
 
 def add_flags(
-    parser: argparse.ArgumentParser,
-    cls: type,
-    env: Mapping[str, str],
-    *,
-    defaults: Mapping[str, Any] | None = None,
-    choices: Mapping[str, Sequence[str]] | None = None,
-) -> None:
+    parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str], *,
+    defaults: Mapping[str, Any] | None = None, choices: Mapping[str, Sequence[str]] | None = None,
+) -> None:  # fmt: skip
     """Add ``cls``'s flags; ``defaults`` and ``choices`` override a field's (the environment
     still wins over a default)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -145,13 +140,13 @@ def add_flags(
         f = s.flag
         container: Any = parser
         if f.group is not None:  # sections and exclusive groups: made by their first flag
-            container = groups.get(f.group) or groups.setdefault(
-                f.group, parser.add_argument_group(f.group)
-            )
+            if f.group not in groups:
+                groups[f.group] = parser.add_argument_group(f.group)
+            container = groups[f.group]
         if f.exclusive is not None:
-            container = exclusive.get(f.exclusive) or exclusive.setdefault(
-                f.exclusive, container.add_mutually_exclusive_group()
-            )
+            if f.exclusive not in exclusive:
+                exclusive[f.exclusive] = container.add_mutually_exclusive_group()
+            container = exclusive[f.exclusive]
         default = (defaults or {}).get(s.name, s.default)
         raw = env.get(ENV_PREFIX + s.name.upper()) if f.env else None
         kw: dict[str, Any] = {"dest": s.name, "help": f.help}
@@ -218,3 +213,16 @@ def to_args(obj: Any) -> list[str]:
     """The flags that rebuild ``obj`` from the declared defaults: ``from_args`` of them gives
     ``obj`` back (its fields that are not flags aside)."""
     return flags_for(type(obj), **_changed(obj))
+
+
+def engine_fields(obj: Any) -> dict[str, Any]:
+    """The ``EngineConfig`` fields ``obj``'s settings (nested ones too) set: those declared
+    with ``engine=``, unless None."""
+    out: dict[str, Any] = {}
+    for name, x in _members(type(obj)):
+        value = getattr(obj, name)
+        if isinstance(x, type):
+            out.update(engine_fields(value))
+        elif x.flag.engine is not None and value is not None:
+            out[x.flag.engine] = value
+    return out

@@ -64,7 +64,7 @@ def test_security_flags_of_a_secured_cluster(tmp_path: Path) -> None:
     internal = cmd.security_args(certs, client_auth=True)
     assert internal[-1] == "--tls-client-auth" and str(certs.token) in internal
     assert "--tls-client-auth" not in cmd.security_args(certs, client_auth=False)
-    gateway = cmd.gateway_args(certs, True, "127.0.0.1:1", Path("/m"), ["--x"])
+    gateway = cmd.gateway_security_args(certs, True)
     assert "--internal-token-file" not in gateway  # the gateway is a client, not a member
     assert gateway[gateway.index("--router-tls-cert") + 1] == str(certs.client_cert)
-    assert gateway[-5:] == ["--router", "127.0.0.1:1", "--model", "/m", "--x"]
+    assert "--router-tls-cert" not in cmd.gateway_security_args(certs, False)

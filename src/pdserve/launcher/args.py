@@ -47,7 +47,7 @@ def security_args(certs: ClusterCerts | None, *, client_auth: bool) -> list[str]
     return [*args, "--tls-client-auth"] if client_auth else args
 
 
-def gateway_security_args(certs: ClusterCerts | None, *, router_client_auth: bool) -> list[str]:
+def gateway_security_args(certs: ClusterCerts | None, router_client_auth: bool) -> list[str]:
     """HTTPS with the cluster's certificate, TLS to the router, and the client certificate
     (not a member's) when the router demands one. No internal token: the gateway is a client,
     which sends each HTTP caller's API key."""
@@ -109,40 +109,6 @@ def worker_roles(mode: str, num_prefill: int, num_decode: int) -> list[tuple[str
     prefills = [] if mode == "colocated" else [("prefill", i) for i in range(num_prefill)]
     second = "decode" if mode == "disaggregated" else "mixed"
     return prefills + [(second, i) for i in range(num_decode)]
-
-
-def _keys(api_keys: Path | None) -> list[str]:
-    return ["--api-keys", str(api_keys)] if api_keys is not None else []
-
-
-def scheduler_args(
-    namespace: str, mode: str, api_keys: Path | None, extra: Sequence[str]
-) -> list[str]:
-    return ["--namespace", namespace, "--default-mode", mode, *_keys(api_keys), *extra]
-
-
-def router_args(
-    schedulers: Sequence[str],
-    model: Path,
-    mode: str,
-    namespace: str,
-    api_keys: Path | None,
-    extra: Sequence[str],
-) -> list[str]:
-    """A router's flags: it places through every scheduler replica in turn."""
-    return ["--scheduler", ",".join(schedulers), "--model", str(model), "--mode", mode,
-            "--namespace", namespace, *_keys(api_keys), *extra]  # fmt: skip
-
-
-def gateway_args(
-    certs: ClusterCerts | None,
-    router_client_auth: bool,
-    router: str,
-    model: Path,
-    extra: Sequence[str],
-) -> list[str]:
-    return [*gateway_security_args(certs, router_client_auth=router_client_auth),
-            "--router", router, "--model", str(model), *extra]  # fmt: skip
 
 
 def service_env(

@@ -163,9 +163,9 @@ class Cluster(ClusterSpec):
         env = self.child_env()  # the Redis URL goes in PDSERVE_REDIS_URL
         common = ["--log-level", self.log_level]
         internal = [*common, *cmd.security_args(self._certs, client_auth=True)]
-        scheduler = cmd.scheduler_args(
-            self.namespace, self.mode, self.api_keys, self.scheduler_args
-        )
+        keys = ["--api-keys", str(self.api_keys)] if self.api_keys is not None else []
+        scheduler = ["--namespace", self.namespace, "--default-mode", self.mode, *keys,
+                     *self.scheduler_args]  # fmt: skip
 
         first: list[ServiceProcess] = []
         if self.kv_store == "mooncake":  # refused here without the package, naming its extra
@@ -204,8 +204,8 @@ class Cluster(ClusterSpec):
             ))  # fmt: skip
         router_args = [
             *common, *cmd.security_args(self._certs, client_auth=self.router_client_auth),
-            *cmd.router_args([s.address for s in schedulers], self.model_dir, self.mode,
-                             self.namespace, self.api_keys, self.router_args),
+            "--scheduler", ",".join(s.address for s in schedulers), "--model", str(self.model_dir),
+            "--mode", self.mode, "--namespace", self.namespace, *keys, *self.router_args,
         ]  # fmt: skip
         routers = [
             self._add(replica_name("router", i), "services.router", router_args)
@@ -220,8 +220,8 @@ class Cluster(ClusterSpec):
         if self.http_port is not None:
             gateway = self._add(
                 "gateway", "services.gateway",
-                [*common, *cmd.gateway_args(self._certs, self.router_client_auth, router.address,
-                                            self.model_dir, self.gateway_args)],
+                [*common, *cmd.gateway_security_args(self._certs, self.router_client_auth),
+                 "--router", router.address, "--model", str(self.model_dir), *self.gateway_args],
                 http=True,
             )  # fmt: skip
             # The port goes to spawn, not into the args: a restart passes the port the first

@@ -80,14 +80,14 @@ class WorkerOptions:
     heartbeat_interval_s: float = setting(1.0)
     max_wait_ms: float = setting(0.0, "prefill batching window when the engine is idle")
     """See ``AsyncEngine``; ``worker_parser`` gives each service its own default."""
-    dtype: str = setting("auto", choices=["auto", "bfloat16", "float32"])
-    device: str = setting("cpu")
-    max_batch_tokens: int | None = setting(None)
-    max_num_seqs: int | None = setting(None)
-    block_size: int | None = setting(None)
-    kv_blocks: int | None = setting(None, exclusive="kv")
-    kv_cache_bytes: int | None = setting(None, exclusive="kv")
-    threads: int | None = setting(None, "torch CPU threads")
+    dtype: str = setting("auto", choices=["auto", "bfloat16", "float32"], engine="dtype")
+    device: str = setting("cpu", engine="device")
+    max_batch_tokens: int | None = setting(None, engine="max_num_batched_tokens")
+    max_num_seqs: int | None = setting(None, engine="max_num_seqs")
+    block_size: int | None = setting(None, engine="block_size")
+    kv_blocks: int | None = setting(None, exclusive="kv", engine="num_kv_blocks")
+    kv_cache_bytes: int | None = setting(None, exclusive="kv", engine="kv_cache_bytes")
+    threads: int | None = setting(None, "torch CPU threads", engine="num_threads")
     host_lease: Path | None = setting(
         None, "directory shared by this host's workers: their engines take turns on the cores, "
         "decode steps first (default: none, the engine owns its cores)", group=CORES,
@@ -250,21 +250,8 @@ class WorkerOptions:
         )
 
     def engine_config(self) -> dict[str, Any]:
-        """The ``EngineConfig`` fields these options set."""
-        fields = {
-            "dtype": self.dtype,
-            "device": self.device,
-            "max_num_batched_tokens": self.max_batch_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.kv_blocks,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "num_threads": self.threads,
-        }
-        return {
-            **{k: v for k, v in fields.items() if v is not None},
-            **self.scheduling.engine_config(),
-        }
+        """The ``EngineConfig`` fields these options set (``setting(engine=...)``)."""
+        return settings.engine_fields(self)
 
     def address(self, port: int) -> str:
         """host:port that other components use to reach this worker."""

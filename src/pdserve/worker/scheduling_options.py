@@ -7,7 +7,6 @@ Kept apart from ``options`` (the engine and hand-off flags) and folded into
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.errors import InvalidArgumentError
 from pdserve.scheduling.worker_info import DUTIES, LANES
@@ -28,12 +27,12 @@ class SchedulingOptions:
     waiting_order: str = setting(
         "fcfs", "which waiting prompt the engine admits next: arrival order, or the one with "
         "the fewest tokens to compute (aged by its wait)", choices=WAITING_ORDERS,
-        group=SCHEDULING,
+        group=SCHEDULING, engine="waiting_order",
     )  # fmt: skip
     """The engine's waiting queue (``EngineConfig``)."""
     aging_tokens_per_s: float = setting(
         2000.0, "short_first: a waiting prompt counts this many tokens fewer per second waited",
-        group=SCHEDULING,
+        group=SCHEDULING, engine="aging_tokens_per_s",
     )  # fmt: skip
     kv_events: bool = setting(
         True, "do not publish prefix-cache changes (KV-aware placement then sees none here)",
@@ -56,6 +55,3 @@ class SchedulingOptions:
             raise InvalidArgumentError("--aging-tokens-per-s", "must be > 0")
         if self.duty not in DUTIES:
             raise InvalidArgumentError("--duty", f"must be one of {DUTIES}, got {self.duty!r}")
-
-    def engine_config(self) -> dict[str, Any]:
-        return {"waiting_order": self.waiting_order, "aging_tokens_per_s": self.aging_tokens_per_s}

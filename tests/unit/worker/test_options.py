@@ -109,3 +109,15 @@ def test_flags_for_renders_the_named_fields_only() -> None:
     assert flags == ["--backend", "sim", "--lane", "long", "--duty", "decode"]
     with pytest.raises(TypeError, match="no settings"):
         flags_for(WorkerOptions, colour="blue")
+
+
+def test_engine_settings_name_real_engine_config_fields() -> None:
+    from pdserve.engine.config import EngineConfig
+
+    o = parse("--model", "/m", "--kvstore", "h:1", "--max-batch-tokens", "64", "--threads", "2")
+    config = o.engine_config()
+    assert (config["max_num_batched_tokens"], config["num_threads"]) == (64, 2)
+    assert "num_kv_blocks" not in config  # unset: the engine's own default
+    declared = {s.flag.engine for s in settings(WorkerOptions)} - {None}
+    assert declared <= {f.name for f in dataclasses.fields(EngineConfig)}
+    assert EngineConfig(**config).max_num_batched_tokens == 64
