@@ -43,20 +43,19 @@ class Flag:
     """Whether ``PDSERVE_<FIELD>`` in the environment gives the default."""
     exclusive: str | None = None
     """Flags sharing this name are mutually exclusive on the command line."""
-    engine: str | None = None
-    """The ``EngineConfig`` field this setting is (``engine_fields``)."""
+    to: str | None = None
+    """What this setting is in another config, ``CONFIG.FIELD`` or ``CONFIG`` (a field of the
+    same name): ``engine.num_kv_blocks``, ``transfer`` (``fields_for``)."""
 
 
 def setting(
     default: T, help: str | None = None, *, flags: tuple[str, ...] = (),
     choices: Sequence[str] | None = None, group: str | None = None, env: bool = True,
     exclusive: str | None = None, factory: Callable[[], T] | None = None,
-    engine: str | None = None,
+    to: str | None = None,
 ) -> T:  # fmt: skip
     """A dataclass field that is a flag (module doc); ``factory`` makes the default instead."""
-    flag = Flag(
-        help, flags, None if choices is None else tuple(choices), group, env, exclusive, engine
-    )
+    flag = Flag(help, flags, None if choices is None else tuple(choices), group, env, exclusive, to)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={_KEY: flag})
     return dataclasses.field(default=default, metadata={_KEY: flag})
@@ -162,6 +161,8 @@ def add_flags(
                 kw["type"] = s.kind
             if raw is not None:
                 default = raw  # a string default: argparse parses it as it would the flag
+            elif isinstance(default, enum.Enum):
+                default = default.value  # as the flag gives it; from_args makes the member
         container.add_argument(*s.names, default=default, **kw)
 
 
@@ -215,14 +216,16 @@ def to_args(obj: Any) -> list[str]:
     return flags_for(type(obj), **_changed(obj))
 
 
-def engine_fields(obj: Any) -> dict[str, Any]:
-    """The ``EngineConfig`` fields ``obj``'s settings (nested ones too) set: those declared
-    with ``engine=``, unless None."""
+def fields_for(obj: Any, config: str) -> dict[str, Any]:
+    """The fields of ``config`` that ``obj``'s settings (nested ones too) are (declared with
+    ``to=``), by that config's names; None values aside (the config's defaults apply)."""
     out: dict[str, Any] = {}
     for name, x in _members(type(obj)):
         value = getattr(obj, name)
         if isinstance(x, type):
-            out.update(engine_fields(value))
-        elif x.flag.engine is not None and value is not None:
-            out[x.flag.engine] = value
+            out.update(fields_for(value, config))
+        elif x.flag.to is not None and value is not None:
+            target, _, field = x.flag.to.partition(".")
+            if target == config:
+                out[field or name] = value
     return out

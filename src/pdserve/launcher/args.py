@@ -1,5 +1,5 @@
-"""What a ``Cluster`` starts its services with (command lines, environment), which workers
-it runs, and the names of service replicas.
+"""The command lines a ``Cluster`` starts its services with, which workers it runs, and the
+names of service replicas.
 
 The workers' flags come from the declarations of ``WorkerOptions`` (``settings.flags_for``),
 so a renamed or re-typed worker setting changes here too; the security flags from the
@@ -7,7 +7,7 @@ cluster's certificates (``security.certs``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve import hostmem
@@ -15,7 +15,6 @@ from pdserve.backends import TORCH
 from pdserve.engine.config import EngineConfig
 from pdserve.security.certs import ClusterCerts
 from pdserve.settings import flag_names, flags_for
-from pdserve.telemetry.tracing import ENV_OTLP_ENDPOINT, ENV_SERVICE_NAME, ENV_SPAN_FILE
 from pdserve.worker.options import WorkerOptions
 
 MODES = ("disaggregated", "colocated", "conditional")
@@ -75,15 +74,9 @@ def kv_budget(
 
 
 def worker_args(
-    model: Path,
-    namespace: str,
-    kvstore: str,
-    backend: str,
-    *,
-    host_lease: Path | None,
-    kv_cache_bytes: int | None,
-    extra: Sequence[str],
-) -> list[str]:
+    model: Path, namespace: str, kvstore: str, backend: str, *, host_lease: Path | None,
+    kv_cache_bytes: int | None, extra: Sequence[str],
+) -> list[str]:  # fmt: skip
     """The flags every worker of the cluster gets, then ``extra`` (the caller's, which win)."""
     return [
         *flags_for(WorkerOptions, model=model, namespace=namespace, kvstore=kvstore,
@@ -109,27 +102,3 @@ def worker_roles(mode: str, num_prefill: int, num_decode: int) -> list[tuple[str
     prefills = [] if mode == "colocated" else [("prefill", i) for i in range(num_prefill)]
     second = "decode" if mode == "disaggregated" else "mixed"
     return prefills + [(second, i) for i in range(num_decode)]
-
-
-def service_env(
-    env: Mapping[str, str],
-    trace_file: Path | None,
-    otlp_endpoint: str | None,
-    redis_url: str | None,
-) -> dict[str, str]:
-    """The environment every service starts with: ``env`` (this process's and the caller's),
-    and the cluster's tracing and Redis settings."""
-    # Several engines share this host's cores. OpenMP threads that spin while idle would
-    # steal them from the busy engine (measured here: decode 3x slower), so idle
-    # threads sleep instead, unless the caller chose otherwise.
-    out = {"OMP_WAIT_POLICY": "PASSIVE", **env, "PYTHONUNBUFFERED": "1"}
-    # One name for all would merge the services into one in the trace backend; each
-    # names itself instead.
-    out.pop(ENV_SERVICE_NAME, None)
-    if trace_file is not None:
-        out[ENV_SPAN_FILE] = str(trace_file.resolve())
-    if otlp_endpoint is not None:
-        out[ENV_OTLP_ENDPOINT] = otlp_endpoint
-    if redis_url is not None:  # a password stays off the command lines
-        out["PDSERVE_REDIS_URL"] = redis_url
-    return out

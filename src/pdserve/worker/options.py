@@ -72,7 +72,7 @@ class WorkerOptions:
         flags=("--kvstore", "--kv-store"),
     )  # fmt: skip
     """Required for role prefill (``kvstore.backend``)."""
-    kv_lease_s: float = setting(60.0)
+    kv_lease_s: float = setting(60.0, to="transfer.lease_s")
     kv_timeout_s: float = setting(10.0)
     redis_url: str | None = setting(None, "heartbeats go here; unset: none")
     """None: no heartbeats (a worker used directly, without a scheduler)."""
@@ -80,14 +80,14 @@ class WorkerOptions:
     heartbeat_interval_s: float = setting(1.0)
     max_wait_ms: float = setting(0.0, "prefill batching window when the engine is idle")
     """See ``AsyncEngine``; ``worker_parser`` gives each service its own default."""
-    dtype: str = setting("auto", choices=["auto", "bfloat16", "float32"], engine="dtype")
-    device: str = setting("cpu", engine="device")
-    max_batch_tokens: int | None = setting(None, engine="max_num_batched_tokens")
-    max_num_seqs: int | None = setting(None, engine="max_num_seqs")
-    block_size: int | None = setting(None, engine="block_size")
-    kv_blocks: int | None = setting(None, exclusive="kv", engine="num_kv_blocks")
-    kv_cache_bytes: int | None = setting(None, exclusive="kv", engine="kv_cache_bytes")
-    threads: int | None = setting(None, "torch CPU threads", engine="num_threads")
+    dtype: str = setting("auto", choices=["auto", "bfloat16", "float32"], to="engine")
+    device: str = setting("cpu", to="engine")
+    max_batch_tokens: int | None = setting(None, to="engine.max_num_batched_tokens")
+    max_num_seqs: int | None = setting(None, to="engine")
+    block_size: int | None = setting(None, to="engine")
+    kv_blocks: int | None = setting(None, exclusive="kv", to="engine.num_kv_blocks")
+    kv_cache_bytes: int | None = setting(None, exclusive="kv", to="engine")
+    threads: int | None = setting(None, "torch CPU threads", to="engine.num_threads")
     host_lease: Path | None = setting(
         None, "directory shared by this host's workers: their engines take turns on the cores, "
         "decode steps first (default: none, the engine owns its cores)", group=CORES,
@@ -106,34 +106,41 @@ class WorkerOptions:
     transport: str = setting(
         "auto", "prefill: force a transport; auto: shm on the decode worker's host, "
         "else --network-transport, or recompute when moving costs more",
-        choices=TRANSPORT_CHOICES, group=HANDOFF,
+        choices=TRANSPORT_CHOICES, group=HANDOFF, to="transfer",
     )  # fmt: skip
-    network_transport: str = setting("direct", choices=["direct", "store"], group=HANDOFF)
-    allow_shm: bool = setting(True, flags=("--no-shm",), group=HANDOFF, env=False)
-    allow_recompute: bool = setting(True, flags=("--no-recompute",), group=HANDOFF, env=False)
-    kv_compression: str = setting(
-        "none", "int8 on the wire (store, direct)", choices=[c.value for c in Compression],
-        group=HANDOFF,
+    network_transport: TransportKind = setting(
+        TransportKind.DIRECT, choices=["direct", "store"], group=HANDOFF, to="transfer.network"
+    )
+    allow_shm: bool = setting(True, flags=("--no-shm",), group=HANDOFF, env=False, to="transfer")
+    allow_recompute: bool = setting(
+        True, flags=("--no-recompute",), group=HANDOFF, env=False, to="transfer"
+    )
+    kv_compression: Compression = setting(
+        Compression.NONE, "int8 on the wire (store, direct)",
+        choices=[c.value for c in Compression], group=HANDOFF, to="transfer.compression",
     )  # fmt: skip
     layerwise: bool = setting(
         True, "send the KV after the prefill instead of layer by layer during it",
-        group=HANDOFF, env=False,
+        group=HANDOFF, env=False, to="transfer",
     )  # fmt: skip
     decode_prefix: bool = setting(
         True, "send the whole prompt's KV even when the decode worker caches a prefix of it",
-        group=HANDOFF, env=False,
+        group=HANDOFF, env=False, to="transfer",
     )  # fmt: skip
     kv_prefetch: bool = setting(
         True, "do not announce layer-wise store/shm hand-offs to the decode worker as they "
         "begin (it then reads them only when the Decode call comes)", group=HANDOFF, env=False,
+        to="transfer.prefetch",
     )  # fmt: skip
     kv_prefetch_min_bytes: int = setting(
         4 * 1024 * 1024, "announce only hand-offs of at least this many bytes (smaller ones "
         "are read faster than an announcement costs)", group=HANDOFF,
+        to="transfer.prefetch_min_bytes",
     )  # fmt: skip
     kv_transfer_timeout_s: float = setting(
-        0.0, "bound on a hand-off's commit and read; 0: from size and bandwidth", group=HANDOFF
-    )
+        0.0, "bound on a hand-off's commit and read; 0: from size and bandwidth", group=HANDOFF,
+        to="transfer.timeout_s",
+    )  # fmt: skip
     prefix_reuse: bool = setting(
         False, "prefill: share prompt-prefix KV chunks through the KV store", group=HANDOFF
     )
@@ -144,17 +151,18 @@ class WorkerOptions:
     )
     shm_slot_bytes: int = setting(
         1024**3, "prefill: /dev/shm bytes of shm segments kept mapped and reused (at most a "
-        "quarter of /dev/shm); 0: a fresh segment per hand-off", group=HANDOFF,
+        "quarter of /dev/shm); 0: a fresh segment per hand-off", group=HANDOFF, to="transfer",
     )  # fmt: skip
     """``transfer.shm.slots``."""
     nixl_pool_bytes: int = setting(
         0, "nixl: KV block bytes registered with the NIXL agent at start (prefill; 0: 256 "
         "MiB with --transport nixl, else none), or landing blocks registered at the first "
-        "nixl hand-off (decode; 0: 256 MiB)", group=HANDOFF,
+        "nixl hand-off (decode; 0: 256 MiB)", group=HANDOFF, to="transfer",
     )  # fmt: skip
     nixl_block_bytes: int = setting(
-        64 * 1024, "nixl: bytes of one registered block (a multiple of 4096)", group=HANDOFF
-    )
+        64 * 1024, "nixl: bytes of one registered block (a multiple of 4096)", group=HANDOFF,
+        to="transfer",
+    )  # fmt: skip
     janitor_interval_s: float = setting(60.0, group=HANDOFF)
     """How often orphaned shm segments are looked for (also once at start)."""
     janitor_max_age_s: float = setting(600.0, group=HANDOFF)
@@ -230,28 +238,14 @@ class WorkerOptions:
         return "" if self.host in ("0.0.0.0", "::", "") else self.host
 
     def transfer_options(self) -> TransferOptions:
-        """The hand-off settings these options give."""
+        """The hand-off settings these options give (``setting(to="transfer...")``)."""
         return TransferOptions(
-            transport=self.transport,
-            network=TransportKind(self.network_transport),
-            allow_shm=self.allow_shm,
-            allow_recompute=self.allow_recompute,
-            compression=Compression(self.kv_compression),
-            layerwise=self.layerwise,
-            decode_prefix=self.decode_prefix,
-            prefetch=self.kv_prefetch,
-            prefetch_min_bytes=self.kv_prefetch_min_bytes,
-            timeout_s=self.kv_transfer_timeout_s,
-            lease_s=self.kv_lease_s,
-            shm_slot_bytes=self.shm_slot_bytes,
-            nixl_pool_bytes=self.nixl_pool_bytes,
-            nixl_block_bytes=self.nixl_block_bytes,
-            faults=parse_faults(self.faults),
+            **settings.fields_for(self, "transfer"), faults=parse_faults(self.faults)
         )
 
     def engine_config(self) -> dict[str, Any]:
-        """The ``EngineConfig`` fields these options set (``setting(engine=...)``)."""
-        return settings.engine_fields(self)
+        """The ``EngineConfig`` fields these options set (``setting(to="engine...")``)."""
+        return settings.fields_for(self, "engine")
 
     def address(self, port: int) -> str:
         """host:port that other components use to reach this worker."""

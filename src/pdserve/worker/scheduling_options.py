@@ -27,12 +27,12 @@ class SchedulingOptions:
     waiting_order: str = setting(
         "fcfs", "which waiting prompt the engine admits next: arrival order, or the one with "
         "the fewest tokens to compute (aged by its wait)", choices=WAITING_ORDERS,
-        group=SCHEDULING, engine="waiting_order",
+        group=SCHEDULING, to="engine",
     )  # fmt: skip
     """The engine's waiting queue (``EngineConfig``)."""
     aging_tokens_per_s: float = setting(
         2000.0, "short_first: a waiting prompt counts this many tokens fewer per second waited",
-        group=SCHEDULING, engine="aging_tokens_per_s",
+        group=SCHEDULING, to="engine",
     )  # fmt: skip
     kv_events: bool = setting(
         True, "do not publish prefix-cache changes (KV-aware placement then sees none here)",

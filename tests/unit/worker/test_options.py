@@ -111,13 +111,22 @@ def test_flags_for_renders_the_named_fields_only() -> None:
         flags_for(WorkerOptions, colour="blue")
 
 
-def test_engine_settings_name_real_engine_config_fields() -> None:
+def test_the_engine_and_transfer_settings_are_their_configs_fields() -> None:
     from pdserve.engine.config import EngineConfig
+    from pdserve.transfer.base import TransportKind
+    from pdserve.transfer.compress import Compression
 
-    o = parse("--model", "/m", "--kvstore", "h:1", "--max-batch-tokens", "64", "--threads", "2")
-    config = o.engine_config()
-    assert (config["max_num_batched_tokens"], config["num_threads"]) == (64, 2)
-    assert "num_kv_blocks" not in config  # unset: the engine's own default
-    declared = {s.flag.engine for s in settings(WorkerOptions)} - {None}
-    assert declared <= {f.name for f in dataclasses.fields(EngineConfig)}
-    assert EngineConfig(**config).max_num_batched_tokens == 64
+    o = parse(
+        "--model", "/m", "--kvstore", "h:1", "--max-batch-tokens", "64", "--max-num-seqs", "2",
+        "--block-size", "16", "--kv-blocks", "8", "--threads", "2", "--kv-lease-s", "7",
+        "--network-transport", "store", "--kv-compression", "int8", "--no-kv-prefetch",
+    )  # fmt: skip
+    config = o.engine_config()  # every engine setting set: an unknown name fails below
+    engine = EngineConfig(**config)
+    assert (engine.max_num_batched_tokens, engine.num_kv_blocks, engine.num_threads) == (64, 8, 2)
+    assert (engine.waiting_order, engine.dtype) == ("fcfs", "auto")
+    assert "num_kv_blocks" not in parse("--model", "/m", "--kvstore", "h:1").engine_config()
+    t = o.transfer_options()
+    assert (t.network, t.compression) == (TransportKind.STORE, Compression.INT8)
+    assert (t.lease_s, t.prefetch, t.prefetch_min_bytes) == (7.0, False, 4 << 20)
+    assert (t.shm_slot_bytes, t.nixl_block_bytes, t.faults) == (1 << 30, 64 << 10, None)
