@@ -278,3 +278,18 @@ class TorchBackend:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def torch_threads() -> int:
+    """The intra-op threads torch uses by default in this process."""
+    import torch  # the torch engine's path alone: a sim worker never calls this
+
+    return torch.get_num_threads()
+
+
+def set_torch_threads(n: int) -> None:
+    """Set the intra-op threads of the calling thread's torch ops (the engine thread's: an
+    OpenMP thread count is per thread)."""
+    import torch
+
+    torch.set_num_threads(n)

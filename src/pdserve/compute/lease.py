@@ -34,6 +34,23 @@ fails someone waits: it drops ``cores.lock``, waits (blocking EX, then UN) until
 has the cores and dropped its intent, then takes ``cores.lock`` again, which blocks until the
 interactive step ends. An engine thread blocked in ``flock`` holds no GIL.
 
+**Split** (``CoreSplit``, engines with threads to split): taking turns still costs a stream
+one bulk stretch plus one pacing period per token, several times its step alone. So when
+bulk and interactive work run at once, the lease splits the threads instead: interactive
+steps keep ``split.interactive`` threads, the bulk step runs beside them on the rest, and
+neither waits for the other. Each engine uses every thread while it is alone (work
+conserving): a bulk step takes all of them, and ``cores.lock``, while no engine announces
+streams, and gives back its interactive share at the next checkpoint once one does. Two
+more files::
+
+    streams.lock   SH: held by each engine with interactive work (its interactive steps,
+                   and between them until it goes idle)
+    bulk-run.lock  EX: held by the bulk step that runs (bulk steps still go one at a time)
+
+An interactive step takes ``cores.lock`` before it reads whether bulk work is announced, and
+a bulk step announces before it waits once for ``cores.lock``: so a step that started on
+every thread ends before a bulk step starts beside it.
+
 Torch-free; ``pdserve.engine.gate.ComputeGate`` is the seam the engine calls.
 """
 
@@ -44,13 +61,15 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from pdserve.errors import InvalidArgumentError
 
 CORES, INTERACTIVE, BULK = "cores.lock", "interactive.lock", "bulk.lock"
+STREAMS, BULK_RUN = "streams.lock", "bulk-run.lock"
 
 INTERACTIVE_PERIOD_S = 0.02
 """Default pacing of interactive steps while bulk work waits. A decode stream's gap under a
@@ -59,6 +78,39 @@ checkpoints; at 20 ms that gap stays well inside a 150 ms ITL SLO while the pref
 gets every stretch between two decode steps (docs/serving.md)."""
 BULK_TOKENS = 256
 """Default size above which a step's prompt tokens make it bulk."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSplit:
+    """How an engine's threads are split while bulk and interactive steps run at once."""
+
+    threads: int
+    """Every thread the engine has: what a step alone on the host uses."""
+    interactive: int
+    """What interactive steps keep while bulk work runs beside them; the bulk step gets the
+    rest."""
+    set_threads: Callable[[int], None]
+    """Applies a thread count to the calling thread (the engine's: the one that runs steps)."""
+
+    def __post_init__(self) -> None:
+        if self.threads < 2:
+            raise InvalidArgumentError("threads", f"a split needs >= 2 threads, got {self.threads}")
+        if not 1 <= self.interactive < self.threads:
+            raise InvalidArgumentError(
+                "interactive", f"must be in [1, {self.threads - 1}], got {self.interactive}"
+            )
+
+    @property
+    def bulk(self) -> int:
+        return self.threads - self.interactive
+
+
+class _Hold(Enum):
+    INTERACTIVE = "interactive"
+    BULK = "bulk"
+    """A bulk step on every thread, holding ``cores.lock``."""
+    BULK_SPLIT = "bulk_split"
+    """A bulk step on its share of a split, beside interactive steps."""
 
 
 @dataclass(slots=True)
@@ -77,6 +129,8 @@ class LeaseStats:
     """Times a bulk step lent the cores at a checkpoint."""
     lent_s: float = 0.0
     """Time bulk steps spent lent out."""
+    splits: int = 0
+    """Times a bulk step went onto its share of a split (at its start or at a checkpoint)."""
 
 
 class HostLease:
@@ -84,7 +138,8 @@ class HostLease:
 
     ``hold(prefill_tokens)`` wraps one engine step: a step that computes more than
     ``bulk_tokens`` prompt tokens is bulk. ``checkpoint()`` is called between layers. Used
-    by one step at a time (the engine thread's).
+    by one step at a time (the engine thread's). With ``split`` the lease splits the threads
+    while bulk and interactive work overlap; without, the steps take turns.
     """
 
     def __init__(
@@ -93,6 +148,7 @@ class HostLease:
         *,
         interactive_period_s: float = INTERACTIVE_PERIOD_S,
         bulk_tokens: int = BULK_TOKENS,
+        split: CoreSplit | None = None,
     ) -> None:
         if not interactive_period_s >= 0:
             raise InvalidArgumentError(
@@ -104,10 +160,13 @@ class HostLease:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.interactive_period_s = interactive_period_s
         self.bulk_tokens = bulk_tokens
+        self.split = split
         self.stats = LeaseStats()
-        self._fds = {name: self._open(name) for name in (CORES, INTERACTIVE, BULK)}
-        self._holding: bool | None = None  # None: not holding; else whether the step is bulk
-        self._announced = False  # this process holds bulk.lock shared
+        names = (CORES, INTERACTIVE, BULK, STREAMS, BULK_RUN)
+        self._fds = {name: self._open(name) for name in names}
+        self._holding: _Hold | None = None
+        self._announced: str | None = None  # BULK or STREAMS: which this process holds shared
+        self._threads = 0  # the count last applied through the split
         self._last_interactive = float("-inf")
         self._lock = threading.Lock()  # one step at a time, whatever thread asks
 
@@ -126,41 +185,44 @@ class HostLease:
         """Hold the cores for one step that computes ``prefill_tokens`` prompt tokens."""
         bulk = prefill_tokens > self.bulk_tokens
         with self._lock:
-            if bulk:
-                self._announce(True)
-                started = time.monotonic()
-                self._await_no_interactive()
-            else:
-                self._announce(False)
-                self._pace()
-                started = time.monotonic()
-                self._flock(INTERACTIVE, fcntl.LOCK_SH)
-            self._flock(CORES, fcntl.LOCK_EX)
+            started = time.monotonic()
+            self._holding = self._take_bulk() if bulk else self._take_interactive()
             waited = time.monotonic() - started
             s = self.stats
             if bulk:
                 s.bulk_steps += 1
                 s.bulk_wait_s += waited
             else:
-                self._flock(INTERACTIVE, fcntl.LOCK_UN)
                 self._last_interactive = time.monotonic()
                 s.interactive_steps += 1
                 s.interactive_wait_s += waited
-            self._holding = bulk
             try:
                 yield
             finally:
+                if self._holding is not _Hold.BULK_SPLIT:
+                    self._flock(CORES, fcntl.LOCK_UN)
+                if bulk and self.split is not None:
+                    self._flock(BULK_RUN, fcntl.LOCK_UN)
                 self._holding = None
-                self._flock(CORES, fcntl.LOCK_UN)
 
     def idle(self) -> None:
-        """The engine has no work left: it no longer announces bulk work."""
+        """The engine has no work left: it no longer announces bulk work or streams."""
         with self._lock:
-            self._announce(False)
+            self._announce(None)
 
     def checkpoint(self) -> None:
-        """Between layers of a bulk step: lend the cores to waiting interactive steps."""
-        if not self._holding or not self._someone_waits(INTERACTIVE):
+        """Between layers of a bulk step: lend the cores to waiting interactive steps, or (with
+        a split) run beside them on the bulk share, back on every thread once they are gone."""
+        if self._holding is _Hold.BULK_SPLIT:
+            if not self._someone_waits(STREAMS) and self._try(CORES):
+                assert self.split is not None  # a split hold needs one
+                self._use_threads(self.split.threads)
+                self._holding = _Hold.BULK
+            return
+        if self._holding is not _Hold.BULK or not self._someone_waits(INTERACTIVE):
+            return
+        if self.split is not None:
+            self._go_split()
             return
         started = time.monotonic()
         self._flock(CORES, fcntl.LOCK_UN)
@@ -170,10 +232,58 @@ class HostLease:
         self.stats.lent_s += time.monotonic() - started
 
     # -- helpers -----------------------------------------------------------------------------
-    def _announce(self, bulk: bool) -> None:
-        if bulk != self._announced:
-            self._flock(BULK, fcntl.LOCK_SH if bulk else fcntl.LOCK_UN)
-            self._announced = bulk
+    def _take_bulk(self) -> _Hold:
+        self._announce(BULK)
+        if self.split is None:
+            self._await_no_interactive()
+            self._flock(CORES, fcntl.LOCK_EX)
+            return _Hold.BULK
+        self._flock(BULK_RUN, fcntl.LOCK_EX)
+        if self._someone_waits(STREAMS):
+            # Announced before this wait: a step that started on every thread ends first, and
+            # every later one starts on its share.
+            self._flock(CORES, fcntl.LOCK_EX)
+            self._flock(CORES, fcntl.LOCK_UN)
+            self._use_threads(self.split.bulk)
+            self.stats.splits += 1
+            return _Hold.BULK_SPLIT
+        self._await_no_interactive()
+        self._flock(CORES, fcntl.LOCK_EX)
+        self._use_threads(self.split.threads)
+        return _Hold.BULK
+
+    def _take_interactive(self) -> _Hold:
+        self._announce(STREAMS if self.split is not None else None)
+        if self.split is None:
+            self._pace()  # a split never makes bulk work wait for the cores: nothing to pace
+        self._flock(INTERACTIVE, fcntl.LOCK_SH)
+        self._flock(CORES, fcntl.LOCK_EX)
+        self._flock(INTERACTIVE, fcntl.LOCK_UN)
+        if self.split is not None:  # read after taking the cores (module docstring)
+            bulk = self._someone_waits(BULK)
+            self._use_threads(self.split.interactive if bulk else self.split.threads)
+        return _Hold.INTERACTIVE
+
+    def _go_split(self) -> None:
+        """From every thread to the bulk share: the interactive steps get the cores."""
+        assert self.split is not None
+        self._use_threads(self.split.bulk)
+        self._flock(CORES, fcntl.LOCK_UN)
+        self._holding = _Hold.BULK_SPLIT
+        self.stats.splits += 1
+
+    def _use_threads(self, n: int) -> None:
+        if self.split is not None and n != self._threads:
+            self.split.set_threads(n)
+            self._threads = n
+
+    def _announce(self, kind: str | None) -> None:
+        if kind != self._announced:
+            if self._announced is not None:
+                self._flock(self._announced, fcntl.LOCK_UN)
+            if kind is not None:
+                self._flock(kind, fcntl.LOCK_SH)
+            self._announced = kind
 
     def _pace(self) -> None:
         """While bulk work waits, start interactive steps at most once a period."""
@@ -200,6 +310,14 @@ class HostLease:
             return True
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
+
+    def _try(self, name: str) -> bool:
+        """Take ``name`` exclusively if nobody holds it."""
+        try:
+            fcntl.flock(self._fds[name], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
     def _flock(self, name: str, op: int) -> None:
         fcntl.flock(self._fds[name], op)

@@ -43,6 +43,7 @@ CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
 CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
 CORE_PACED_SECONDS = "pdserve_core_paced_seconds"  # Counter: ..._total
 CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
+CORE_SPLITS = "pdserve_core_splits"  # Counter: ..._total
 HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
 HTTP_SECONDS = "pdserve_http_request_seconds"
 ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
@@ -252,7 +253,11 @@ class WorkerMetrics:
             CORE_LENT_SECONDS, "Time long prefill steps lent the cores to decode steps.",
             registry=r,
         )  # fmt: skip
-        self._lease_seen: tuple[float, ...] = (0,) * 6
+        self._core_splits = Counter(
+            CORE_SPLITS, "Times a long prefill step ran beside decode steps on its share of "
+            "the threads.", registry=r,
+        )  # fmt: skip
+        self._lease_seen: tuple[float, ...] = (0,) * 7
         # Live KV link bandwidth (``transfer.bandwidth``), set at scrape time.
         link_labels = ["link", "transport", "direction", "window"]
         self._link_rate = Gauge(
@@ -276,9 +281,13 @@ class WorkerMetrics:
         bulk_wait_s: float,
         paced_s: float,
         lent_s: float,
+        splits: int,
     ) -> None:
         """The host lease's running totals now (``pdserve.compute.LeaseStats``)."""
-        now = (interactive_steps, bulk_steps, interactive_wait_s, bulk_wait_s, paced_s, lent_s)
+        now = (
+            interactive_steps, bulk_steps, interactive_wait_s, bulk_wait_s, paced_s, lent_s,
+            splits,
+        )  # fmt: skip
         d = [max(0.0, a - b) for a, b in zip(now, self._lease_seen, strict=True)]
         self._lease_seen = now
         self._core_steps.labels(kind="interactive").inc(d[0])
@@ -287,6 +296,7 @@ class WorkerMetrics:
         self._core_wait.labels(kind="bulk").inc(d[3])
         self._core_paced.inc(d[4])
         self._core_lent.inc(d[5])
+        self._core_splits.inc(d[6])
 
     def set_queue_depth(self, depth: int, *, role: str | None = None) -> None:
         """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""

@@ -424,6 +424,7 @@ class WorkerTelemetry:
                     bulk_wait_s=lease.bulk_wait_s,
                     paced_s=lease.paced_s,
                     lent_s=lease.lent_s,
+                    splits=lease.splits,
                 )
             steps, requests = self._failures_seen
             self.metrics.count_engine_failures("step", load.failed_steps - steps)

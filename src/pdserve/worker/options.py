@@ -101,6 +101,11 @@ class WorkerOptions:
         BULK_TOKENS,
         "steps computing more prompt tokens than this lend the cores to decode steps", group=CORES,
     )  # fmt: skip
+    lease_split_threads: int | None = setting(
+        None, "threads decode steps keep while a long prefill runs beside them on the rest "
+        "(default: half the engine's threads; 0: no split, the steps take turns)", group=CORES,
+    )  # fmt: skip
+    """``pdserve.compute.CoreSplit``; None: half the engine's threads; 0: no split."""
     grace_s: float = setting(10.0, "drain time")
     """On SIGTERM, how long in-flight requests may take to finish."""
     transport: str = setting(
@@ -213,6 +218,8 @@ class WorkerOptions:
             raise InvalidArgumentError("--interactive-period-ms", "must be >= 0")
         if self.bulk_tokens < 0:
             raise InvalidArgumentError("--bulk-tokens", "must be >= 0")
+        if self.lease_split_threads is not None and self.lease_split_threads < 0:
+            raise InvalidArgumentError("--lease-split-threads", "must be >= 0")
         settings.check_choices(self)
         parse_faults(self.faults)  # refuse a bad spec at start
         check_backend(self)

@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from pdserve.backends import SIM, TENSORRT_LLM, EngineBackend
-from pdserve.backends.pytorch import TorchBackend
+from pdserve.backends.pytorch import TorchBackend, set_torch_threads, torch_threads
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
-from pdserve.compute import HostLease
+from pdserve.compute import CoreSplit, HostLease
 from pdserve.engine.kv_payload import DTYPES
+from pdserve.errors import InvalidArgumentError
 from pdserve.handoff import DecodeConnector, PrefillConnector
 from pdserve.handoff.agents import HeartbeatAgents
 from pdserve.handoff.assignment import AssignedDecode
@@ -97,8 +98,8 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
         backend = sim
     else:
         lease_dir = host_lease_dir(options)
-        # Take turns on the cores with the host's engines.
-        gate = None if lease_dir is None else host_lease(options, lease_dir)
+        # Share the cores with the host's engines: split the threads, or take turns.
+        gate = None if lease_dir is None else host_lease(options, lease_dir, torch_split(options))
         torch_backend = TorchBackend.from_pretrained(
             options.model,
             batch_window_ms=options.max_wait_ms,
@@ -113,13 +114,31 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
     return backend
 
 
-def host_lease(options: WorkerOptions, lease_dir: Path) -> HostLease:
-    """The gate by which this worker's engine takes turns with the host's others."""
+def host_lease(
+    options: WorkerOptions, lease_dir: Path, split: CoreSplit | None = None
+) -> HostLease:
+    """The gate by which this worker's engine shares the cores with the host's others: a
+    sim engine (one modelled device, no threads) always takes turns."""
     return HostLease(
         lease_dir,
         interactive_period_s=options.interactive_period_ms / 1000.0,
         bulk_tokens=options.bulk_tokens,
+        split=split,
     )
+
+
+def torch_split(options: WorkerOptions) -> CoreSplit | None:
+    """How the torch engine's threads split while a long prefill runs beside decode steps
+    (``--lease-split-threads``); None where there is nothing to split."""
+    threads = options.threads or torch_threads()
+    keep = threads // 2 if options.lease_split_threads is None else options.lease_split_threads
+    if keep == 0 or threads < 2:
+        return None
+    if keep >= threads:
+        raise InvalidArgumentError(
+            "--lease-split-threads", f"must be below the engine's {threads} threads, got {keep}"
+        )
+    return CoreSplit(threads=threads, interactive=keep, set_threads=set_torch_threads)
 
 
 def trtllm_config(options: WorkerOptions) -> TensorRTLLMConfig:
