@@ -29,7 +29,8 @@ def test_a_cluster_sizes_its_workers_pools_from_the_host(monkeypatch: Any, tmp_p
 
     monkeypatch.setattr(hostmem, "available_bytes", lambda: 1024 * MIB)
     two = Cluster(tmp_path, num_prefill=1, num_decode=1)
-    assert two._kv_budget_args() == ["--kv-cache-bytes", str(256 * MIB)]  # half over two
+    assert two.kv_budget() == 256 * MIB  # half over two
     sized = Cluster(tmp_path, worker_args=["--kv-blocks=64"])
-    assert sized._kv_budget_args() == []  # the caller sized the pools
-    assert Cluster(tmp_path, backend="sim")._kv_budget_args() == []  # its own memory model
+    assert sized.kv_budget() is None  # the caller sized the pools
+    assert Cluster(tmp_path, worker_args=["--kv-cache-bytes", "9"]).kv_budget() is None
+    assert Cluster(tmp_path, backend="sim").kv_budget() is None  # its own memory model
