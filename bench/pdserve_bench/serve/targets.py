@@ -165,6 +165,7 @@ class RouterTarget:
         # in real seconds (the SDK's 60 s default cut off streams of time-scaled sim clusters
         # whose --request-timeout, in modelled time, was longer).
         self._client = AsyncClient(address, retry=RetryPolicy(max_attempts=1), timeout=None)
+        self._rss_at_close: dict[str, int] | None = None
 
     async def open(self) -> None:
         pass  # the channel opens on the first call, inside the running loop
@@ -206,11 +207,19 @@ class RouterTarget:
         if self._spec is not None:
             out.update(kind="pdserve-cluster", cluster=self._spec.to_json())
         if self._cluster is not None:
-            # Resident memory of each of its processes now (after the points run so far).
-            rss = {s.name: hostmem.rss_bytes(s.proc.pid) for s in self._cluster.services
-                   if s.proc is not None}  # fmt: skip
-            out["rss_mb"] = {name: round(b / 1e6) for name, b in rss.items() if b is not None}
+            out["rss_mb"] = self._rss_at_close if self._rss_at_close is not None else self._rss()
         return out
 
+    def _rss(self) -> dict[str, int]:
+        """Resident memory (MB) of each process of the cluster now."""
+        assert self._cluster is not None
+        rss = {s.name: hostmem.rss_bytes(s.proc.pid) for s in self._cluster.services
+               if s.proc is not None}  # fmt: skip
+        return {name: round(b / 1e6) for name, b in rss.items() if b is not None}
+
     async def close(self) -> None:
+        # The cluster stops after this, before the report is written: keep what it held at
+        # the end of the run.
+        if self._cluster is not None:
+            self._rss_at_close = self._rss()
         await self._client.close()
