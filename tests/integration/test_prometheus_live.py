@@ -161,6 +161,18 @@ def test_rules_evaluate_on_live_metrics(up: UpProcess, prometheus: str) -> None:
         return f"not stored yet: {sorted(missing)}" if missing else None
 
     wait_for("every metric the rules use", stored)
+
+    def both_sides() -> str | None:
+        # One name has series on two targets (the prefill worker sends, the decode worker
+        # receives): the name can be stored before the second side is scraped, and a side
+        # first scraped after the second round would show rate() no increase.
+        for side in ("send", "recv"):
+            query = f'pdserve_kv_handoffs_total{{direction="{side}"}}'
+            if not api(prometheus, "query", query=query)["result"]:
+                return f"{query}: not scraped yet"
+        return None
+
+    wait_for("both sides of the hand-offs", both_sides)
     # Series born during the first round (hand-offs by transport, ...) start at their first
     # value; a second round gives rate() an increase to see.
     send_traffic(up)

@@ -45,7 +45,16 @@ more files::
 
     streams.lock   SH: held by each engine with interactive work (its interactive steps,
                    and between them until it goes idle)
-    bulk-run.lock  EX: held by the bulk step that runs (bulk steps still go one at a time)
+    bulk-run.lock  EX: held by the step on the bulk share: a bulk step (they still go one at
+                   a time), or an interactive step while no bulk work is announced
+    wide.lock      SH: held by an interactive step on every thread
+
+Two engines with streams (two mixed workers) run side by side the same way: while no bulk
+work is announced, an interactive step that finds ``cores.lock`` taken runs on the bulk
+share instead of waiting. It takes ``bulk-run.lock`` before it looks at ``wide.lock``, and a
+step on every thread takes ``wide.lock`` before it looks at ``bulk-run.lock`` (and keeps to
+its share if taken): whichever comes second sees the first, so two steps never run on more
+threads than the host has.
 
 An interactive step takes ``cores.lock`` before it reads whether bulk work is announced, and
 a bulk step announces before it waits once for ``cores.lock``: so a step that started on
@@ -69,7 +78,7 @@ from pathlib import Path
 from pdserve.errors import InvalidArgumentError
 
 CORES, INTERACTIVE, BULK = "cores.lock", "interactive.lock", "bulk.lock"
-STREAMS, BULK_RUN = "streams.lock", "bulk-run.lock"
+STREAMS, BULK_RUN, WIDE = "streams.lock", "bulk-run.lock", "wide.lock"
 
 INTERACTIVE_PERIOD_S = 0.02
 """Default pacing of interactive steps while bulk work waits. A decode stream's gap under a
@@ -107,6 +116,9 @@ class CoreSplit:
 
 class _Hold(Enum):
     INTERACTIVE = "interactive"
+    """An interactive step holding ``cores.lock``."""
+    INTERACTIVE_BESIDE = "interactive_beside"
+    """An interactive step on the bulk share (``bulk-run.lock``) beside another one."""
     BULK = "bulk"
     """A bulk step on every thread, holding ``cores.lock``."""
     BULK_SPLIT = "bulk_split"
@@ -163,11 +175,12 @@ class HostLease:
         self.bulk_tokens = bulk_tokens
         self.split = split
         self.stats = LeaseStats()
-        names = (CORES, INTERACTIVE, BULK, STREAMS, BULK_RUN)
+        names = (CORES, INTERACTIVE, BULK, STREAMS, BULK_RUN, WIDE)
         self._fds = {name: self._open(name) for name in names}
         self._holding: _Hold | None = None
         self._announced: str | None = None  # BULK or STREAMS: which this process holds shared
         self._threads = 0  # the count last applied through the split
+        self._wide = False  # this process holds wide.lock shared
         self._last_interactive = float("-inf")
         self._lock = threading.Lock()  # one step at a time, whatever thread asks
 
@@ -204,10 +217,14 @@ class HostLease:
             try:
                 yield
             finally:
-                if self._holding is not _Hold.BULK_SPLIT:
+                held = self._holding
+                if held is _Hold.INTERACTIVE or held is _Hold.BULK:
                     self._flock(CORES, fcntl.LOCK_UN)
-                if bulk and self.split is not None:
+                if self.split is not None and held is not _Hold.INTERACTIVE:
                     self._flock(BULK_RUN, fcntl.LOCK_UN)
+                if self._wide:
+                    self._flock(WIDE, fcntl.LOCK_UN)
+                    self._wide = False
                 self._holding = None
 
     def idle(self) -> None:
@@ -258,16 +275,46 @@ class HostLease:
         return _Hold.BULK
 
     def _take_interactive(self) -> _Hold:
-        self._announce(STREAMS if self.split is not None else None)
-        if self.split is None:
+        split = self.split
+        self._announce(STREAMS if split is not None else None)
+        if split is None:
             self._pace()  # a split never makes bulk work wait for the cores: nothing to pace
-        self._flock(INTERACTIVE, fcntl.LOCK_SH)
-        self._flock(CORES, fcntl.LOCK_EX)
-        self._flock(INTERACTIVE, fcntl.LOCK_UN)
-        if self.split is not None:  # read after taking the cores (module docstring)
-            bulk = self._someone_waits(BULK)
-            self._use_threads(self.split.interactive if bulk else self.split.threads)
+        got = split is not None and self._try(CORES)
+        if split is not None and not got:
+            beside = self._beside_interactive(split)
+            if beside is not None:
+                return beside
+        if not got:
+            self._flock(INTERACTIVE, fcntl.LOCK_SH)
+            self._flock(CORES, fcntl.LOCK_EX)
+            self._flock(INTERACTIVE, fcntl.LOCK_UN)
+        if split is not None:  # read after taking the cores (module docstring)
+            self._use_threads(split.interactive if self._shared(split) else split.threads)
         return _Hold.INTERACTIVE
+
+    def _beside_interactive(self, split: CoreSplit) -> _Hold | None:
+        """Another interactive step holds the cores: run beside it on the bulk share, if no
+        bulk work is announced and that share is free; None to wait for the cores instead."""
+        if self._someone_waits(BULK) or not self._try(BULK_RUN):
+            return None
+        self._flock(WIDE, fcntl.LOCK_EX)  # a step on every thread ends first (docstring)
+        self._flock(WIDE, fcntl.LOCK_UN)
+        self._use_threads(split.bulk)
+        return _Hold.INTERACTIVE_BESIDE
+
+    def _shared(self, split: CoreSplit) -> bool:
+        """Whether this interactive step (holding the cores) keeps to its share: bulk work is
+        announced, or a step runs on the bulk share. Otherwise it takes every thread and
+        ``wide.lock``, taken before the look (module docstring)."""
+        if self._someone_waits(BULK):
+            return True
+        self._flock(WIDE, fcntl.LOCK_SH)
+        if self._try(BULK_RUN):
+            self._flock(BULK_RUN, fcntl.LOCK_UN)
+            self._wide = True
+            return False
+        self._flock(WIDE, fcntl.LOCK_UN)
+        return True
 
     def _go_split(self) -> None:
         """From every thread to the bulk share: the interactive steps get the cores."""

@@ -4,12 +4,14 @@ open their own descriptors, so they exclude each other as processes do."""
 
 from __future__ import annotations
 
+import fcntl
 import threading
 from pathlib import Path
 
 import pytest
 
 from pdserve.compute import CoreSplit, HostLease
+from pdserve.compute.lease import WIDE
 from pdserve.errors import InvalidArgumentError
 
 BULK_TOKENS = 100
@@ -144,3 +146,39 @@ def test_a_short_prompt_only_step_runs_beside_decode_steps(tmp_path: Path) -> No
     with turns.hold(BULK_TOKENS // 2):
         pass
     assert turns.stats.interactive_steps == 1
+
+
+def test_two_engines_with_streams_step_side_by_side(tmp_path: Path) -> None:
+    """No bulk work: the second engine's step runs on the bulk share beside the first's,
+    once a step that took every thread has ended; the first then keeps to its share."""
+    a_threads, b_threads = Threads(), Threads()
+    a, b = _lease(tmp_path, a_threads), _lease(tmp_path, b_threads)
+    inside, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def b_step() -> None:
+        with b.hold(0, 1):
+            inside.set()
+            assert release.wait(LIVENESS_S)
+        done.set()
+
+    t = threading.Thread(target=b_step)
+    beside = threading.Event()  # b has the bulk share and waits for a's wide step to end
+    flock = b._flock
+
+    def spy(name: str, op: int) -> None:
+        if name == WIDE and op == fcntl.LOCK_EX:
+            beside.set()
+        flock(name, op)
+
+    b._flock = spy
+    with a.hold(0, 1):  # alone: every thread
+        t.start()  # finds the cores taken
+        assert beside.wait(LIVENESS_S)
+    assert inside.wait(LIVENESS_S)
+    assert b_threads.applied == [3]
+    with a.hold(0, 1):  # beside b's running step, on its share
+        assert not done.is_set()
+    assert a_threads.applied == [4, 1]
+    release.set()
+    t.join(LIVENESS_S)
+    assert done.is_set()
