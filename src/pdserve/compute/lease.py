@@ -1,4 +1,4 @@
-"""HostLease: engines on one host take turns on its cores, latency-bound steps first.
+"""HostLease: engines on one host share its cores, latency-bound steps first.
 
 Several worker processes on one CPU host (a prefill and a decode worker under ``pdserve up``)
 each run an engine whose matmuls use every core. Run at the same time they oversubscribe the
@@ -6,8 +6,8 @@ cores: each OpenMP team waits at its barriers for threads the other process has 
 and both run slower than either would alone. A decode step stuck behind a 2K-token prefill
 is exactly the stall disaggregation exists to avoid.
 
-So the engines share the cores the way two processes share one GPU: one step at a time, each
-with every core. Two kinds of step:
+**Taking turns** (engines without a split): the engines share the cores the way two
+processes share one GPU, one step at a time, each with every core. Two kinds of step:
 
 * **interactive** (a decode step, a short prefill): short, on the critical path of a stream.
   It waits for the cores only until the step holding them reaches a checkpoint.
@@ -40,7 +40,7 @@ bulk and interactive work run at once, the lease splits the threads instead: int
 steps keep ``split.interactive`` threads, the bulk step runs beside them on the rest, and
 neither waits for the other. Each engine uses every thread while it is alone (work
 conserving): a bulk step takes all of them, and ``cores.lock``, while no engine announces
-streams, and gives back its interactive share at the next checkpoint once one does. Two
+streams, and gives back its interactive share at the next checkpoint once one does. Three
 more files::
 
     streams.lock   SH: held by each engine with interactive work (its interactive steps,
