@@ -276,21 +276,27 @@ class HostLease:
 
     def _take_interactive(self) -> _Hold:
         split = self.split
-        self._announce(STREAMS if split is not None else None)
         if split is None:
-            self._pace()  # a split never makes bulk work wait for the cores: nothing to pace
-        got = split is not None and self._try(CORES)
-        if split is not None and not got:
+            self._announce(None)
+            self._pace()
+            self._wait_for_cores()
+            return _Hold.INTERACTIVE
+        self._announce(STREAMS)
+        if not self._try(CORES):
             beside = self._beside_interactive(split)
             if beside is not None:
                 return beside
-        if not got:
-            self._flock(INTERACTIVE, fcntl.LOCK_SH)
-            self._flock(CORES, fcntl.LOCK_EX)
-            self._flock(INTERACTIVE, fcntl.LOCK_UN)
-        if split is not None:  # read after taking the cores (module docstring)
-            self._use_threads(split.interactive if self._shared(split) else split.threads)
+            self._wait_for_cores()
+        # Read after taking the cores (module docstring).
+        self._use_threads(split.interactive if self._shared(split) else split.threads)
         return _Hold.INTERACTIVE
+
+    def _wait_for_cores(self) -> None:
+        """Block for ``cores.lock``, saying so on ``interactive.lock`` meanwhile (a bulk step
+        at a checkpoint lends, or splits, when it sees a waiter)."""
+        self._flock(INTERACTIVE, fcntl.LOCK_SH)
+        self._flock(CORES, fcntl.LOCK_EX)
+        self._flock(INTERACTIVE, fcntl.LOCK_UN)
 
     def _beside_interactive(self, split: CoreSplit) -> _Hold | None:
         """Another interactive step holds the cores: run beside it on the bulk share, if no
@@ -355,12 +361,9 @@ class HostLease:
     def _someone_waits(self, name: str) -> bool:
         """Another process holds ``name`` shared (this one holds it at most exclusively
         for the instant of the probe)."""
-        fd = self._fds[name]
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not self._try(name):
             return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.flock(self._fds[name], fcntl.LOCK_UN)
         return False
 
     def _try(self, name: str) -> bool:
