@@ -35,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kvstore.mooncake import MasterProcess, MooncakeAddress, load
+from pdserve.kvstore.mooncake.address import MooncakeAddress
+from pdserve.kvstore.mooncake.library import load
+from pdserve.kvstore.mooncake.master import MasterProcess
 
 _MIB = 1 << 20
 
@@ -97,7 +99,7 @@ def _raw_once(raw_w: Any, raw_r: Any, key: str, data: np.ndarray) -> float:
 
 async def paired(address: str, sizes: list[int], n_rounds: int) -> None:
     """``--paired`` (see the module doc)."""
-    from pdserve.kvstore.mooncake import MooncakeStoreClient
+    from pdserve.kvstore.mooncake.client import MooncakeStoreClient
 
     writer = MooncakeStoreClient(f"{address}&segment=1GiB", timeout_s=60)
     reader = MooncakeStoreClient(f"{address}&segment=1GiB", timeout_s=60, local_host="127.0.0.2")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pdserve.kvstore.mooncake import MasterProcess
+    from pdserve.kvstore.mooncake.master import MasterProcess
 
 GPU_SKIP_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
 
@@ -56,7 +56,8 @@ def tiny_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mooncake_master() -> Iterator[MasterProcess]:
     """One ``mooncake_master`` for the session (tests use distinct keys); skips with the reason
     where the Mooncake package cannot load."""
-    from pdserve.kvstore.mooncake import MasterProcess, available
+    from pdserve.kvstore.mooncake.library import available
+    from pdserve.kvstore.mooncake.master import MasterProcess
 
     reason = available()
     if reason:

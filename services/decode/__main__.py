@@ -19,7 +19,7 @@ from pdserve.adapters.prefill_servicer import PrefillServicer
 from pdserve.kvstore.backend import open_store
 from pdserve.rpc import allocator
 from pdserve.rpc.server import AddServicerFn, run_service
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc

@@ -16,10 +16,11 @@ import socket
 from pathlib import Path
 
 from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
-from pdserve.scheduling import CapacityLimits, KeySpace, connect
-from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES
+from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES, CapacityLimits
+from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.planner import Bounds, PlannerConfig, Profile
 from pdserve.scheduling.planner_loop import Pass, PlannerLoop
+from pdserve.scheduling.registry import connect
 from pdserve.tasks import cancel_and_wait
 from pdserve.telemetry.metrics import PlannerMetrics
 from pdserve.telemetry.service import MetricsEndpoint, ServiceTelemetry, add_telemetry_args

@@ -17,7 +17,7 @@ from pdserve.adapters.prefill_servicer import PrefillServicer
 from pdserve.kvstore.backend import open_store
 from pdserve.rpc import allocator
 from pdserve.rpc.server import run_service
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL
 from pdserve.v1 import prefill_pb2_grpc

@@ -38,7 +38,8 @@ from pdserve.rpc.server import (
     serve_until_signal,
     write_port_file,
 )
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import connect
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import LOOPBACK_HOSTS, add_security_args, security_from_args
 from pdserve.telemetry.metrics import RouterMetrics

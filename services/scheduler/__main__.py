@@ -19,20 +19,15 @@ from pathlib import Path
 
 from pdserve.quotas import TenantQuota, TenantQuotas
 from pdserve.rpc.server import build_server, run_service, serve_until_signal, write_port_file
-from pdserve.scheduling import (
-    POLICIES,
-    CapacityLimits,
-    ClusterScheduler,
-    CostModel,
-    KeySpace,
-    Mode,
-    PrefixIndex,
-    connect,
-    kept_fresh,
-    redacted,
-)
-from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES
-from pdserve.scheduling.prefix_index import following
+from pdserve.scheduling.capacity import PREFILL_QUEUE_BATCHES, CapacityLimits
+from pdserve.scheduling.costmodel import CostModel
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.policies import POLICIES
+from pdserve.scheduling.prefix_index import PrefixIndex, following
+from pdserve.scheduling.redis_url import redacted
+from pdserve.scheduling.refresher import kept_fresh
+from pdserve.scheduling.registry import connect
+from pdserve.scheduling.scheduler import ClusterScheduler, Mode
 from pdserve.security.apikeys import ApiKeys
 from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.metrics import SchedulerMetrics

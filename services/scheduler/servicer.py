@@ -28,9 +28,8 @@ from pdserve.adapters.scheduler import (
 )
 from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailableError
 from pdserve.quotas import QuotaExceededError
-from pdserve.scheduling import ClusterScheduler, Mode, WorkerView
-from pdserve.scheduling.capacity import Phase, ineligibility
-from pdserve.scheduling.scheduler import SloRefusalError
+from pdserve.scheduling.capacity import Phase, WorkerView, ineligibility
+from pdserve.scheduling.scheduler import ClusterScheduler, Mode, SloRefusalError
 from pdserve.telemetry import handover, tracing
 from pdserve.telemetry.metrics import SchedulerMetrics
 from pdserve.telemetry.spans import (

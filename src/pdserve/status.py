@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from pdserve.errors import WorkerUnavailableError
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, connect, redacted
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.redis_url import redacted
+from pdserve.scheduling.registry import RedisWorkerRegistry, connect
+from pdserve.scheduling.worker_info import WorkerInfo
 from pdserve.up_state import running, runtime_dir
 
 _ROW = "{:<28} {:<8} {:<22} {:>4} {:>7} {:>12} {:>7} {:>15}  {}"

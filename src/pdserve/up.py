@@ -16,7 +16,7 @@ from pdserve.backends import BACKEND_NAMES, SIM, TENSORRT_LLM, TORCH
 from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.mooncake.library import load as load_mooncake
 from pdserve.launcher import KV_STORES, MODES, Cluster, default_model
-from pdserve.scheduling import redacted
+from pdserve.scheduling.redis_url import redacted
 from pdserve.security.up import INSECURE_WARNING, add_up_security_args, how_to_call
 from pdserve.sim.flags import DEFAULT_LINK, sim_flags
 from pdserve.sim.flags import DEFAULT_PROFILE as DEFAULT_SIM_PROFILE

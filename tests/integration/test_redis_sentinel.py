@@ -17,7 +17,7 @@ from redis.exceptions import RedisError, WatchError
 
 from pdserve.engine.engine import Engine
 from pdserve.launcher import read_heartbeats
-from pdserve.scheduling import connect
+from pdserve.scheduling.registry import connect
 from tests.integration.failover_load import (
     Load,
     check,

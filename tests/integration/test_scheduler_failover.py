@@ -17,8 +17,11 @@ from redis.asyncio import Redis
 
 from pdserve.errors import WorkerUnavailableError
 from pdserve.redis_server import EmbeddedRedis
-from pdserve.scheduling import ClusterScheduler, KeySpace, RedisWorkerRegistry, WorkerRole
 from pdserve.scheduling.capacity import STALE_AFTER_INTERVALS
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import RedisWorkerRegistry
+from pdserve.scheduling.scheduler import ClusterScheduler
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.test_scheduler_redis import (
     BLOCKS_PER_REQUEST,

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.engine.engine import Engine
 from pdserve.launcher import Cluster
-from pdserve.scheduling import KeySpace
+from pdserve.scheduling.keys import KeySpace
 from pdserve_bench.faults.leaks import live_reservations
 from tests.integration.failover_load import (
     INTERVAL_S,

@@ -35,17 +35,11 @@ from pdserve.errors import (
 )
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.rpc.server import build_server
-from pdserve.scheduling import (
-    ClusterScheduler,
-    Heartbeater,
-    KeySpace,
-    Mode,
-    RedisWorkerRegistry,
-    WorkerInfo,
-    WorkerRole,
-    connect,
-    kept_fresh,
-)
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.refresher import kept_fresh
+from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry, connect
+from pdserve.scheduling.scheduler import ClusterScheduler, Mode
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.integration

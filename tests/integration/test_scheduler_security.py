@@ -19,8 +19,11 @@ from pdserve.errors import UnknownRequestError
 from pdserve.handoff.assignment import AssignedDecode
 from pdserve.quotas import QuotaExceededError, TenantQuota, TenantQuotas
 from pdserve.redis_server import EmbeddedRedis
-from pdserve.scheduling import ClusterScheduler, KeySpace, RedisWorkerRegistry, WorkerRole, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import RedisWorkerRegistry, connect
 from pdserve.scheduling.reservations import assigned_decode_addresses
+from pdserve.scheduling.scheduler import ClusterScheduler
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.security.certs import ClusterCerts, make_certs
 from tests.integration.test_scheduler_redis import (
     BLOCKS_PER_REQUEST,

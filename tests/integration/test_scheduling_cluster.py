@@ -25,18 +25,13 @@ from pdserve.errors import CapacityError
 from pdserve.launcher import Cluster, read_heartbeats
 from pdserve.models.demo import init_checkpoint
 from pdserve.router.rollout import Rollout, write_rollout
-from pdserve.scheduling import (
-    CapacityLimits,
-    ClusterScheduler,
-    KeySpace,
-    Mode,
-    RedisWorkerRegistry,
-    WorkerInfo,
-    WorkerRole,
-    connect,
-)
+from pdserve.scheduling.capacity import CapacityLimits
+from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.planner import LeaderLease, PlannerConfig
 from pdserve.scheduling.planner_loop import PlannerLoop
+from pdserve.scheduling.registry import RedisWorkerRegistry, connect
+from pdserve.scheduling.scheduler import ClusterScheduler, Mode
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.metrics_probe import metric
 

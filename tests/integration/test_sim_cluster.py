@@ -23,7 +23,8 @@ from pdserve.engine.engine import Engine
 from pdserve.launcher import Cluster, read_heartbeats
 from pdserve.models.demo import init_checkpoint
 from pdserve.router.rollout import Rollout, write_rollout
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import connect
 from pdserve.service_process import ServiceProcess
 from pdserve.sim.backend import SimOptions, sim_compute
 from pdserve.sim.shapes import MODELS

@@ -24,7 +24,7 @@ from pdserve.launcher import Cluster
 from pdserve.models.demo import init_checkpoint
 from pdserve.router.capture import FIELD_HELLO
 from pdserve.router.capture_cli import main_capture
-from pdserve.scheduling import KeySpace
+from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.prefix_index import PromptBlocks
 from pdserve.trace_file import load_trace
 

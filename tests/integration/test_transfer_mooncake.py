@@ -28,7 +28,8 @@ import pytest
 from pdserve import deathsig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvstore.mooncake import MasterProcess, available
+from pdserve.kvstore.mooncake.library import available
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.launcher import Cluster
 from pdserve.service_process import healthy, terminate
 from pdserve.v1 import (
@@ -258,11 +259,11 @@ def test_the_schedulers_index_learns_the_prefixes_the_store_holds(
     misses them, and the index holds them again (the miss itself: tests/unit/prefix)."""
     from redis.asyncio import Redis
 
-    from pdserve.kvstore.mooncake import MooncakeStoreClient
+    from pdserve.kvstore.mooncake.client import MooncakeStoreClient
     from pdserve.launcher import read_heartbeats
     from pdserve.prefix.store import PrefixReuse
-    from pdserve.scheduling import KeySpace, PrefixIndex, PromptBlocks
-    from pdserve.scheduling.prefix_index import following
+    from pdserve.scheduling.keys import KeySpace
+    from pdserve.scheduling.prefix_index import PrefixIndex, PromptBlocks, following
     from tests.integration.test_transfer import hand_off as routed_hand_off
 
     reason = available()

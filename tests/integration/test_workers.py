@@ -28,7 +28,9 @@ import pytest
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerInfo, WorkerRole, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import RedisWorkerRegistry, connect
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.scheduling import WorkerRole
 from pdserve.scheduling.redis_url import parse_sentinel
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.worker.options import options_from_args, worker_parser
 from tests.unit.deploy_scripts import ENTRYPOINT, init_secrets, run_entrypoint
 
@@ -125,7 +125,7 @@ def test_dependencies_exist_and_jaeger_is_optional() -> None:
 def master_flags() -> set[str]:
     """The flags ``mooncake_master`` takes: those ``MasterProcess`` starts it with (run by the
     Mooncake tests), and, where the package is installed, every flag its ``--help`` lists."""
-    from pdserve.kvstore.mooncake import available, load
+    from pdserve.kvstore.mooncake.library import available, load
     from pdserve.kvstore.mooncake.master import MasterProcess
 
     if available():

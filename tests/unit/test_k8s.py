@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.scheduling import WorkerRole
 from pdserve.scheduling.redis_url import parse_sentinel
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.security.certs import make_certs
 from pdserve.telemetry.metrics import QUEUE_DEPTH
 from pdserve.worker.options import options_from_args, worker_parser
@@ -366,7 +366,7 @@ def test_the_mooncake_component_runs_a_master_and_points_the_workers_at_it() -> 
     """overlays/mooncake (dev with components/mooncake): the objects pass the schema, the
     master runs flags mooncake_master takes and is probed on its RPC port, and every worker's
     --kvstore is a Mooncake address naming the master's Service and ports."""
-    from pdserve.kvstore.mooncake import MooncakeAddress
+    from pdserve.kvstore.mooncake.address import MooncakeAddress
     from tests.unit.test_deploy import master_flags
 
     objects = render(K8S / "overlays" / "mooncake")

@@ -23,9 +23,10 @@ from pdserve.errors import (
 )
 from pdserve.kvstore.backend import StoreClient, check_address, open_store
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.mooncake import MasterProcess, MooncakeAddress, MooncakeStoreClient
-from pdserve.kvstore.mooncake.address import is_mooncake, parse_size
-from pdserve.scheduling import WorkerRole
+from pdserve.kvstore.mooncake.address import MooncakeAddress, is_mooncake, parse_size
+from pdserve.kvstore.mooncake.client import MooncakeStoreClient
+from pdserve.kvstore.mooncake.master import MasterProcess
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.worker.options import options_from_args, worker_parser
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdserve.launcher import args as cmd
 from pdserve.launcher.args import is_replica, replica_name
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.security.certs import make_certs
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 

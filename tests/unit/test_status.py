@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.scheduling import WorkerInfo, WorkerRole
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.status import format_workers, kv_rate
 
 

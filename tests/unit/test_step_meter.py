@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pdserve.engine.step_meter import StepMeter
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.worker.duty import Duty, capabilities
 
 

@@ -15,7 +15,8 @@ import grpc
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.launcher import Cluster, read_heartbeats
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import connect
 from pdserve.transfer.janitor import SHM_DIR, holds_hand_off, parse_owner_pid
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import Assignment, Mode, WorkerInfo, WorkerRole, WorkerView
+from pdserve.scheduling.capacity import WorkerView
 from pdserve.scheduling.placement import ModeDecision
+from pdserve.scheduling.scheduler import Assignment, Mode
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.v1 import common_pb2, scheduler_pb2
 
 MODE_FROM_PROTO: dict[int, Mode | None] = {

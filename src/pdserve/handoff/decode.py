@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.backends import EngineBackend, NativeKV, recompute_kv
 from pdserve.engine.kv_payload import KVPayload
@@ -66,14 +67,14 @@ from pdserve.transfer.base import (
     TransportRegistry,
 )
 from pdserve.transfer.links import Links
-from pdserve.transfer.nixl.agent import NixlUnavailableError
-from pdserve.transfer.nixl.reader import AgentDirectory, NixlReader
-from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.shm.handoff import ShmReceiver
 from pdserve.transfer.shm.reader import SegmentReader
 from pdserve.transfer.shm.slots import SlotMappings
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
+
+if TYPE_CHECKING:  # nixl's modules load only where a nixl hand-off is made
+    from pdserve.transfer.nixl.reader import AgentDirectory, NixlReader
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,9 @@ class DecodeConnector:
         if self._nixl_reader is None:
             if self.agents is None:
                 raise KVTransferError("nixl hand-off: this worker knows no agent directory")
+            from pdserve.transfer.nixl.agent import NixlUnavailableError  # only where used
+            from pdserve.transfer.nixl.reader import NixlReader
+
             size, block = self._nixl_sizes
             try:
                 self._nixl_reader = NixlReader(
@@ -204,6 +208,8 @@ class DecodeConnector:
         return self._nixl_reader
 
     def _nixl(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
+        from pdserve.transfer.nixl.receiver import NixlReceiver
+
         return NixlReceiver(self.nixl_reader, location, expected_layout=self.engine.layout)
 
     def _stream(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:

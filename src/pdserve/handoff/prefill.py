@@ -31,6 +31,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from pdserve.backends import EngineBackend
 from pdserve.engine.request import EngineRequest
@@ -59,12 +60,13 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.compress import Compression
 from pdserve.transfer.links import Links
-from pdserve.transfer.nixl.pool import NixlPool
-from pdserve.transfer.nixl.sender import NixlSender
 from pdserve.transfer.shm.handoff import ShmSender
 from pdserve.transfer.shm.slots import SlotPool, slot_budget
 from pdserve.transfer.shm.writer import SegmentWriter
 from pdserve.transfer.stream.sender import StreamSender, StreamTarget
+
+if TYPE_CHECKING:  # nixl's modules load only where a nixl hand-off is made
+    from pdserve.transfer.nixl.pool import NixlPool
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ class PrefillConnector:
         # nixl: KV blocks registered with a NIXL agent once, for the worker's life.
         self.nixl: NixlPool | None = None
         if o.nixl_pool and transports is None:
+            from pdserve.transfer.nixl.pool import NixlPool  # loaded only where it is used
+
             self.nixl = NixlPool(
                 num_bytes=o.nixl_pool, block_bytes=o.nixl_block_bytes,
                 lease_s=o.lease_s, host=self.host,
@@ -131,6 +135,8 @@ class PrefillConnector:
         return self.nixl.published, self.nixl.fingerprint
 
     def _nixl(self, peer_address: str) -> KVSender:
+        from pdserve.transfer.nixl.sender import NixlSender
+
         assert self.nixl is not None
         return NixlSender(self.nixl, faults=self.options.faults)
 

@@ -6,11 +6,14 @@ The chunks of ``Put`` and ``Get`` have their own codec (``kvstore.wire``)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from pdserve.kvstore.entry import EntryStat
 from pdserve.kvstore.stats import StoreStat, StoreStats
-from pdserve.kvstore.streams import PutOutcome
 from pdserve.v1 import kvstore_pb2
+
+if TYPE_CHECKING:  # the store's side only: a client decodes answers without loading the store
+    from pdserve.kvstore.streams import PutOutcome
 
 _TOTALS = tuple(f.name for f in dataclasses.fields(StoreStats))
 """The ``StatResponse`` fields of the store's totals: one per ``StoreStats`` field."""

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import cast
 
 from pdserve.errors import WorkerUnavailableError
-from pdserve.scheduling import KeySpace, WorkerInfo
-from pdserve.scheduling.keys import text
+from pdserve.scheduling.keys import KeySpace, text
 from pdserve.scheduling.redis_url import sync_client
+from pdserve.scheduling.worker_info import WorkerInfo
 from pdserve.service_process import ServiceProcess
 
 POLL_S = 0.05

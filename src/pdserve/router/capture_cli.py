@@ -45,8 +45,9 @@ from pdserve.router.capture import (
     POLL_S,
     CaptureSetting,
 )
-from pdserve.scheduling import KeySpace, connect, redacted
-from pdserve.scheduling.keys import text
+from pdserve.scheduling.keys import KeySpace, text
+from pdserve.scheduling.redis_url import redacted
+from pdserve.scheduling.registry import connect
 
 logger = logging.getLogger(__name__)
 

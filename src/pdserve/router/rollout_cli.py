@@ -21,7 +21,8 @@ from redis.exceptions import RedisError
 
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.router.rollout import ARMS, Rollout, parse_shares, read_rollout, write_rollout
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import connect
 
 
 def _parser() -> argparse.ArgumentParser:

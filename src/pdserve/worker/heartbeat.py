@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.backends import Capacity, EngineBackend
-from pdserve.scheduling import Heartbeater, RedisWorkerRegistry, WorkerInfo, WorkerRole
+from pdserve.scheduling.registry import Heartbeater, RedisWorkerRegistry
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.links import Links
 from pdserve.worker.duty import Duty

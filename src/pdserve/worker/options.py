@@ -25,7 +25,7 @@ from pdserve.compute.lease import BULK_TOKENS, INTERACTIVE_PERIOD_S
 from pdserve.errors import InvalidArgumentError
 from pdserve.handoff.plan import AUTO, TRANSPORT_CHOICES, TransferOptions
 from pdserve.kvstore.backend import check_address
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.security.options import (
     INSECURE,
     SecurityOptions,

@@ -48,7 +48,9 @@ from pdserve.rpc.server import (
     serve_until_signal,
     write_port_file,
 )
-from pdserve.scheduling import KeySpace, RedisWorkerRegistry, WorkerRole, connect
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import RedisWorkerRegistry, connect
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.bandwidth import BandwidthMeter
 from pdserve.transfer.janitor import reclaim_orphans

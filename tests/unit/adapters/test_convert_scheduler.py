@@ -7,9 +7,10 @@ import pytest
 
 from pdserve.adapters import scheduler as convert
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import Assignment, Mode, WorkerInfo, WorkerRole, WorkerView
-from pdserve.scheduling.capacity import Claim
+from pdserve.scheduling.capacity import Claim, WorkerView
 from pdserve.scheduling.placement import ModeDecision, Reason
+from pdserve.scheduling.scheduler import Assignment, Mode
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.v1 import common_pb2
 
 

@@ -15,7 +15,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
 from pdserve.handoff import DecodeConnector, HandoffRoute, PrefillConnector
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.v1 import common_pb2
 from pdserve.worker.decode import DecodeWorker

@@ -12,7 +12,8 @@ import pytest
 from pdserve.backends import Capacity
 from pdserve.engine.step_meter import StepModel
 from pdserve.handoff.plan import TransferOptions, choose_kind
-from pdserve.scheduling import CostModel, WorkerInfo, WorkerRole
+from pdserve.scheduling.costmodel import CostModel
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.transfer.base import HandoffRecord, TransportKind
 from pdserve.transfer.links import Links
 from pdserve.worker.heartbeat import WorkerIdentity, worker_info

@@ -10,7 +10,8 @@ import asyncio
 import torch
 
 from pdserve.engine.block_manager import chain_block_hashes
-from pdserve.kvstore.mooncake import MasterProcess, MooncakeStoreClient
+from pdserve.kvstore.mooncake.client import MooncakeStoreClient
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.prefix.store import PrefixReuse
 from pdserve.prefix.store_blocks import StoreBlocks
 from tests.unit.transfer.conftest import make_layout

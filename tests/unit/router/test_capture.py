@@ -39,8 +39,9 @@ from pdserve.router.capture_cli import CaptureOptions, collect, main_capture, tr
 from pdserve.router.state import RequestState
 from pdserve.router.text import ResponseText
 from pdserve.router.trace import Clock, RequestTrace
-from pdserve.scheduling import KeySpace, connect
+from pdserve.scheduling.keys import KeySpace
 from pdserve.scheduling.prefix_index import PromptBlocks
+from pdserve.scheduling.registry import connect
 from pdserve.tokenizer import Tokenizer
 from tests.unit.router.test_flow import DECODED, Fakes, run_with_fakes
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.scheduling import Claim, WorkerInfo, WorkerRole, WorkerView
+from pdserve.scheduling.capacity import Claim, WorkerView
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 
 def worker(worker_id: str, role: WorkerRole = WorkerRole.DECODE, **overrides: Any) -> WorkerInfo:

@@ -7,17 +7,18 @@ import math
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import (
+from pdserve.scheduling.capacity import (
     CapacityLimits,
     Claim,
     Demand,
     Phase,
-    WorkerInfo,
-    WorkerRole,
     WorkerView,
+    ineligibility,
+    shortfall,
+    stale,
 )
-from pdserve.scheduling.capacity import ineligibility, shortfall, stale
 from pdserve.scheduling.reservations import decode_member, encode_member, live_claims
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 from .factories import view
 

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import CostModel, WorkerRole, WorkerView
-from pdserve.scheduling.costmodel import decoding
+from pdserve.scheduling.capacity import WorkerView
+from pdserve.scheduling.costmodel import CostModel, decoding
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.transfer.handle import TransportKind
 from pdserve.transfer.links import Handoff
 

@@ -7,19 +7,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.scheduling import (
-    CapacityLimits,
-    CostModel,
-    Demand,
-    Mode,
-    Phase,
-    Placer,
-    Reason,
-    WorkerRole,
-    WorkerView,
-    make_policy,
-)
-from pdserve.scheduling.placement import Placement, Refusal
+from pdserve.scheduling.capacity import CapacityLimits, Demand, Phase, WorkerView
+from pdserve.scheduling.costmodel import CostModel
+from pdserve.scheduling.placement import Placement, Placer, Reason, Refusal
+from pdserve.scheduling.policies import make_policy
+from pdserve.scheduling.scheduler import Mode
+from pdserve.scheduling.worker_info import WorkerRole
 
 from .factories import view
 

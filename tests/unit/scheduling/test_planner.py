@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import CapacityLimits, CostModel, WorkerRole, WorkerView
+from pdserve.scheduling.capacity import CapacityLimits, WorkerView
+from pdserve.scheduling.costmodel import CostModel
 from pdserve.scheduling.planner import (
     Bounds,
     PlannerConfig,
@@ -18,6 +19,7 @@ from pdserve.scheduling.planner import (
     pressure,
     slots_taken,
 )
+from pdserve.scheduling.worker_info import WorkerRole
 
 from .factories import view
 

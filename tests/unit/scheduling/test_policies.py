@@ -9,16 +9,9 @@ from collections.abc import Sequence
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import (
-    POLICIES,
-    Demand,
-    LeastLoaded,
-    Phase,
-    RoundRobin,
-    WorkerRole,
-    WorkerView,
-    make_policy,
-)
+from pdserve.scheduling.capacity import Demand, Phase, WorkerView
+from pdserve.scheduling.policies import POLICIES, LeastLoaded, RoundRobin, make_policy
+from pdserve.scheduling.worker_info import WorkerRole
 
 from .factories import view
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pdserve.engine.block_manager import BlockEvents, BlockManager
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.scheduling import PrefixIndex, PromptBlocks
-from pdserve.scheduling.prefix_index import _apply_entry, decode_events, encode_events
+from pdserve.scheduling.prefix_index import (
+    PrefixIndex,
+    PromptBlocks,
+    _apply_entry,
+    decode_events,
+    encode_events,
+)
 
 BLOCK = 16
 

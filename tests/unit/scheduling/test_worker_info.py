@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import WorkerInfo, WorkerRole
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 
 from .factories import worker
 

@@ -19,8 +19,10 @@ import pytest
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload, kv_fingerprint
 from pdserve.errors import KVPayloadMismatchError, KVTransferError, UnknownRequestError
-from pdserve.kvstore import mooncake
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.mooncake import library as mooncake_library
+from pdserve.kvstore.mooncake.client import MooncakeStoreClient
+from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.kvstore.store import KVStore
 from pdserve.kvstore.wire import add_kvstore_servicer
 from pdserve.rpc.server import build_server
@@ -114,14 +116,14 @@ async def backend(name: str, shm_prefix: str) -> AsyncIterator[Backend]:
             )
         return
     if name == "mooncake":
-        reason = mooncake.available()
+        reason = mooncake_library.available()
         if reason:
             pytest.skip(reason)
         async with AsyncExitStack() as stack:
-            master = stack.enter_context(mooncake.MasterProcess())
-            writer = mooncake.MooncakeStoreClient(master.address(segment="64MiB"), timeout_s=5)
+            master = stack.enter_context(MasterProcess())
+            writer = MooncakeStoreClient(master.address(segment="64MiB"), timeout_s=5)
             stack.push_async_callback(writer.close)
-            reader = mooncake.MooncakeStoreClient(
+            reader = MooncakeStoreClient(
                 master.address(segment=0), timeout_s=5, local_host="127.0.0.2"
             )
             stack.push_async_callback(reader.close)

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.backends import Capacity
 from pdserve.engine.step_meter import StepModel
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.heartbeat import WorkerIdentity, worker_info
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import WorkerRole
+from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.security.options import INSECURE
 from pdserve.settings import flags_for, settings
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser

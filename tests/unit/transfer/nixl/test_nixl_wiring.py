@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.convert.kv import handle_from_proto, handle_to_proto
 from pdserve.errors import InvalidArgumentError
-from pdserve.scheduling import WorkerInfo, WorkerRole
+from pdserve.scheduling.worker_info import WorkerInfo, WorkerRole
 from pdserve.transfer.base import KVLocation, TransportKind
 from pdserve.transfer.nixl.agent import AgentDescriptor, nixl_available
 from pdserve.v1 import common_pb2
