@@ -1,7 +1,12 @@
 """This host's memory: what is available, what a process holds, and each worker's share of
-a KV budget (Linux ``/proc``; elsewhere the figures are unknown and callers keep defaults)."""
+a KV budget (Linux ``/proc``; elsewhere the figures are unknown and callers keep defaults),
+and handing a process's freed heap back to the system."""
 
 from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
 
 MIB = 1 << 20
 MIN_KV_BYTES = 16 * MIB
@@ -38,3 +43,23 @@ def kv_share(available: int, workers: int, fraction: float, ceiling: int) -> int
     from a share of the device (``gpu_memory_utilization``)."""
     share = int(available * fraction) // max(1, workers)
     return max(MIN_KV_BYTES, min(ceiling, share))
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc; musl and other systems lack it
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def trim_heap() -> bool:
+    """Hand the heap's free memory back to the system (glibc's ``malloc_trim(0)``); True if
+    any was. glibc keeps what a burst of work freed (buffers of C extensions, gRPC's among
+    them) for reuse, so an idle process would go on holding its peak: a host of many idle
+    workers (simulated ones, dozens to a machine) runs short for no work. False where the
+    C library has no such call."""
+    fn = _malloc_trim()
+    return fn is not None and fn(0) == 1

@@ -69,11 +69,15 @@ from pdserve.engine_loop.state import (
     FailureTracker,
 )
 from pdserve.errors import WorkerUnavailableError
+from pdserve.hostmem import trim_heap
 from pdserve.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+TRIM_AFTER_S = 1.0
+"""Idle this long after stepping, the engine thread hands freed heap back (``_idle_wait``)."""
 
 
 class AsyncEngine:
@@ -98,6 +102,8 @@ class AsyncEngine:
         self.max_num_seqs: int = engine.config.max_num_seqs
         self.guides: Guides = engine.guides  # thread-safe: compile guides ahead, off the thread
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._trim_pending = True
+        """Stepped (or started) since the heap was last trimmed (``_idle_wait``)."""
         # Guards "accepting" together with the put, so that no command lands in the queue
         # after the engine thread's final drain (its sender would wait forever).
         self._gate = threading.Lock()
@@ -300,7 +306,7 @@ class AsyncEngine:
             if idle:
                 self._publish()
                 self._engine.gate.idle()  # no bulk work to announce to the host's engines
-                if not self._apply(self._commands.get()):  # idle: block for work
+                if not self._apply(self._idle_wait()):
                     return
             if not self._drain():
                 return
@@ -311,6 +317,19 @@ class AsyncEngine:
                 return
             if self._engine.has_unfinished():
                 self._step()
+
+    def _idle_wait(self) -> Command:
+        """Block for work. The first time the engine sits idle ``TRIM_AFTER_S`` after
+        starting or stepping, hand the heap freed since back to the system
+        (``hostmem.trim_heap``): here, off every request's path, an idle worker stops
+        holding its start-up's and its busiest moment's garbage."""
+        if self._trim_pending:
+            try:
+                return self._commands.get(timeout=TRIM_AFTER_S)
+            except queue.Empty:
+                self._trim_pending = False
+                trim_heap()
+        return self._commands.get()
 
     def _full(self) -> bool:
         """The next step's budget is reached: nothing more would join it."""
@@ -382,6 +401,7 @@ class AsyncEngine:
             admitted.timing.first_step_start = started
         self._unstarted.clear()
         self._window.stepped()
+        self._trim_pending = True
         try:
             outputs = self._engine.step()
         except StepFailedError as err:  # the engine aborted the failed requests itself

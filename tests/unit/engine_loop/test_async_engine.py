@@ -379,3 +379,31 @@ def test_batch_window_opens_for_bursts_and_ends_when_the_step_is_full() -> None:
     commands.put(StopCommand())
     assert not window.gather(commands, apply, lambda: False)
     assert isinstance(applied[-1], StopCommand) and commands.empty()
+
+
+def test_an_idle_engine_hands_freed_heap_back_once_per_busy_stretch(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread trims the heap when it falls idle after starting and after stepping,
+    once each time: not on every idle wait."""
+    import pdserve.engine_loop.async_engine as module
+
+    trims: queue.SimpleQueue[str] = queue.SimpleQueue()
+    monkeypatch.setattr(module, "trim_heap", lambda: trims.put(threading.current_thread().name))
+    monkeypatch.setattr(module, "TRIM_AFTER_S", 0.05)
+    ae = AsyncEngine(load(tiny_llama_dir))
+    ae.start()
+
+    async def body() -> None:
+        try:
+            engine_thread = trims.get(timeout=30)  # start-up's garbage, before any request
+            assert engine_thread != threading.current_thread().name
+            outs = await collect(ae, "r0", prompts(1, [9])[0], GREEDY)
+            assert outs[-1].finished
+            assert trims.get(timeout=30) == engine_thread  # the busy stretch's, once idle
+            await ae.call(lambda engine: None)  # an idle command that steps nothing
+        finally:
+            await ae.close()
+        assert trims.empty()  # nothing stepped since the last trim: no second one
+
+    run(body)
