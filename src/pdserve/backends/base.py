@@ -234,6 +234,13 @@ class EngineBackend(Protocol):
         reads; nothing if it is unknown. A stream being read is stopped by closing it."""
         ...
 
+    def hand_back(self, why: str) -> None:
+        """End every running stream (``generate``, ``decode``) with
+        ``WorkerUnavailableError(why)`` and free its KV, so that the router continues each
+        request on another worker (a migration, ``router.failover``); held KV stays. A
+        mixed worker leaving decode duty calls it instead of draining (``worker.duty``)."""
+        ...
+
     async def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of these chained hashes the prefix cache holds (a hint)."""
         ...

@@ -246,6 +246,9 @@ class TorchBackend:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def hand_back(self, why: str) -> None:
+        self.engine.hand_back(why)
+
     async def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         hashes = list(block_hashes)
         return await self.engine.call(lambda e: e.cached_prefix_blocks(hashes))

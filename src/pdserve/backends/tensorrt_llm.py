@@ -412,6 +412,9 @@ class TensorRTLLMBackend:
     def abort(self, request_id: str) -> None:
         self._requests.abort(request_id)
 
+    def hand_back(self, why: str) -> None:
+        self._requests.hand_back(why)
+
     async def cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         return 0  # TensorRT-LLM's block reuse is its own: it cannot be exported
 

@@ -27,6 +27,8 @@ class _Live:
     reservation_id: str
     started: bool = False
     """An output came: it is computing, no longer queued."""
+    handed_back: str | None = None
+    """Why the request was handed back (``LiveRequests.hand_back``); its stream raises it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,13 @@ class LiveRequests:
         if live is not None:
             live.result.abort()
 
+    def hand_back(self, why: str) -> None:
+        """Abort every request; each stream ends in ``WorkerUnavailableError(why)``, so that
+        its reader continues it elsewhere (``EngineBackend.hand_back``)."""
+        for live in list(self._live.values()):
+            live.handed_back = why
+            live.result.abort()
+
     def close(self) -> None:
         """Abort every request; refuse new ones."""
         self.closed = True
@@ -102,6 +111,8 @@ class LiveRequests:
         emitted, finished = skip, False
         try:
             async for res in result:
+                if live.handed_back is not None:
+                    break
                 out = res.outputs[0]
                 ids = list(out.token_ids)
                 timing.last_output = time.perf_counter()
@@ -130,9 +141,12 @@ class LiveRequests:
                 yield output
                 if finished:
                     return
+            if live.handed_back is not None:
+                raise WorkerUnavailableError(live.handed_back)
             raise WorkerUnavailableError(f"tensorrt-llm ended {request_id!r} unfinished")
         except Exception:
-            self.failed += 1  # counted for the metrics; the caller gets the error
+            if live.handed_back is None:
+                self.failed += 1  # counted for the metrics; the caller gets the error
             raise
         finally:
             self._live.pop(request_id, None)

@@ -57,6 +57,7 @@ from pdserve.engine_loop.commands import (
     AddCommand,
     CallCommand,
     Command,
+    HandBackCommand,
     RequestStream,
     StopCommand,
     fail_queued,
@@ -254,6 +255,12 @@ class AsyncEngine:
         command, so a following ``call`` sees its effect."""
         self._submit(AbortCommand(request_id, None), required=False)
 
+    def hand_back(self, why: str) -> None:
+        """End every running stream with ``WorkerUnavailableError(why)`` and free its KV, so
+        that whoever reads it continues the request elsewhere (the router migrates it); held
+        KV (prefills waiting for export) stays. Queued like ``abort``."""
+        self._submit(HandBackCommand(why), required=False)
+
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its result or exception."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -356,6 +363,8 @@ class AsyncEngine:
             self._add(command)
         elif isinstance(command, AbortCommand):
             self._abort(command)
+        elif isinstance(command, HandBackCommand):
+            self._hand_back(command.why)
         elif command.future.set_running_or_notify_cancel():
             try:
                 command.future.set_result(command.fn(self._engine))
@@ -394,6 +403,15 @@ class AsyncEngine:
         self._streams.pop(rid, None)
         self._held.pop(rid, None)
         self._engine.abort(rid)
+
+    def _hand_back(self, why: str) -> None:
+        handed = [s for s in self._streams.values() if not s.hold_kv]
+        if handed:
+            logger.info("handing %d running requests back: %s", len(handed), why)
+        for stream in handed:
+            del self._streams[stream.request_id]
+            self._engine.abort(stream.request_id)
+            stream.post(WorkerUnavailableError(why))
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -67,6 +67,14 @@ class AbortCommand:
 
 
 @dataclass(slots=True)
+class HandBackCommand:
+    """End every running stream with ``WorkerUnavailableError(why)`` and free its blocks;
+    held KV (a prefill waiting for export) stays (``AsyncEngine.hand_back``)."""
+
+    why: str
+
+
+@dataclass(slots=True)
 class CallCommand:
     """Run ``fn`` on the engine thread; its result or exception resolves ``future``."""
 
@@ -126,7 +134,7 @@ def post_outputs(deliveries: Deliveries) -> None:
             logger.warning("dropping outputs of %d requests: their event loop is closed", n)
 
 
-Command = AddCommand | AbortCommand | CallCommand | StopCommand
+Command = AddCommand | AbortCommand | HandBackCommand | CallCommand | StopCommand
 
 
 def fail_queued(commands: queue.SimpleQueue[Command], error: Exception) -> None:

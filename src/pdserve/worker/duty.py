@@ -14,14 +14,21 @@ restarted Redis) returns to what it was started as until a planner orders again.
 
 A change of duty drains first: until the engine is idle the worker takes new work only of
 the phases both duties share (usually none), so that what it still runs of its old duty
-finishes undisturbed; then it serves the new duty. Nothing is refused meanwhile: the worker
-keeps answering every call, and the scheduler simply places no new work of the old duty on
-it (its heartbeat says what it serves, and the scheduler re-checks that before committing).
+finishes; then it serves the new duty. Nothing is refused meanwhile: the worker keeps
+answering every call, and the scheduler simply places no new work of the old duty on it (its
+heartbeat says what it serves, and the scheduler re-checks that before committing).
+
+Leaving decode duty, the streams need not run to their end there (``--duty-switch migrate``,
+the default): the engine hands them back (``EngineBackend.hand_back``) and the router
+migrates each to another decode worker, which recomputes its KV and goes on at the next
+token. A drain would hold the worker for the longest stream's remaining tokens, while the
+prefill side that asked for it queues or refuses prompts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdserve.scheduling.worker_info import DUTIES, WorkerRole
 
@@ -46,8 +53,19 @@ class Duty:
     pending change once the engine is idle and returns ``(serves, duty, switching)``.
     """
 
-    def __init__(self, role: WorkerRole, capabilities: tuple[str, ...], duty: str = "") -> None:
+    def __init__(
+        self,
+        role: WorkerRole,
+        capabilities: tuple[str, ...],
+        duty: str = "",
+        *,
+        hand_back: Callable[[str], None] | None = None,
+    ) -> None:
+        """``hand_back``: called (with why) when an order takes decode away, so that the
+        running streams migrate instead of draining (``EngineBackend.hand_back``); None:
+        they drain."""
         self.role = role
+        self.hand_back = hand_back
         self.capabilities = capabilities
         self.start = duty
         """The duty it was started with: what it serves while no order is in Redis."""
@@ -71,8 +89,17 @@ class Duty:
         if self.role is not WorkerRole.MIXED or duty not in DUTIES or not self._phases(duty):
             logger.warning("ignoring duty %r: this %s worker cannot serve it", duty, self.role)
             return
-        logger.info("duty %r -> %r: draining first", self.duty, duty)
+        migrate = (
+            self.hand_back is not None
+            and "decode" in self._phases(self.duty)
+            and "decode" not in self._phases(duty)
+        )
+        logger.info(
+            "duty %r -> %r: %s first", self.duty, duty, "migrating" if migrate else "draining"
+        )
         self.target = duty
+        if migrate and self.hand_back is not None:
+            self.hand_back(f"this worker leaves decode duty for {duty!r}: the stream migrates")
 
     def state(self, *, idle: bool) -> tuple[tuple[str, ...], str, bool]:
         """``(serves, duty, switching)`` for the next heartbeat."""

@@ -319,17 +319,24 @@ async def run_worker(
     keys = KeySpace(options.namespace)
     redis = connect(options.redis_url) if options.redis_url else None
     can = capabilities(options.role, can_prefill=options.kvstore is not None)
+    migrate = options.scheduling.duty_switch == "migrate"
+    duty = (
+        Duty(
+            options.role,
+            can,
+            options.scheduling.duty,
+            hand_back=engine.hand_back if migrate else None,
+        )
+        if options.role is WorkerRole.MIXED
+        else None
+    )
     heartbeat = (
         WorkerHeartbeat(
             RedisWorkerRegistry(redis, keys=keys),
             identity,
             engine,
             interval_s=options.heartbeat_interval_s,
-            duty=(
-                Duty(options.role, can, options.scheduling.duty)
-                if options.role is WorkerRole.MIXED
-                else None
-            ),
+            duty=duty,
             links=links,
             bandwidth=bandwidth,
         )

@@ -13,6 +13,7 @@ from pdserve.scheduling.worker_info import DUTIES, LANES
 from pdserve.settings import setting
 
 WAITING_ORDERS = ("fcfs", "short_first")
+DUTY_SWITCHES = ("migrate", "drain")
 SCHEDULING = "scheduling (see docs/scheduling.md)"
 
 
@@ -43,6 +44,11 @@ class SchedulingOptions:
         "a planner may move it later", choices=[d for d in DUTIES if d], group=SCHEDULING,
     )  # fmt: skip
     """A mixed worker's duty until a planner orders another (``worker.duty``); empty: any."""
+    duty_switch: str = setting(
+        "migrate", "mixed worker leaving decode duty: hand its running streams to other "
+        "decode workers (the router migrates each, its KV recomputed there), or let them "
+        "finish first", choices=DUTY_SWITCHES, group=SCHEDULING,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.lane not in LANES:
@@ -53,5 +59,9 @@ class SchedulingOptions:
             )
         if not self.aging_tokens_per_s > 0:
             raise InvalidArgumentError("--aging-tokens-per-s", "must be > 0")
+        if self.duty_switch not in DUTY_SWITCHES:
+            raise InvalidArgumentError(
+                "--duty-switch", f"must be one of {DUTY_SWITCHES}, got {self.duty_switch!r}"
+            )
         if self.duty not in DUTIES:
             raise InvalidArgumentError("--duty", f"must be one of {DUTIES}, got {self.duty!r}")

@@ -348,6 +348,44 @@ def test_abort_frees_held_kv(backend_kind: str, tiny_llama_dir: Path) -> None:
     run(body)
 
 
+def test_hand_back_ends_running_streams_and_keeps_held_kv(
+    backend_kind: str, tiny_llama_dir: Path
+) -> None:
+    """``hand_back`` ends a running stream with ``WorkerUnavailableError`` naming why (the
+    router migrates it), frees its KV and forgets it; a held prefill keeps its blocks."""
+    long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    p, q = prompts(11, [9, 40])
+
+    async def body() -> None:
+        async with open_backend(backend_kind, tiny_llama_dir) as backend:
+            await barrier(backend)
+            total = backend.capacity().blocks_total
+            holds = backend.features.kv_payload
+            if holds:
+                await backend.prefill(EngineRequest("held", q, GREEDY), handoff=Handoff.HOLD)
+            stream = backend.generate(EngineRequest("running", p, long))
+            async with aclosing(stream):
+                first = await anext(stream)
+                assert first.new_token_ids and not first.finished
+                backend.hand_back("leaving decode duty")
+                with pytest.raises(WorkerUnavailableError, match="leaving decode duty"):
+                    async for _ in stream:
+                        pass
+            await barrier(backend)
+            after = backend.capacity()
+            assert after.running == 0 and after.waiting == 0
+            if holds:
+                assert after.blocks_free <= total - 2  # the held prefill's 41 tokens
+                backend.abort("held")
+                await barrier(backend)
+                assert backend.capacity().blocks_free == total
+            # The id is free again, and the engine computes as before.
+            again, _, _ = await collect(backend.generate(EngineRequest("running", p, GREEDY)))
+            assert len(again) == GREEDY.max_tokens
+
+    run(body)
+
+
 def test_a_request_id_in_flight_is_refused(backend_kind: str, tiny_llama_dir: Path) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
     p = prompts(7, [8])[0]

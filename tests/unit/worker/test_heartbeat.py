@@ -52,6 +52,26 @@ def test_the_heartbeat_reports_a_duty_switch_until_the_engine_is_idle() -> None:
     assert not idle.switching and idle.phases == ("prefill",)
 
 
+def test_leaving_decode_duty_hands_the_streams_back_once() -> None:
+    """With ``hand_back`` (``--duty-switch migrate``) an order that takes decode away hands
+    the running streams back at once, so the switch need not wait for them; an order that
+    keeps decode, or one repeated, hands nothing back."""
+    why: list[str] = []
+    can = capabilities(WorkerRole.MIXED, can_prefill=True)
+    duty = Duty(WorkerRole.MIXED, can, "decode", hand_back=why.append)
+    duty.order(b"")  # everything it can: it still decodes
+    assert why == []
+    duty.order(b"prefill")
+    duty.order(b"prefill")  # read again with the next heartbeat
+    assert len(why) == 1 and "'prefill'" in why[0]
+    duty.order(b"decode")  # back towards decode: nothing to hand back
+    assert len(why) == 1
+    draining = Duty(WorkerRole.MIXED, can, "decode")  # no hand_back: its streams drain
+    draining.order(b"prefill")
+    busy = worker_info(IDENTITY, snapshot(running=3), draining=False, duty=draining, now=1.0)
+    assert busy.switching
+
+
 def test_a_start_duty_holds_while_no_order_is_in_redis() -> None:
     duty = Duty(WorkerRole.MIXED, capabilities(WorkerRole.MIXED, can_prefill=True), "decode")
     duty.order(None)  # the heartbeat read no key: no planner has ordered anything
