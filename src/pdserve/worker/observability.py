@@ -417,7 +417,7 @@ class WorkerTelemetry:
             gate = self.engine.gate
             if isinstance(gate, HostLease):
                 lease = gate.stats
-                self.metrics.record_lease(
+                self.metrics.lease.record(
                     interactive_steps=lease.interactive_steps,
                     bulk_steps=lease.bulk_steps,
                     interactive_wait_s=lease.interactive_wait_s,
