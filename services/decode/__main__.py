@@ -23,10 +23,11 @@ from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_DECODE
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
+from pdserve.worker.observability import RECV, SEND
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import decode_worker, open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 from services.decode.servicer import DecodeServicer, MixedServicer, add_decode_servicer
 
 

@@ -27,7 +27,7 @@ from pdserve.rpc.server import build_server, run_service, serve_until_signal, wr
 from pdserve.security.options import add_security_args, security_from_args
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_KVSTORE
-from pdserve.worker.observability import WorkerTelemetry
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 from services.kvstore.observed import ObservedKVStoreServicer
 
 logger = logging.getLogger("pdserve.kvstore")

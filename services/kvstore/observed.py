@@ -15,7 +15,8 @@ from typing import Any
 from pdserve.kvstore.wire import Chunk
 from pdserve.transfer.base import TransportKind
 from pdserve.v1 import kvstore_pb2
-from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
+from pdserve.worker.observability import RECV, SEND
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 from services.kvstore.servicer import Context, KVStoreServicer
 
 

@@ -21,10 +21,11 @@ from pdserve.scheduling.worker_info import WorkerRole
 from pdserve.telemetry.service import MetricsEndpoint, add_telemetry_args
 from pdserve.telemetry.spans import SERVICE_PREFILL
 from pdserve.v1 import prefill_pb2_grpc
-from pdserve.worker.observability import SEND, WorkerTelemetry
+from pdserve.worker.observability import SEND
 from pdserve.worker.options import WorkerOptions, options_from_args, worker_parser
 from pdserve.worker.runtime import open_backend, prefill_worker, run_worker
 from pdserve.worker.stages import StageRecorder
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 
 
 async def serve(options: WorkerOptions, endpoint: MetricsEndpoint | None = None) -> None:

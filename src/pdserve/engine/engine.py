@@ -1,7 +1,8 @@
 """The engine: one step is schedule -> execute -> update.
 
 Request lifecycle (see ``sequence.py`` for states):
-  1. ``add_request`` validates, tokenizes and queues (or, with ``kv=``, imports a hand-off).
+  1. ``add_request`` validates and tokenizes (``intake.py``), then queues (or, with ``kv=``,
+     imports a hand-off).
   2. ``step`` schedules a batch under the token budget, runs it, appends sampled tokens and
      returns one ``RequestOutput`` per request that received a token.
   3. A finished request's blocks are freed at once, unless it was added with ``hold_kv``:
@@ -16,22 +17,18 @@ bookkeeping cannot be trusted any more.
 
 from __future__ import annotations
 
-import dataclasses
-import random
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.admission import check_import, prompt_ids, resumed_ids
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.controls import tokenize_bad_words
 from pdserve.engine.faults import EngineFaults
 from pdserve.engine.gate import UNGATED, ComputeGate
 from pdserve.engine.guided import Guides
+from pdserve.engine.intake import Intake, LiveRequest
 from pdserve.engine.kv_arrays import contiguous
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import (
@@ -46,9 +43,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import LayerHook, Sequence, SequenceStatus
 from pdserve.engine.step_runner import ComputeFactory, StepRunner, torch_compute
-from pdserve.engine.text import TextStream
 from pdserve.errors import (
-    CapacityError,
     DuplicateRequestError,
     InvalidArgumentError,
     RequestFailedError,
@@ -59,12 +54,6 @@ from pdserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    text: TextStream
 
 
 class Engine:
@@ -102,11 +91,14 @@ class Engine:
         self.gate: ComputeGate = UNGATED
         """Brackets each step's compute (sharing the device with other engines); set it
         before the first step."""
-        self._requests: dict[str, _Request] = {}
+        self.intake = Intake(
+            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size,
+            built.num_blocks, self.layout, self.guides, self.scheduler.token_stop,
+        )  # fmt: skip
+        """Checks added requests and makes them sequences."""
+        self._requests: dict[str, LiveRequest] = {}
         self._held: dict[str, Sequence] = {}
         self._imports: deque[tuple[Sequence, KVPayload]] = deque()
-        self._arrivals = 0
-        self._rng = random.Random(0)
         self.last_step = StepShape()
         """The shape of the latest ``step`` (for step-time models)."""
 
@@ -135,16 +127,10 @@ class Engine:
     ) -> list[int]:
         """Queue ``request`` as the serving stack hands it down (see ``add_request``)."""
         return self.add_request(
-            request.request_id,
-            request.prompt_ids,
-            request.params,
-            hold_kv=hold_kv,
-            layer_hook=layer_hook,
-            tenant=request.tenant,
-            kv=kv,
-            first_token=first_token,
+            request.request_id, request.prompt_ids, request.params, hold_kv=hold_kv,
+            layer_hook=layer_hook, tenant=request.tenant, kv=kv, first_token=first_token,
             generated=generated,
-        )
+        )  # fmt: skip
 
     def add_request(
         self,
@@ -170,76 +156,19 @@ class Engine:
         sequence is, and the request continues at output position ``len(generated)``, so
         ``max_tokens``, stop conditions and seeded draws run on as if it had never moved.
         """
-        params = params or SamplingParams()
         if request_id in self._requests or request_id in self._held:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        vocab = self.model_config.vocab_size
-        token_ids = prompt_ids(prompt, self.tokenizer, vocab, self.max_model_len)
-        params = tokenize_bad_words(params, self.tokenizer)
-        params.check_against(
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            prompt_len=len(token_ids),
-        )
-        resumed = resumed_ids(generated, params, kv, vocab)
-        if resumed or kv is not None:  # prefilled elsewhere: its prompt logprobs went from there
-            params = params.without_prompt_logprobs()
-        need = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
-        if need > self.block_manager.num_blocks:
-            raise CapacityError(
-                f"request needs {need} KV blocks; this engine has "
-                f"{self.block_manager.num_blocks} in all"
-            )
-        if not params.ignore_eos and self.tokenizer.eos_token_ids:
-            params = dataclasses.replace(
-                params, stop_token_ids=params.stop_token_ids + tuple(self.tokenizer.eos_token_ids)
-            )
-        self._arrivals += 1
-        seq = Sequence(
-            request_id,
-            token_ids,
-            params,
-            arrival=self._arrivals,
-            hold_kv=hold_kv,
-            layer_hook=layer_hook,
-            tenant=tenant,
-        )
-        if not params.greedy:
-            seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        if params.guide is not None:  # its matcher replays what was drawn elsewhere
-            first = [first_token[0]] if kv is not None and first_token is not None else []
-            field = "generated" if resumed else "first_token"
-            seq.guide = self.guides.start(params.guide, resumed or first, field)
-        req = _Request(seq, TextStream(self.tokenizer, params.stop, params.min_tokens))
-        if resumed:
-            self._resume(req, resumed)
-        elif kv is None:
-            self.scheduler.add(seq)
+        req = self.intake.request(
+            request_id, prompt, params or SamplingParams(), hold_kv=hold_kv,
+            layer_hook=layer_hook, tenant=tenant, kv=kv, first_token=first_token,
+            generated=generated,
+        )  # fmt: skip
+        if kv is None:
+            self.scheduler.add(req.seq)
         else:
-            check_import(self.layout, kv, token_ids, first_token, vocab)
-            assert first_token is not None
-            seq.token_ids.append(first_token[0])
-            seq.output_logprobs.append(first_token[1])
-            req.text.add(first_token[0])  # already streamed by the prefill side
-            self._imports.append((seq, kv))
+            self._imports.append((req.seq, kv))
         self._requests[request_id] = req
-        return token_ids
-
-    def _resume(self, req: _Request, generated: list[int]) -> None:
-        """Queue a sequence that already has output tokens. Its text stream sees them (they
-        were streamed elsewhere), so that a stop string spanning the move is still caught."""
-        seq = req.seq
-        for token in generated:
-            if req.text.add(token):
-                raise InvalidArgumentError("generated", "a stop string already ended the request")
-        req.text.take()  # streamed already
-        seq.token_ids += generated
-        seq.output_logprobs += [0.0] * len(generated)  # reported by the engine that drew them
-        if self.scheduler.token_stop(seq, generated[-1]) is not None:
-            raise InvalidArgumentError(
-                "generated", "the request already ended (a stop token or its length)"
-            )
-        self.scheduler.add(seq)
+        return req.seq.token_ids[: req.seq.num_prompt_tokens]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. False if it is not (or no longer) here."""
@@ -392,7 +321,7 @@ class Engine:
             raise StepFailedError(failures, outputs)
         return outputs
 
-    def _output(self, req: _Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:
+    def _output(self, req: LiveRequest, tokens: list[int], logprobs: list[float]) -> RequestOutput:
         seq = req.seq
         finished = seq.status.finished
         out = RequestOutput(
@@ -431,7 +360,7 @@ class Engine:
                 "params", "need one SamplingParams per prompt, or a single one"
             )
         results: dict[str, GenerationResult] = {}
-        ids = [f"gen-{self._arrivals + i}-{id(self)}" for i in range(len(prompt_list))]
+        ids = [f"gen-{self.intake.arrivals + i}-{id(self)}" for i in range(len(prompt_list))]
         for rid, prompt, p in zip(ids, prompt_list, param_list, strict=True):
             tokens = self.add_request(rid, prompt, p)
             results[rid] = GenerationResult(rid, tokens, [], [], "", None)  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ from pdserve.transfer.base import (
 from pdserve.transfer.links import Links
 from pdserve.transfer.shm.handoff import ShmReceiver
 from pdserve.transfer.shm.reader import SegmentReader
-from pdserve.transfer.shm.slots import SlotMappings
+from pdserve.transfer.shm.slot_mappings import SlotMappings
 from pdserve.transfer.stream.inbox import Inbox
 from pdserve.transfer.stream.receiver import LocalReceiver, StreamReceiver
 

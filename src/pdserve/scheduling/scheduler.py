@@ -2,20 +2,18 @@
 
 Lifecycle of one ``assign()``:
 
-1. Decide from the cache. The scheduler keeps a view of every live worker (heartbeat plus
-   reserved amounts) that is at most ``refresh_interval_s`` old, so a decision costs no Redis
-   round trip to *choose* (the service refreshes it in the background, ``refresher``; without
-   that, the decision that finds it too old refreshes it first). The view leaves out workers
-   whose heartbeat is more than two of their intervals old (gone, though their key may live
-   on). ``placement.Placer`` drops workers that are draining, excluded by the caller (they
-   failed this request), that do not serve the phase, of another model, excluded earlier
-   in this call, or too full on that view; orders the rest by the placement policy; decides
-   the mode (``conditional``: colocated or disaggregated by the cost model) and, with a TTFT
-   SLO, refuses a request that would miss it everywhere; a request migrating from a dead
-   decode worker (``decode_only``) takes a decode worker alone. The request's prompt blocks are
-   looked up in the KV event index (``prefix_index``), when one is kept. If nothing fits, the
-   view is refreshed once before refusing, so a refusal is never based on data older than the
-   call.
+1. Decide from the cache (``view_cache.ViewCache``): a view of every live worker (heartbeat plus
+   reserved amounts) at most ``refresh_interval_s`` old, so a decision costs no Redis round trip
+   to *choose* (the service refreshes it in the background, ``refresher``; without that, the
+   decision that finds it too old refreshes it first). ``placement.Placer`` drops workers that
+   are draining, excluded by the caller (they failed this request), that do not serve the phase,
+   of another model, excluded earlier in this call, or too full on that view; orders the rest by
+   the placement policy; decides the mode (``conditional``: colocated or disaggregated by the
+   cost model) and, with a TTFT SLO, refuses a request that would miss it everywhere; a request
+   migrating from a dead decode worker (``decode_only``) takes a decode worker alone. The
+   request's prompt blocks are looked up in the KV event index (``prefix_index``), when one is
+   kept. If nothing fits, the view is refreshed once before refusing, so a refusal is never based
+   on data older than the call.
 2. Take this process's commit lock of each chosen worker (so a replica's own concurrent
    assigns queue instead of invalidating each other), then WATCH the chosen workers'
    heartbeat keys and reservation sets.
@@ -63,7 +61,6 @@ from pdserve.errors import CapacityError, InvalidArgumentError, WorkerUnavailabl
 from pdserve.quotas import TenantQuotas
 from pdserve.scheduling.capacity import (
     CapacityLimits,
-    Claim,
     Demand,
     Phase,
     WorkerView,
@@ -83,6 +80,7 @@ from pdserve.scheduling.reservations import (
     ReservationLedger,
     ReservationPart,
 )
+from pdserve.scheduling.view_cache import ViewCache
 from pdserve.scheduling.worker_info import WorkerInfo
 
 _EXPIRED = "heartbeat expired"
@@ -198,24 +196,10 @@ class ClusterScheduler:
             ttft_slo_s=ttft_slo_s,
         )
         self.prefix_index = prefix_index
-        # Plain counters; the metrics module exports them.
-        self.decisions = 0
-        """Assignments committed."""
-        self.rejections = 0
-        """assign() calls that ended in CapacityError or WorkerUnavailableError."""
+        self.cache = ViewCache(self.registry, self.ledger, prefix_index)
         self.conflicts = 0
-        """Commits aborted by WatchError (another writer got there first)."""
-        self.retries = 0
-        """Attempts after the first, for any reason."""
-        self.refreshes = 0
-        """Cache refreshes from Redis."""
-        self.refusals = 0
-        """Requests refused by admission (predicted to miss the TTFT SLO everywhere)."""
-        self.modes: collections.Counter[tuple[str, str]] = collections.Counter()
-        """Assignments by (mode, reason)."""
-        self._views: dict[str, WorkerView] = {}
-        self._refreshed_at = -float("inf")  # time.monotonic() when the refresh started
-        self._refresh_lock = asyncio.Lock()
+        """Commits aborted by WatchError: another writer got there first (the service
+        exports it)."""
         # One commit at a time per worker *within this process*: concurrent assigns of one
         # replica would otherwise invalidate each other's WATCH and burn their retries. WATCH
         # still arbitrates between replicas.
@@ -231,41 +215,12 @@ class ClusterScheduler:
         (default ``refresh_interval_s``)."""
         limit = self.refresh_interval_s if max_age_s is None else max_age_s
         with _redis_reachable():
-            await self._refresh(not_before=time.monotonic() - limit)
-        return sorted(self._views.values(), key=lambda v: v.id)
+            await self.cache.refresh(not_before=time.monotonic() - limit)
+        return sorted(self.cache.views.values(), key=lambda v: v.id)
 
     async def refresh(self) -> None:
         """Refresh the cached view from Redis now (``refresher.kept_fresh`` calls it)."""
-        await self._refresh(not_before=time.monotonic())
-
-    async def _refresh(self, *, not_before: float) -> None:
-        # Single flight: concurrent callers wait for one refresh instead of each doing one.
-        if self._refreshed_at >= not_before:
-            return
-        async with self._refresh_lock:
-            if self._refreshed_at >= not_before:
-                return
-            started = time.monotonic()
-            infos = await self.registry.list_workers()
-            reserved, now_s = await self.ledger.reserved_on(infos)
-            views = (WorkerView(i, reserved[i.id], max(0.0, now_s - i.ts)) for i in infos)
-            # A worker two heartbeats late is gone, even while its key lives on.
-            self._views = {v.id: v for v in views if not stale(v)}
-            if self.prefix_index is not None:
-                self.prefix_index.forget(list(self._views))
-            self._refreshed_at = started
-            self.refreshes += 1
-
-    def _unaccount(self, worker_id: str, claim: Claim) -> None:
-        view = self._views.get(worker_id)
-        if view is not None:
-            self._views[worker_id] = view.with_reserved(view.reserved - claim)
-
-    def _account(self, worker_id: str, claim: Claim) -> None:
-        """Add our own commit to the cache so that the next decisions see it at once."""
-        view = self._views.get(worker_id)
-        if view is not None:
-            self._views[worker_id] = view.with_reserved(view.reserved + claim)
+        await self.cache.refresh(not_before=time.monotonic())
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -294,7 +249,7 @@ class ClusterScheduler:
         lookup = None
         if prompt_token_ids and self.prefix_index is not None:
             blocks, index = PromptBlocks(prompt_token_ids, tenant), self.prefix_index
-            stores = {wid: v.info.prefix_store for wid, v in self._views.items()}
+            stores = {wid: v.info.prefix_store for wid, v in self.cache.views.items()}
 
             def lookup(worker_id: str) -> int:
                 return blocks.reusable_tokens(index, worker_id, stores.get(worker_id, ""))
@@ -321,19 +276,15 @@ class ClusterScheduler:
         excluded: dict[str, str] = dict.fromkeys(exclude, _EXCLUDED)
         called_at = time.monotonic()
         for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.retries += 1
             # A retry means our view was wrong somewhere: decide on data newer than the failure.
             not_before = time.monotonic() - (0.0 if attempt else self.refresh_interval_s)
-            await self._refresh(not_before=not_before)
+            await self.cache.refresh(not_before=not_before)
             placed = self._place(demands, chosen_mode, excluded)
-            if not isinstance(placed, Placement) and self._refreshed_at < called_at:
+            if not isinstance(placed, Placement) and self.cache.refreshed_at < called_at:
                 # Refuse only on data newer than the call: capacity may have just been freed.
-                await self._refresh(not_before=called_at)
+                await self.cache.refresh(not_before=called_at)
                 placed = self._place(demands, chosen_mode, excluded)
             if isinstance(placed, Refusal):
-                self.rejections += 1
-                self.refusals += 1
                 await self._count_refused(Phase.PREFILL)
                 raise SloRefusalError(
                     f"request {request_id!r} (prompt {prompt_tokens}) refused: predicted time to "
@@ -341,10 +292,9 @@ class ClusterScheduler:
                     f"{placed.slo_s:g} s SLO (best: {placed.details})"
                 )
             if isinstance(placed, str):
-                self.rejections += 1
                 await self._count_refused(Phase(placed))
                 raise capacity_error(
-                    self._views.values(), excluded, _GONE, self.limits,
+                    self.cache.views.values(), excluded, _GONE, self.limits,
                     request_id, prompt_tokens, max_tokens, placed,
                 )  # fmt: skip
             plan = placed.plan
@@ -372,9 +322,7 @@ class ClusterScheduler:
                 excluded[rejected.worker_id] = rejected.reason
                 continue
             for part in parts:
-                self._account(part.worker_id, part.claim)
-            self.decisions += 1
-            self.modes[(plan.mode.value, placed.decision.reason.value)] += 1
+                self.cache.account(part.worker_id, part.claim)
             d = placed.decision
             logger.debug(
                 "%s: %s (%s) on %s; prompt %d, cached %d, predicted TTFT colocated %s, "
@@ -385,16 +333,9 @@ class ClusterScheduler:
             prefill = committed.workers[parts[0].worker_id]
             decode = committed.workers[parts[-1].worker_id]
             return Assignment(
-                committed.reservation_id,
-                prefill,
-                decode,
-                plan.mode,
-                attempt,
-                self.policy.name,
-                committed.ttl_s,
-                placed.decision,
-            )
-        self.rejections += 1
+                committed.reservation_id, prefill, decode, plan.mode, attempt, self.policy.name,
+                committed.ttl_s, placed.decision,
+            )  # fmt: skip
         reason = "; ".join(f"{w}: {r}" for w, r in excluded.items()) or "conflicts only"
         raise CapacityError(
             f"request {request_id!r} (prompt {prompt_tokens}, max_tokens {max_tokens}) not "
@@ -411,7 +352,7 @@ class ClusterScheduler:
         self, demands: Mapping[Phase, Demand], mode: Mode, excluded: Mapping[str, str]
     ) -> Placement | Refusal | str:
         """The placement on the cached view (``placement.Placer``)."""
-        views = [v for v in self._views.values() if v.id not in excluded]
+        views = [v for v in self.cache.views.values() if v.id not in excluded]
         if set(demands) == {Phase.DECODE}:
             return self.placer.place_decode(views, demands[Phase.DECODE])
         return self.placer.place(views, demands, mode, arrivals_per_s=self.arrivals.rate())
@@ -434,7 +375,7 @@ class ClusterScheduler:
                 raise RecheckFailedError(part.worker_id, why)
             fingerprint = view.info.model_fingerprint
             # Refresh the cache entry with what we just read: it is newer than the cache.
-            self._views[part.worker_id] = view
+            self.cache.views[part.worker_id] = view
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -446,7 +387,7 @@ class ClusterScheduler:
         """
         with _redis_reachable():
             return await self.ledger.release(
-                reservation_id, prefill_only=prefill_only, on_released=self._unaccount
+                reservation_id, prefill_only=prefill_only, on_released=self.cache.unaccount
             )
 
     async def renew(self, reservation_id: str) -> float:

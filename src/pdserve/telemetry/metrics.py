@@ -3,21 +3,19 @@
 Services use the typed helpers (``RouterMetrics``, ``WorkerMetrics``, ``SchedulerMetrics``)
 and never prometheus-client itself. Each helper owns a fresh ``CollectorRegistry`` unless given
 one, so two services in one process (tests, a colocated launcher) never share or collide in
-prometheus-client's process-wide default registry. Metric names are listed in ``METRICS`` and
-in ``docs/observability.md``; the Grafana dashboard queries them.
+prometheus-client's process-wide default registry. Metric names are the constants here (the
+host lease's in ``lease_metrics``) and in ``docs/observability.md``; the Grafana dashboard
+queries them.
 """
 
 from __future__ import annotations
-
-import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.process_collector import ProcessCollector
 
 from pdserve.errors import InvalidArgumentError
+from pdserve.telemetry.lease_metrics import LeaseMetrics
 from pdserve.telemetry.vllm_metrics import VllmEngineMetrics, VllmRequestMetrics
-
-logger = logging.getLogger(__name__)
 
 TTFT_SECONDS = "pdserve_ttft_seconds"
 ITL_SECONDS = "pdserve_inter_token_latency_seconds"
@@ -39,11 +37,6 @@ PLANNER_MOVES = "pdserve_planner_moves"  # Counter: ..._total
 PLANNER_PRESSURE = "pdserve_planner_pressure"
 PLANNER_LEADER = "pdserve_planner_leader"
 REDIS_ERRORS = "pdserve_redis_errors"  # Counter: ..._total
-CORE_STEPS = "pdserve_core_steps"  # Counter: ..._total
-CORE_WAIT_SECONDS = "pdserve_core_wait_seconds"  # Counter: ..._total
-CORE_PACED_SECONDS = "pdserve_core_paced_seconds"  # Counter: ..._total
-CORE_LENT_SECONDS = "pdserve_core_lent_seconds"  # Counter: ..._total
-CORE_SPLITS = "pdserve_core_splits"  # Counter: ..._total
 HTTP_REQUESTS = "pdserve_http_requests"  # Counter: ..._total
 HTTP_SECONDS = "pdserve_http_request_seconds"
 ENGINE_FAILURES = "pdserve_engine_failures"  # Counter: ..._total
@@ -52,17 +45,6 @@ SCHEDULER_WAIT_SECONDS = "pdserve_router_scheduler_wait_seconds"
 LINK_RATE = "pdserve_kv_transfer_bytes_per_second"
 LINK_PEAK = "pdserve_kv_transfer_peak_bytes_per_second"
 LINK_CAPACITY = "pdserve_kv_link_capacity_bytes_per_second"
-
-METRICS: tuple[str, ...] = (
-    TTFT_SECONDS, ITL_SECONDS, E2E_SECONDS, REQUESTS_TOTAL, QUEUE_DEPTH, KV_BLOCKS_FREE,
-    KV_BLOCKS_TOTAL, TRANSFER_BYTES, TRANSFER_SECONDS, HANDOFFS, SCHEDULER_DECISIONS,
-    SCHEDULER_CONFLICTS, REDIS_ERRORS, CORE_STEPS, CORE_WAIT_SECONDS, CORE_PACED_SECONDS,
-    CORE_LENT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS, ENGINE_FAILURES,
-    CORE_LENT_SECONDS, SCHEDULER_MODES, ARM_REQUESTS, ARM_TTFT_SECONDS, ARM_ITL_SECONDS,
-    PLANNER_MOVES, PLANNER_PRESSURE, PLANNER_LEADER, SCHEDULER_WAITING, SCHEDULER_WAIT_SECONDS,
-    LINK_RATE, LINK_PEAK, LINK_CAPACITY,
-)  # fmt: skip
-"""Every pdserve metric family name (counters without their ``_total`` suffix)."""
 
 # Bucket upper bounds in seconds. TTFT spans a short prompt on an idle cluster (ms) to a long
 # prompt behind a queue (s); inter-token latency is one decode step (ms).
@@ -237,27 +219,8 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
-        # The host lease (pdserve.compute): running totals, advanced by what changed.
-        self._core_steps = Counter(
-            CORE_STEPS, "Engine steps run under the host lease.", ["kind"], registry=r
-        )
-        self._core_wait = Counter(
-            CORE_WAIT_SECONDS, "Time engine steps waited for the host's cores.", ["kind"],
-            registry=r,
-        )  # fmt: skip
-        self._core_paced = Counter(
-            CORE_PACED_SECONDS, "Time decode steps were held back for waiting prefills.",
-            registry=r,
-        )  # fmt: skip
-        self._core_lent = Counter(
-            CORE_LENT_SECONDS, "Time long prefill steps lent the cores to decode steps.",
-            registry=r,
-        )  # fmt: skip
-        self._core_splits = Counter(
-            CORE_SPLITS, "Times a long prefill step ran beside decode steps on its share of "
-            "the threads.", registry=r,
-        )  # fmt: skip
-        self._lease_seen: tuple[float, ...] = (0,) * 7
+        self.lease = LeaseMetrics(r)
+        """The host lease's families (``pdserve.compute``)."""
         # Live KV link bandwidth (``transfer.bandwidth``), set at scrape time.
         link_labels = ["link", "transport", "direction", "window"]
         self._link_rate = Gauge(
@@ -271,32 +234,6 @@ class WorkerMetrics:
             LINK_CAPACITY, "A KV link's bytes/s as measured by its hand-offs (else the prior).",
             ["link", "transport"], registry=r,
         )  # fmt: skip
-
-    def record_lease(
-        self,
-        *,
-        interactive_steps: int,
-        bulk_steps: int,
-        interactive_wait_s: float,
-        bulk_wait_s: float,
-        paced_s: float,
-        lent_s: float,
-        splits: int,
-    ) -> None:
-        """The host lease's running totals now (``pdserve.compute.LeaseStats``)."""
-        now = (
-            interactive_steps, bulk_steps, interactive_wait_s, bulk_wait_s, paced_s, lent_s,
-            splits,
-        )  # fmt: skip
-        d = [max(0.0, a - b) for a, b in zip(now, self._lease_seen, strict=True)]
-        self._lease_seen = now
-        self._core_steps.labels(kind="interactive").inc(d[0])
-        self._core_steps.labels(kind="bulk").inc(d[1])
-        self._core_wait.labels(kind="interactive").inc(d[2])
-        self._core_wait.labels(kind="bulk").inc(d[3])
-        self._core_paced.inc(d[4])
-        self._core_lent.inc(d[5])
-        self._core_splits.inc(d[6])
 
     def set_queue_depth(self, depth: int, *, role: str | None = None) -> None:
         """The queue length now; ``role`` overrides the worker's (a colocated worker has two)."""

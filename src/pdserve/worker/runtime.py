@@ -61,9 +61,9 @@ from pdserve.worker.duty import Duty, capabilities
 from pdserve.worker.fault_specs import parse_engine_faults
 from pdserve.worker.heartbeat import WorkerHeartbeat, WorkerIdentity
 from pdserve.worker.kv_events import KVEventPublisher, StoreEventPublisher, install_events
-from pdserve.worker.observability import WorkerTelemetry
 from pdserve.worker.options import WorkerOptions
 from pdserve.worker.prefill import PrefillWorker
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from pdserve.worker.observability import (
     RECV,
     SEND,
     TokenGaps,
-    WorkerTelemetry,
     monotonic_to_epoch_ns,
     perf_epoch_offset_ns,
     perf_to_monotonic_ns,
@@ -52,6 +51,7 @@ from pdserve.worker.observability import (
     transfer_window,
 )
 from pdserve.worker.prefill import PrefillResult
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 
 
 class StageRecorder:

@@ -22,6 +22,7 @@ from pdserve.transfer.bandwidth import SAME_HOST, BandwidthMeter
 from pdserve.transfer.handle import TransportKind
 from pdserve.transfer.links import PRIORS, Links
 from pdserve.worker import observability as obs
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class _Heartbeat:
 
 
 def _samples(
-    telemetry: obs.WorkerTelemetry,
+    telemetry: WorkerTelemetry,
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(telemetry.registry).decode()
     return {
@@ -232,7 +233,7 @@ def _samples(
 
 def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
     engine, heartbeat = _Engine(), _Heartbeat()
-    telemetry = obs.WorkerTelemetry("decode", engine, process=False)  # type: ignore[arg-type]
+    telemetry = WorkerTelemetry("decode", engine, process=False)  # type: ignore[arg-type]
     telemetry.watch_heartbeat(heartbeat)  # type: ignore[arg-type]
     first = _samples(telemetry)
     assert first[("pdserve_queue_depth", (("role", "decode"),))] == 3
@@ -256,7 +257,7 @@ def test_gauges_and_heartbeat_errors_are_read_at_scrape_time() -> None:
 
 def test_host_lease_totals_advance_at_scrape_time(tmp_path: Path) -> None:
     lease = HostLease(tmp_path, bulk_tokens=10)
-    telemetry = obs.WorkerTelemetry("mixed", _Engine(lease), process=False)  # type: ignore[arg-type]
+    telemetry = WorkerTelemetry("mixed", _Engine(lease), process=False)  # type: ignore[arg-type]
     for tokens in (0, 3, 11):
         with lease.hold(tokens):
             pass
@@ -271,7 +272,7 @@ def test_host_lease_totals_advance_at_scrape_time(tmp_path: Path) -> None:
 
 
 def test_transfers_count_bytes_and_seconds_of_their_own_window() -> None:
-    telemetry = obs.WorkerTelemetry("prefill", process=False)
+    telemetry = WorkerTelemetry("prefill", process=False)
     telemetry.observe_transfer(
         Record(num_bytes=1000, first_layer_ns=2_000_000, send_end_ns=6_000_000), obs.SEND
     )
@@ -288,7 +289,7 @@ def test_link_bandwidth_and_capacity_are_read_at_scrape_time() -> None:
     send, recv = BandwidthMeter(lambda: now[0]), BandwidthMeter(lambda: now[0])
     links = Links("p-host")
     links.measure("d-host", TransportKind.DIRECT, 2_000_000, 0.011)  # 2 MB in 10 ms: 200 MB/s
-    telemetry = obs.WorkerTelemetry("mixed", process=False)
+    telemetry = WorkerTelemetry("mixed", process=False)
     telemetry.watch_bandwidth(obs.SEND, send, links)
     telemetry.watch_bandwidth(obs.RECV, recv, Links("p-host"))
     # 50 MB in 50 ms to d-host; 4 MB over 200 ms read from this host's own shm.

@@ -19,9 +19,10 @@ from pdserve.telemetry import tracing
 from pdserve.timing import RequestTiming, Timing
 from pdserve.transfer.record import HandoffRecord
 from pdserve.worker.delta import DecodeDelta, Finished
-from pdserve.worker.observability import RECV, SEND, WorkerTelemetry
+from pdserve.worker.observability import RECV, SEND
 from pdserve.worker.prefill import PrefillResult
 from pdserve.worker.stages import StageRecorder
+from pdserve.worker.worker_telemetry import WorkerTelemetry
 
 
 @dataclass

@@ -38,7 +38,7 @@ from pdserve.transfer.shm import segment
 from pdserve.transfer.shm.checksum import combine, in_pair, layer_checksum
 from pdserve.transfer.shm.populate import Populator
 from pdserve.transfer.shm.segment import SegmentGeometry, SegmentHeader
-from pdserve.transfer.shm.slots import SlotMappings, SlotNotReservedError
+from pdserve.transfer.shm.slot_mappings import SlotMappings, SlotNotReservedError
 from pdserve.transfer.stamp import check_capability, mapped_capability
 
 _WAIT_MIN_S = 50e-6
@@ -148,7 +148,7 @@ def follow_slot(
     populate: bool = True,
 ) -> SegmentHeader:
     """``follow_segment`` for the hand-off of ``generation`` in a reused slot, over the
-    reader's kept mapping ``mm`` (``slots.py``): it waits for the writer to start that
+    reader's kept mapping ``mm`` (``slot_mappings.py``): it waits for the writer to start that
     generation; the writer gave up if it aborts it or starts a later one. The caller claims
     the slot once this returns (sealed)."""
 

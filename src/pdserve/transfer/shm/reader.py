@@ -29,7 +29,7 @@ from pdserve.transfer.base import (
 from pdserve.transfer.janitor import HANDED_OVER, SHM_DIR, segment_state
 from pdserve.transfer.shm import segment
 from pdserve.transfer.shm.follow import follow_segment, follow_slot, mapped_when_reserved
-from pdserve.transfer.shm.slots import Claim, SlotMappings
+from pdserve.transfer.shm.slot_mappings import Claim, SlotMappings
 from pdserve.transfer.stamp import holds_capability
 
 INLINE_READ_BYTES = 1 << 20
@@ -66,7 +66,7 @@ class SegmentReader:
         """Sealed segments up to this size (as the descriptor gives it) are read on the
         caller's thread (``INLINE_READ_BYTES``); 0: always in a worker thread."""
         self.slots = slots
-        """This process's kept mappings of reused slots (``slots.py``); None: a reused slot
+        """This process's kept mappings of reused slots (``slot_mappings.py``); None: a reused slot
         is mapped for this read alone."""
         self.state = TransferState.PENDING
         self.record = HandoffRecord(TransportKind.SHM.value)

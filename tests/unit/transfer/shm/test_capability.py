@@ -21,7 +21,8 @@ from pdserve.transfer.janitor import SEGMENT_PREFIX, SHM_DIR, SegmentState, segm
 from pdserve.transfer.shm.follow import follow_segment
 from pdserve.transfer.shm.handoff import ShmReceiver
 from pdserve.transfer.shm.reader import SegmentReader
-from pdserve.transfer.shm.slots import SlotMappings, SlotPool
+from pdserve.transfer.shm.slot_mappings import SlotMappings
+from pdserve.transfer.shm.slots import SlotPool
 from pdserve.transfer.shm.writer import SegmentWriter
 from pdserve.transfer.stamp import CAPABILITY_BYTES, read_stamp
 from tests.unit.transfer.conftest import (

@@ -32,12 +32,8 @@ from pdserve.transfer.janitor import (
 )
 from pdserve.transfer.shm import segment
 from pdserve.transfer.shm.reader import SegmentReader
-from pdserve.transfer.shm.slots import (
-    SlotMappings,
-    SlotNotReservedError,
-    SlotPool,
-    slot_capacity,
-)
+from pdserve.transfer.shm.slot_mappings import SlotMappings, SlotNotReservedError
+from pdserve.transfer.shm.slots import SlotPool, slot_capacity
 from pdserve.transfer.shm.writer import SegmentWriter
 from tests.unit.transfer.conftest import (
     assert_same_payload,
@@ -190,7 +186,7 @@ READER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from pdserve.transfer.shm.slots import SlotMappings
+    from pdserve.transfer.shm.slot_mappings import SlotMappings
     claim = SlotMappings().claim(
         Path(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3]), time.monotonic() + 10
     )
