@@ -62,13 +62,13 @@ from pdserve.engine_loop.commands import (
     StopCommand,
     fail_queued,
     post_outputs,
-    route_outputs,
 )
 from pdserve.engine_loop.state import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     EngineSnapshot,
     FailureTracker,
 )
+from pdserve.engine_loop.stream_table import StreamTable
 from pdserve.errors import WorkerUnavailableError
 from pdserve.hostmem import trim_heap
 from pdserve.timing import RequestTiming
@@ -109,11 +109,7 @@ class AsyncEngine:
         # after the engine thread's final drain (its sender would wait forever).
         self._gate = threading.Lock()
         self._accepting = False
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._unstarted: list[RequestStream] = []  # engine thread only: admitted, no step yet
-        # Engine thread only: finished hold_kv requests and the stream each finished on (an
-        # abort from that stream still releases them: its consumer left before it saw the end).
-        self._held: dict[str, RequestStream] = {}
+        self._streams = StreamTable(engine)  # engine thread only
         self._num_steps = 0
         self._meter = StepMeter()  # engine thread
         self._snapshot = self._failures.snapshot(engine.stats(), (), 0)
@@ -272,15 +268,7 @@ class AsyncEngine:
 
         The blocks are freed even if the export fails.
         """
-
-        def export(engine: Engine) -> KVPayload:
-            try:
-                return engine.export_kv(request_id)
-            finally:
-                engine.abort(request_id)  # frees held blocks; no-op if they are gone
-                self._held.pop(request_id, None)
-
-        return await self.call(export)
+        return await self.call(lambda _engine: self._streams.export(request_id))
 
     def stats(self) -> EngineStats:
         """The stats as of the engine thread's last turn (no lock, no waiting)."""
@@ -360,11 +348,11 @@ class AsyncEngine:
             return False
         if isinstance(command, AddCommand):
             self._window.added()
-            self._add(command)
+            self._streams.add(command)
         elif isinstance(command, AbortCommand):
-            self._abort(command)
+            self._streams.abort(command.request_id, command.stream)
         elif isinstance(command, HandBackCommand):
-            self._hand_back(command.why)
+            self._streams.hand_back(command.why)
         elif command.future.set_running_or_notify_cancel():
             try:
                 command.future.set_result(command.fn(self._engine))
@@ -372,59 +360,16 @@ class AsyncEngine:
                 command.future.set_exception(err)
         return True
 
-    def _add(self, command: AddCommand) -> None:
-        stream = command.stream
-        try:
-            self._engine.add(
-                command.request,
-                hold_kv=stream.hold_kv,
-                kv=command.kv,
-                first_token=command.first_token,
-                layer_hook=command.layer_hook,
-                generated=command.generated,
-            )
-        except Exception as err:  # delivered to the generate() caller
-            stream.post(err)
-            return
-        self._streams[stream.request_id] = stream
-        self._unstarted.append(stream)
-
-    def _abort(self, command: AbortCommand) -> None:
-        rid = command.request_id
-        current = self._streams.get(rid)
-        if command.stream is not None and current is not command.stream:
-            # Finished already, or the id now belongs to another request. A hold_kv request
-            # that finished on this very stream still holds blocks its consumer never learnt
-            # about (it left before reading the last output): release them.
-            if self._held.get(rid) is command.stream:
-                del self._held[rid]
-                self._engine.abort(rid)
-            return
-        self._streams.pop(rid, None)
-        self._held.pop(rid, None)
-        self._engine.abort(rid)
-
-    def _hand_back(self, why: str) -> None:
-        handed = [s for s in self._streams.values() if not s.hold_kv]
-        if handed:
-            logger.info("handing %d running requests back: %s", len(handed), why)
-        for stream in handed:
-            del self._streams[stream.request_id]
-            self._engine.abort(stream.request_id)
-            stream.post(WorkerUnavailableError(why))
-
     def _step(self) -> None:
         started = time.perf_counter()
-        for admitted in self._unstarted:
-            admitted.timing.first_step_start = started
-        self._unstarted.clear()
+        self._streams.stepping(started)
         self._window.stepped()
         self._trim_pending = True
         try:
             outputs = self._engine.step()
         except StepFailedError as err:  # the engine aborted the failed requests itself
             outputs = err.outputs
-            self._fail_requests(err)
+            self._streams.fail(err)
             if self._failures.step_failed(len(err.failures), progressed=bool(outputs)):
                 raise
         else:
@@ -433,41 +378,22 @@ class AsyncEngine:
         ended = time.perf_counter()
         shape = self._engine.last_step
         self._meter.observe(shape.prefill_tokens, shape.decodes, started, ended)
-        post_outputs(route_outputs(outputs, self._streams, self._held, ended))
+        post_outputs(self._streams.route(outputs, ended))
         self._publish()
 
-    def _fail_requests(self, err: StepFailedError) -> None:
-        """Tell the streams of the requests a step failed (already aborted in the engine)."""
-        for rid, why in err.failures.items():
-            logger.error("request %s failed in an engine step: %s", rid, why)
-            self._held.pop(rid, None)
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.post(why)
-
     def _publish(self) -> None:
-        tags = tuple(s.reservation_id for s in self._streams.values() if s.reservation_id)
+        tags = self._streams.tags()
         stats, steps = self._engine.stats(), self._meter.reading()
         self._snapshot = self._failures.snapshot(stats, tags, self._num_steps, steps)
 
     def _shutdown(self, failure: BaseException | None) -> None:
         """Abort everything, fail every waiter, publish the final (empty) state."""
-        closed = (
-            WorkerUnavailableError("the engine shut down")
-            if failure is None
-            else WorkerUnavailableError(f"the engine failed: {failure!r}")
-        )
+        why = "shut down" if failure is None else f"failed: {failure!r}"
+        closed = WorkerUnavailableError(f"the engine {why}")
         with self._gate:
             self._accepting = False
         fail_queued(self._commands, closed)  # commands that arrived after the stop
-        if failure is None:
-            for rid in [*self._streams, *self._held]:
-                self._engine.abort(rid)
-        for stream in self._streams.values():
-            stream.post(closed)
-        self._streams.clear()
-        self._held.clear()
-        self._unstarted.clear()
+        self._streams.close(closed, abort=failure is None)
         self._closed = True
         if failure is None:
             self._publish()

@@ -96,33 +96,6 @@ Deliveries = dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOu
 """A step's outputs grouped by the event loop of their consumers."""
 
 
-def route_outputs(
-    outputs: list[RequestOutput],
-    streams: dict[str, RequestStream],
-    held: dict[str, RequestStream],
-    ended: float,
-) -> Deliveries:
-    """On the engine thread: the streams of a step's ``outputs`` (ended at ``ended``,
-    ``perf_counter``), grouped by event loop: one wake-up per loop per step, whatever the
-    batch size. Stamps their timing; a finished request leaves ``streams`` (into ``held`` if
-    it holds its KV)."""
-    deliveries: Deliveries = {}
-    for out in outputs:
-        stream = streams.get(out.request_id)
-        if stream is None:
-            continue  # aborted after this step was scheduled
-        if stream.timing.first_output is None:
-            stream.timing.first_output = ended
-            stream.timing.first_batch_size = len(outputs)
-        stream.timing.last_output = ended
-        if out.finished:
-            del streams[out.request_id]
-            if stream.hold_kv:
-                held[out.request_id] = stream
-        deliveries.setdefault(stream.loop, []).append((stream, out))
-    return deliveries
-
-
 def post_outputs(deliveries: Deliveries) -> None:
     """On the engine thread: one ``deliver`` per event loop for a step's outputs (each
     wake-up costs the engine thread a GIL hand-over to that loop)."""
