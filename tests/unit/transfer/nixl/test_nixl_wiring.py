@@ -36,7 +36,7 @@ def test_without_nixl_the_transport_is_refused_naming_the_extra() -> None:
                 return None
         sys.meta_path.insert(0, Hide())
         from pdserve.errors import InvalidArgumentError
-        from pdserve.scheduling import WorkerRole
+        from pdserve.scheduling.worker_info import WorkerRole
         from pdserve.worker.options import options_from_args, worker_parser
         p = worker_parser("w", None, roles=[WorkerRole.PREFILL], default_max_wait_ms=0, env={})
         for flags in (["--transport", "nixl"], ["--nixl-pool-bytes", "1048576"]):
