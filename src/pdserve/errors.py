@@ -65,6 +65,18 @@ class WorkerUnavailableError(PdServeError):
     grpc_code = "UNAVAILABLE"
 
 
+class HandedBackError(WorkerUnavailableError):
+    """A worker handed a running request back (``EngineBackend.hand_back``): it left the
+    request's phase (a planner's move), it did not fail. The router continues the request
+    elsewhere without counting a failure (``router.failover``), by the ``MARK`` its details
+    start with."""
+
+    MARK = "handed back: "
+
+    def __init__(self, why: str) -> None:
+        super().__init__(self.MARK + why)
+
+
 class BindError(PdServeError):
     """A server cannot listen on its address: another process holds the port, or the address
     is not one of this host's. A service meeting it exits (``pdserve.rpc.server.run_service``)."""

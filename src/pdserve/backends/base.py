@@ -236,7 +236,7 @@ class EngineBackend(Protocol):
 
     def hand_back(self, why: str) -> None:
         """End every running stream (``generate``, ``decode``) with
-        ``WorkerUnavailableError(why)`` and free its KV, so that the router continues each
+        ``HandedBackError(why)`` (UNAVAILABLE) and free its KV, so that the router continues each
         request on another worker (a migration, ``router.failover``); held KV stays. A
         mixed worker leaving decode duty calls it instead of draining (``worker.duty``)."""
         ...

@@ -15,7 +15,7 @@ from typing import Any
 from pdserve.backends.tensorrt_llm_api import finish_reason, new_logprobs
 from pdserve.engine.outputs import FinishReason, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import DuplicateRequestError, WorkerUnavailableError
+from pdserve.errors import DuplicateRequestError, HandedBackError, WorkerUnavailableError
 from pdserve.timing import RequestTiming
 
 
@@ -70,7 +70,7 @@ class LiveRequests:
             live.result.abort()
 
     def hand_back(self, why: str) -> None:
-        """Abort every request; each stream ends in ``WorkerUnavailableError(why)``, so that
+        """Abort every request; each stream ends in ``HandedBackError(why)``, so that
         its reader continues it elsewhere (``EngineBackend.hand_back``)."""
         for live in list(self._live.values()):
             live.handed_back = why
@@ -142,7 +142,7 @@ class LiveRequests:
                 if finished:
                     return
             if live.handed_back is not None:
-                raise WorkerUnavailableError(live.handed_back)
+                raise HandedBackError(live.handed_back)
             raise WorkerUnavailableError(f"tensorrt-llm ended {request_id!r} unfinished")
         except Exception:
             if live.handed_back is None:

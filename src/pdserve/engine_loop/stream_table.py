@@ -9,7 +9,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.engine.outputs import RequestOutput, StepFailedError
 from pdserve.engine_loop.commands import AddCommand, Deliveries, RequestStream
-from pdserve.errors import WorkerUnavailableError
+from pdserve.errors import HandedBackError
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,14 @@ class StreamTable:
             self._held.pop(rid, None)
 
     def hand_back(self, why: str) -> None:
-        """End every running stream with ``WorkerUnavailableError(why)``; held ones stay."""
+        """End every running stream with ``HandedBackError(why)``; held ones stay."""
         handed = [s for s in self._running.values() if not s.hold_kv]
         if handed:
             logger.info("handing %d running requests back: %s", len(handed), why)
         for stream in handed:
             del self._running[stream.request_id]
             self._engine.abort(stream.request_id)
-            stream.post(WorkerUnavailableError(why))
+            stream.post(HandedBackError(why))
 
     def stepping(self, started: float) -> None:
         """A step starts at ``started``: the first for the requests admitted since the last."""

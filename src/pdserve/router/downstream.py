@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc.aio import AioRpcError
 
-from pdserve.errors import InvalidArgumentError, PdServeError
+from pdserve.errors import HandedBackError, InvalidArgumentError, PdServeError
 from pdserve.v1 import common_pb2, prefill_pb2
 
 
@@ -31,11 +31,15 @@ class DeadlineExceededError(PdServeError):
 class DownstreamError(PdServeError):
     """A call to the scheduler, a worker or the KV store failed; keeps that call's status code."""
 
-    def __init__(self, step: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self, step: str, code: grpc.StatusCode, details: str, *, handed_back: bool = False
+    ) -> None:
         super().__init__(f"{step} failed ({code.name}): {details}")
         self.step = step
         self.code = code
         self.details = details
+        self.handed_back = handed_back
+        """The worker handed the request back (``HandedBackError``): it left the phase."""
         # Instance attribute: the rpc error mapping reads grpc_code to pick the status.
         self.grpc_code = code.name
 
@@ -53,7 +57,10 @@ def downstream_error(step: str, err: AioRpcError) -> PdServeError:
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"deadline exceeded during {step}: {details}")
     if code is grpc.StatusCode.UNAVAILABLE:
-        return DownstreamError(step, code, f"{details}; the request may be retried")
+        return DownstreamError(
+            step, code, f"{details}; the request may be retried",
+            handed_back=details.startswith(HandedBackError.MARK),
+        )  # fmt: skip
     if code is grpc.StatusCode.CANCELLED:
         # The router cancels downstream calls only on its own way out; a CANCELLED seen here
         # means the other side gave up (a worker shutting down): retryable, like UNAVAILABLE.

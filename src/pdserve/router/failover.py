@@ -29,6 +29,12 @@ from pdserve.router.downstream import DownstreamError
 from pdserve.router.request import RouteRequest
 from pdserve.v1 import common_pb2, decode_pb2
 
+HANDBACK_LIMIT = 8
+"""Hand-backs at most of one request. A worker hands its streams back when it leaves their
+phase (a planner's move), which is no failure and does not use up ``prefill_attempts`` or
+``migration_limit``: a planner moving several decode workers in a row may move one stream
+more than twice. One handed back this often bounces between workers that keep moving."""
+
 
 def retryable(err: PdServeError) -> bool:
     """True when ``err`` says the worker went away, not that the request was wrong."""
@@ -45,6 +51,7 @@ class Attempts:
     """Migrations at most once tokens went out (>= 0)."""
     tries: int = 1
     migrations: int = 0
+    handbacks: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill_attempts < 1:
@@ -61,6 +68,9 @@ class Attempts:
         migration when tokens went out already."""
         if not retryable(err):
             return False
+        if isinstance(err, DownstreamError) and err.handed_back:
+            self.handbacks += 1
+            return self.handbacks <= HANDBACK_LIMIT
         if migrating:
             self.migrations += 1
             return self.migrations <= self.migration_limit

@@ -13,6 +13,7 @@ from pdserve.engine.outputs import FinishReason
 from pdserve.errors import InvalidArgumentError
 from pdserve.router import FlowConfig, RequestFlow, RouteChunk
 from pdserve.router.downstream import DownstreamError
+from pdserve.router.failover import HANDBACK_LIMIT
 from pdserve.tokenizer import Tokenizer
 from tests.unit.router.test_flow import DECODED, FIRST, Fakes, _collect, _request, run_with_fakes
 
@@ -101,6 +102,36 @@ def test_migrations_are_bounded(tokenizer: Tokenizer) -> None:
     fakes = run_with_fakes(tokenizer, configure, body, FlowConfig(migration_limit=1))
     assert fakes.decode_calls == 2
     assert ("res-0", False) in fakes.released and ("res-1", False) in fakes.released
+
+
+def test_hand_backs_do_not_use_up_the_migrations(tokenizer: Tokenizer) -> None:
+    """Workers leaving decode duty hand a stream back twice; with one migration allowed it
+    still completes, token for token: a hand-back is no failure. Past
+    ``HANDBACK_LIMIT`` it fails."""
+    got: list[RouteChunk] = []
+
+    async def body(flow: RequestFlow, fakes: Fakes) -> None:
+        got.extend(await _collect(flow, _request(tokenizer), timeout_s=30))
+
+    def configure(f: Fakes) -> None:
+        f.decode_handbacks = 2
+
+    fakes = run_with_fakes(tokenizer, configure, body, FlowConfig(migration_limit=1))
+    assert [t for c in got for t in c.token_ids] == [FIRST, *DECODED]
+    assert [list(r.resumed_token_ids) for r in fakes.decode_requests] == [
+        [], DECODED[:1], DECODED[:2]
+    ]  # fmt: skip
+
+    async def bounced(flow: RequestFlow, fakes: Fakes) -> None:
+        with pytest.raises(DownstreamError, match="handed back"):
+            await _collect(flow, _request(tokenizer), timeout_s=30)
+
+    def forever(f: Fakes) -> None:
+        f.decode_tokens = list(range(10, 10 + 3 * HANDBACK_LIMIT))
+        f.decode_handbacks = HANDBACK_LIMIT + 1
+
+    fakes = run_with_fakes(tokenizer, forever, bounced)
+    assert fakes.decode_calls == HANDBACK_LIMIT + 1
 
 
 def test_a_refusal_is_not_retried(tokenizer: Tokenizer) -> None:

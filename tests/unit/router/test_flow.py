@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.engine.outputs import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import DuplicateRequestError, PdServeError
+from pdserve.errors import DuplicateRequestError, HandedBackError, PdServeError
 from pdserve.request_key import RequestKey
 from pdserve.router import FlowConfig, RequestFlow, RouteChunk, RouteRequest
 from pdserve.router.downstream import DeadlineExceededError, DownstreamError
@@ -75,6 +75,9 @@ class Fakes(
     """Every Prefill call fails with this status and details (a worker refusing the request)."""
     decode_dies_after: int | None = None
     """The first Decode call streams this many tokens, then fails with UNAVAILABLE."""
+    decode_handbacks: int = 0
+    """The first this many Decode calls stream one token, then hand the request back (a
+    worker leaving decode duty: ``HandedBackError``)."""
     assign_requests: list[scheduler_pb2.AssignRequest] = field(default_factory=list)
     decode_requests: list[decode_pb2.DecodeRequest] = field(default_factory=list)
 
@@ -133,12 +136,16 @@ class Fakes(
         if self.decode_error is not None:
             await context.abort(self.decode_error, "worker went away")
         dies_after, self.decode_dies_after = self.decode_dies_after, None
+        hands_back = self.decode_handbacks > 0
+        self.decode_handbacks -= hands_back
         # A migrated call continues after the tokens it is given.
         tokens = self.decode_tokens[len(request.resumed_token_ids) :]
         try:
             for i, token in enumerate(tokens):
                 if i == dies_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker died")
+                if hands_back and i == 1:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(HandedBackError("duty")))
                 last = i == len(tokens) - 1 and not self.decode_hang
                 chunk = decode_pb2.DecodeChunk(token_ids=[token], logprobs=[-0.5])
                 if last:
