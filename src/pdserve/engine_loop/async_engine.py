@@ -252,8 +252,8 @@ class AsyncEngine:
         self._submit(AbortCommand(request_id, None), required=False)
 
     def hand_back(self, why: str) -> None:
-        """End every running stream with ``WorkerUnavailableError(why)`` and free its KV, so
-        that whoever reads it continues the request elsewhere (the router migrates it); held
+        """End every running stream with ``HandedBackError(why)`` and free its KV, so that
+        whoever reads it continues the request elsewhere (the router migrates it); held
         KV (prefills waiting for export) stays. Queued like ``abort``."""
         self._submit(HandBackCommand(why), required=False)
 

@@ -68,7 +68,7 @@ class AbortCommand:
 
 @dataclass(slots=True)
 class HandBackCommand:
-    """End every running stream with ``WorkerUnavailableError(why)`` and free its blocks;
+    """End every running stream with ``HandedBackError(why)`` and free its blocks;
     held KV (a prefill waiting for export) stays (``AsyncEngine.hand_back``)."""
 
     why: str

@@ -70,8 +70,7 @@ class StreamTable:
         if handed:
             logger.info("handing %d running requests back: %s", len(handed), why)
         for stream in handed:
-            del self._running[stream.request_id]
-            self._engine.abort(stream.request_id)
+            self.abort(stream.request_id, stream)
             stream.post(HandedBackError(why))
 
     def stepping(self, started: float) -> None:

@@ -89,17 +89,14 @@ class Duty:
         if self.role is not WorkerRole.MIXED or duty not in DUTIES or not self._phases(duty):
             logger.warning("ignoring duty %r: this %s worker cannot serve it", duty, self.role)
             return
-        migrate = (
-            self.hand_back is not None
-            and "decode" in self._phases(self.duty)
-            and "decode" not in self._phases(duty)
-        )
+        leaves_decode = "decode" in self._phases(self.duty) and "decode" not in self._phases(duty)
+        hand_back = self.hand_back if leaves_decode else None
         logger.info(
-            "duty %r -> %r: %s first", self.duty, duty, "migrating" if migrate else "draining"
+            "duty %r -> %r: %s first", self.duty, duty, "migrating" if hand_back else "draining"
         )
         self.target = duty
-        if migrate and self.hand_back is not None:
-            self.hand_back(f"this worker leaves decode duty for {duty!r}: the stream migrates")
+        if hand_back is not None:
+            hand_back(f"this worker leaves decode duty for {duty!r}: the stream migrates")
 
     def state(self, *, idle: bool) -> tuple[tuple[str, ...], str, bool]:
         """``(serves, duty, switching)`` for the next heartbeat."""
