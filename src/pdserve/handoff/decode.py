@@ -55,6 +55,7 @@ from pdserve.errors import (
 )
 from pdserve.handoff.prefetch import PREFETCH_TIMEOUT_S, PREFETCHED, Prefetch, Prefetches
 from pdserve.kvstore.backend import StoreClient, open_store
+from pdserve.kvstore.mooncake.library import MooncakeUnavailableError
 from pdserve.prefix import decode as decode_prefix
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.transfer.bandwidth import BandwidthMeter
@@ -173,13 +174,17 @@ class DecodeConnector:
         """The client of the store a handle names (``kvstore.backend.open_store``)."""
         client = self._stores.get(address)
         if client is None:
-            client = self._stores[address] = open_store(
-                address,
-                timeout_s=self.store_timeout_s,
-                security=self.security,
-                local_host=self.store_host,
-                field="kv.store.address",
-            )
+            try:
+                client = open_store(
+                    address,
+                    timeout_s=self.store_timeout_s,
+                    security=self.security,
+                    local_host=self.store_host,
+                    field="kv.store.address",
+                )
+            except MooncakeUnavailableError as err:  # this worker lacks it: not bad input
+                raise KVTransferError(f"store hand-off cannot be read here: {err}") from err
+            self._stores[address] = client
         return client
 
     def _shm(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
@@ -252,9 +257,12 @@ class DecodeConnector:
             return PrefetchOutcome(accepted=False)
         if kv.kind is TransportKind.STORE and not kv.address:
             raise InvalidArgumentError("kv.store.address", "must be the store's host:port")
-        if kv.kind is TransportKind.STORE and not self._store(kv.address).follows:
-            return PrefetchOutcome(accepted=False)  # its entries appear whole: read them then
-        receiver = self._receiver(kv, follow=True)  # holds nothing until it receives
+        try:
+            if kv.kind is TransportKind.STORE and not self._store(kv.address).follows:
+                return PrefetchOutcome(accepted=False)  # its entries appear whole: read then
+            receiver = self._receiver(kv, follow=True)  # holds nothing until it receives
+        except KVTransferError:  # not readable here: the Decode call recomputes
+            return PrefetchOutcome(accepted=False)
         if receiver is None or not self.prefetches.start(kv, receiver, PREFETCH_TIMEOUT_S):
             return PrefetchOutcome(accepted=False)
         try:
@@ -271,9 +279,13 @@ class DecodeConnector:
         prefetch of this very location), else a fresh receiver; the transport's copy is freed
         when the block ends (a no-op once a read consumed it)."""
         prefetch = await self.prefetches.take(kv)
-        receiver = prefetch.receiver if prefetch is not None else self._receiver(kv)
+        unreadable = ""
         try:
-            yield Incoming(self, kv, receiver, prefetch)
+            receiver = prefetch.receiver if prefetch is not None else self._receiver(kv)
+        except KVTransferError as err:  # this worker cannot read it (lacks a package): recompute
+            receiver, unreadable = None, f"{kv.kind} receive failed: {err}"
+        try:
+            yield Incoming(self, kv, receiver, prefetch, unreadable)
         finally:
             if receiver is not None:
                 await receiver.discard()
@@ -311,11 +323,14 @@ class Incoming:
         kv: KVLocation,
         receiver: KVReceiver | None,
         prefetch: Prefetch | None,
+        unreadable: str = "",
     ) -> None:
+        """``unreadable``: why this worker could not make a receiver (it recomputes)."""
         self.connector = connector
         self.kv = kv
         self.receiver = receiver
         self.prefetch = prefetch
+        self.unreadable = unreadable
 
     async def arrive(self, request: EngineRequest) -> Arrival:
         """The KV of the request's prompt: received (or its prefetch waited for), or
@@ -340,7 +355,7 @@ class Incoming:
             if kv.native is None:
                 raise InvalidArgumentError("kv.native", "a native location needs its handle")
             return Arrival(kv.native, HandoffRecord(TransportKind.NATIVE.value), 0.0, 0.0)
-        reason = kv.reason or "nothing was sent"
+        reason = self.unreadable or kv.reason or "nothing was sent"
         transfer_ms = 0.0
         if self.receiver is not None:
             start = time.perf_counter()

@@ -7,6 +7,7 @@ with nothing left in the hub."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -213,5 +214,36 @@ def test_every_path_that_does_not_hand_over_frees_the_hand_off(tiny_llama_dir: P
             async with s.decode.incoming(sent.location):  # the Decode call was refused
                 assert s.hub.keys() != []
             assert s.hub.keys() == []
+
+    run(body)
+
+
+def test_a_store_this_worker_cannot_open_is_a_recompute_not_an_error(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A decode worker without the Mooncake package (``None`` in sys.modules fails its import)
+    # is handed a hand-off in a Mooncake Store: not the caller's bad input, so it recomputes
+    # the same KV, and it declines to prefetch it.
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+
+    async def body() -> None:
+        async with AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(open_backend(TORCH, tiny_llama_dir))
+            decode = DecodeConnector(engine, host="b")
+            stack.push_async_callback(decode.close)
+            kv = await recompute_kv(engine, EngineRequest("ref", PROMPT, ONE, tenant="ref"))
+            location = KVLocation(
+                kind=TransportKind.STORE, request_id="r", num_tokens=len(PROMPT),
+                num_bytes=1 << 20, model_fingerprint=engine.fingerprint,
+                address="mooncake://127.0.0.1:1", key="r",
+            )  # fmt: skip
+            assert not (await decode.prefetch(location)).accepted
+            async with decode.incoming(location) as incoming:
+                arrival = await incoming.arrive(EngineRequest("r", PROMPT, ONE))
+            assert arrival.record.transport == "recompute"
+            assert "pdserve[mooncake]" in arrival.record.fallback_reason
+            assert isinstance(arrival.payload, KVPayload)
+            assert_same_payload(arrival.payload, kv)
 
     run(body)

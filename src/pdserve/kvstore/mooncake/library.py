@@ -1,8 +1,9 @@
 """The Mooncake package, loaded on demand: ``pip install 'pdserve[mooncake]'`` provides it.
 
 Nothing imports ``mooncake`` at module level, so pdserve runs without it; a ``mooncake://``
-KV store address is refused at start (``require``) naming the extra, never silently replaced
-by another store.
+KV store address is refused at start (``load``) naming the extra, never silently replaced
+by another store. A decode worker handed a Mooncake hand-off it cannot read recomputes instead
+(``MooncakeUnavailableError`` tells that refusal apart from a malformed address).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from pdserve.errors import InvalidArgumentError
 
 EXTRA = "pdserve[mooncake]"
 PACKAGE = "mooncake-transfer-engine-non-cuda"
+
+
+class MooncakeUnavailableError(InvalidArgumentError):
+    """The Mooncake package cannot load in this process (a refusal naming the field and the
+    extra at start; on a decode worker's hand-off, a reason to recompute)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,7 @@ def load(field: str = "kvstore") -> Library:
     try:
         module = importlib.import_module("mooncake.store")
     except ImportError as err:
-        raise InvalidArgumentError(
+        raise MooncakeUnavailableError(
             field,
             f"a mooncake:// KV store needs the Mooncake package: pip install '{EXTRA}' "
             f"(it provides {PACKAGE}; on Linux it also needs libibverbs1, librdmacm1 and "
