@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -34,9 +33,9 @@ from pdserve.sim.flags import DEFAULT_PROFILE
 from pdserve.telemetry.breakdown import percentile
 from pdserve.telemetry.spans import ATTR_REQUEST_ID, ROUTER_MODE_DECISION, SCHEDULER_ASSIGN
 from pdserve_bench.engine_bench import load_average, machine_info
+from pdserve_bench.proc_cpu import cpu_s
 from pdserve_bench.serve.openai import sse_lines
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SCHEDULING = (ROUTER_MODE_DECISION, SCHEDULER_ASSIGN)
 
 
@@ -70,15 +69,6 @@ class Throughput:
     @property
     def per_core_s(self) -> float:
         return self.tokens / self.cpu_s if self.cpu_s > 0 else 0.0
-
-
-def cpu_s(pids: Sequence[int]) -> float:
-    """CPU seconds (user + system) the processes spent so far."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
 
 
 async def offer(

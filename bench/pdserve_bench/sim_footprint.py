@@ -30,8 +30,7 @@ from pathlib import Path
 
 from pdserve.sim.flags import DEFAULT_PROFILE
 from pdserve_bench.engine_bench import load_average, machine_info
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from pdserve_bench.proc_cpu import CLK_TCK, cpu_ticks
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +57,6 @@ def _kb(path: Path, key: str) -> int:
         if line.startswith(key):
             return int(line.split()[1])
     return 0
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _maps_torch(pid: int) -> bool:
@@ -114,11 +108,11 @@ def measure(
         startup = time.perf_counter() - started
         served = asyncio.run(_burst(cluster.router_address, burst, 200, 32))
         pids = [s.proc.pid for s in cluster.workers() if s.proc is not None]
-        ticks = {pid: _cpu_ticks(pid) for pid in pids}
+        ticks = {pid: cpu_ticks(pid) for pid in pids}
         t0 = time.perf_counter()
         time.sleep(idle_s)  # the idle window being measured, not synchronisation
         span = time.perf_counter() - t0
-        idle = [100.0 * (_cpu_ticks(p) - ticks[p]) / CLK_TCK / span for p in pids]
+        idle = [100.0 * (cpu_ticks(p) - ticks[p]) / CLK_TCK / span for p in pids]
         rss = [_kb(Path(f"/proc/{p}/status"), "VmRSS:") / 1024 for p in pids]
         pss = [_kb(Path(f"/proc/{p}/smaps_rollup"), "Pss:") / 1024 for p in pids]
         with_torch = sum(_maps_torch(p) for p in pids)

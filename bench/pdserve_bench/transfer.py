@@ -225,7 +225,7 @@ async def measure(
         moving = [t for t in transports if t in MOVING]
         if n_rounds and reference is not None and cached is not None and moving:
             hand_off = functools.partial(_cached_hand_off, s, cached)
-            pairs += await rounds(hand_off, moving, n_rounds, reference, _log)
+            pairs += await rounds(hand_off, moving, n_rounds, reference, _log, s.cpu_s)
     bursts = {}
     if n_burst > 1:
         for t in (x for x in transports if x in MOVING):

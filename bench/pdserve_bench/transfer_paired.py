@@ -8,6 +8,10 @@ earlier, it compares the transport with a different machine. So each hand-off is
 its reference (memcpy for ``shm``, loopback TCP and raw gRPC for ``store`` and ``direct``) is
 measured right before and right after it, its ratio is its rate over the mean of the two, and
 a point's ratio is the median over ``--rounds`` rounds (default 9), reported with its range.
+The CPU time of every service process is read right before and after each hand-off, and a
+point's CPU seconds per GB are its rounds' sum over their bytes: the whole hand-off on both
+sides (the prefill's one-token step and the decode's one step included, the same for every
+transport; the services' heartbeats and timers too, small beside it).
 
 The hand-offs are deferred (every layer at hand, so the rate is the pipeline's, not the
 compute's) and their prompt is served from the deferred prefill worker's prefix cache: a round
@@ -44,12 +48,20 @@ class Pair:
     grpc_before: float = 0.0
     grpc_after: float = 0.0
     """Raw gRPC, bytes/s (0: not measured, shm)."""
+    cpu_s: float = -1.0
+    """CPU seconds every service process spent during the hand-off (-1: not measured)."""
 
     @classmethod
-    def of(cls, x: Sample, before: tuple[float, float], after: tuple[float, float]) -> Pair:
+    def of(
+        cls,
+        x: Sample,
+        before: tuple[float, float],
+        after: tuple[float, float],
+        cpu_s: float = -1.0,
+    ) -> Pair:
         return cls(
             x.transport, x.tokens, x.num_bytes, x.send_span_bytes_per_s, x.recv_bytes_per_s,
-            before[0], after[0], before[1], after[1],
+            before[0], after[0], before[1], after[1], cpu_s,
         )  # fmt: skip
 
     @property
@@ -80,6 +92,8 @@ class PairedPoint:
     ratio_low: float
     ratio_high: float
     grpc_ratio: float | None
+    cpu_s_per_gb: float | None = None
+    """The services' CPU seconds over the rounds per GB moved (None: not measured)."""
 
     @property
     def ratio_text(self) -> str:
@@ -93,12 +107,15 @@ def summarize(pairs: Sequence[Pair]) -> dict[tuple[str, int], PairedPoint]:
         mine = [p for p in pairs if (p.transport, p.tokens) == key]
         ratios = [p.ratio for p in mine]
         grpc = [r for p in mine if (r := p.grpc_ratio) is not None]
+        metered = [p for p in mine if p.cpu_s >= 0]
+        moved = sum(p.num_bytes for p in metered)
         points[key] = PairedPoint(
             key[0], key[1], len(mine),
             statistics.median(p.send_bytes_per_s for p in mine),
             statistics.median(p.recv_bytes_per_s for p in mine),
             statistics.median(ratios), min(ratios), max(ratios),
             statistics.median(grpc) if grpc else None,
+            sum(p.cpu_s for p in metered) / (moved / 1e9) if moved else None,
         )  # fmt: skip
     return points
 
@@ -109,16 +126,20 @@ async def rounds(
     n_rounds: int,
     reference: Reference,
     log: Callable[[str], None] = lambda _: None,
+    cpu: Callable[[], float] | None = None,
 ) -> list[Pair]:
     """``n_rounds`` rounds of one ``hand_off(transport)`` per transport, each bracketed by
-    ``reference(transport)`` (in a thread: the references run their own event loops)."""
+    ``reference(transport)`` (in a thread: the references run their own event loops);
+    ``cpu()``: the services' CPU seconds so far, read right before and after each hand-off."""
     pairs = []
     for r in range(n_rounds):
         for t in transports:
             before = await asyncio.to_thread(reference, t)
+            cpu_start = cpu() if cpu is not None else 0.0
             sample = await hand_off(t)
+            cpu_s = cpu() - cpu_start if cpu is not None else -1.0
             after = await asyncio.to_thread(reference, t)
-            pair = Pair.of(sample, before, after)
+            pair = Pair.of(sample, before, after, cpu_s)
             pairs.append(pair)
             log(
                 f"  round {r + 1}/{n_rounds} {t:6s} {sample.tokens:6d} tokens "

@@ -105,6 +105,17 @@ def report(
                 f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {_rates(base, ref, point)} | "
                 f"{lw.prefill_rpc_ms:.0f} | {visible} | {share} | {hidden} |"
             )
+    metered = [x for x in points.values() if x.cpu_s_per_gb is not None]
+    if metered:
+        lines += [
+            "",
+            "CPU of the paired rounds' hand-offs: every service process's seconds per GB moved "
+            "(the whole hand-off on both sides, its two model steps included):",
+            "",
+            "| transport | tokens | CPU s/GB |",
+            "|---|---:|---:|",
+        ]
+        lines += [f"| {x.transport} | {x.tokens} | {x.cpu_s_per_gb:.2f} |" for x in metered]
     cold = [x for x in samples if not x.layerwise and x.first_visible_ms >= 0]
     if cold:
         lines += [

@@ -15,6 +15,7 @@ from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.launcher import read_heartbeats
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.service_process import ServiceProcess, healthy, terminate
+from pdserve_bench.proc_cpu import cpu_s
 
 _MIB = 1024 * 1024
 MOONCAKE = "mooncake"
@@ -92,6 +93,11 @@ class Services:
                     raise WorkerUnavailableError("the workers' heartbeats did not arrive")
                 time.sleep(0.1)  # polling heartbeats: nothing to block on
         return cls([*first, *workers], embedded, master)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the services' processes have spent so far (the store, scheduler and
+        workers; not Redis or a Mooncake master, which carry no KV bytes)."""
+        return cpu_s([p.proc.pid for p in self.processes if p.proc is not None])
 
     def stop(self) -> None:
         terminate([p.proc for p in self.processes if p.proc is not None], 10.0)

@@ -63,3 +63,19 @@ def test_rounds_bracket_every_hand_off_with_its_own_reference() -> None:
     assert [p.transport for p in pairs] == ["store", "shm", "store", "shm"]
     assert [(p.before / GB, p.after / GB) for p in pairs] == [(4, 2), (1, 3), (5, 6), (2, 2)]
     assert pairs[0].ratio == 0.5 and pairs[0].grpc_ratio == 1.5
+
+
+def test_a_points_cpu_per_gb_is_its_rounds_cpu_over_their_bytes() -> None:
+    readings = iter([10.0, 10.5, 11.0, 12.5])  # CPU seconds before and after each hand-off
+
+    def reference(transport: str) -> tuple[float, float]:
+        return GB, GB
+
+    async def hand_off(transport: str) -> Sample:
+        return _sample(transport, 1.0, 1.0)  # 1 GB each
+
+    pairs = asyncio.run(rounds(hand_off, ["nixl"], 2, reference, cpu=lambda: next(readings)))
+    assert [p.cpu_s for p in pairs] == [0.5, 1.5]
+    assert summarize(pairs)["nixl", 100].cpu_s_per_gb == 1.0  # 2 s over 2 GB
+    unmetered = asyncio.run(rounds(hand_off, ["nixl"], 1, reference))
+    assert unmetered[0].cpu_s == -1.0 and summarize(unmetered)["nixl", 100].cpu_s_per_gb is None
