@@ -154,6 +154,8 @@ def run_bench(
             "decode_prompt_len": workload.decode_prompt_len,
             "decode_tokens": workload.decode_tokens,
             "repeats": workload.repeats,
+            "max_spread": workload.max_spread,
+            "max_repeats": workload.repeat_cap,
             "warmup_tokens": workload.warmup_tokens,
         },
     }
@@ -186,6 +188,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument(
         "--repeats", type=int, default=3, help="timed repeats per case; medians are reported"
+    )
+    p.add_argument(
+        "--max-spread",
+        type=float,
+        default=0.25,
+        help="repeat a case, a round at a time, while some peer's samples spread wider than "
+        "this ((max - min) / median; default 0.25)",
+    )
+    p.add_argument(
+        "--max-repeats",
+        type=int,
+        default=0,
+        help="rounds a wide case may grow to (0: 2x --repeats)",
     )
     p.add_argument("--prefill-lens", type=_int_list, default=(1024, 4096), help="default 1024,4096")
     p.add_argument("--decode-batches", type=_int_list, default=(1, 8, 32), help="default 1,8,32")
@@ -225,6 +240,8 @@ def main(argv: Sequence[str]) -> int:
         decode_prompt_len=args.decode_prompt_len,
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
+        max_spread=args.max_spread,
+        max_repeats=args.max_repeats,
     )
     wait_for_quiet(args.max_load, args.wait_minutes * 60.0, log)
     report = run_bench(

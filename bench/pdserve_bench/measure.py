@@ -17,6 +17,7 @@ load during the run hits every peer alike and the ratios stay side by side.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -64,6 +65,12 @@ class Workload:
     warmup_tokens: int = 16
     """Tokens per sequence in each decode case's warm-up run."""
     seed: int = 0
+    max_spread: float = 0.25
+    """A case whose samples on some peer spread wider than this ((max - min) / median) is
+    repeated, a round at a time, up to ``max_repeats``: a point caught by a burst of load
+    elsewhere is measured again instead of reported as it fell."""
+    max_repeats: int = 0
+    """Rounds a wide case may grow to (0: twice ``repeats``)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_lens or min(self.prefill_lens) < 1:
@@ -78,6 +85,14 @@ class Workload:
             raise InvalidArgumentError("repeats", "must be >= 1")
         if self.warmup_tokens < 1:
             raise InvalidArgumentError("warmup_tokens", "must be >= 1")
+        if not self.max_spread > 0:
+            raise InvalidArgumentError("max_spread", f"must be > 0, got {self.max_spread}")
+        if self.max_repeats and self.max_repeats < self.repeats:
+            raise InvalidArgumentError("max_repeats", "must be 0 or >= repeats")
+
+    @property
+    def repeat_cap(self) -> int:
+        return self.max_repeats or 2 * self.repeats
 
     @property
     def max_context(self) -> int:
@@ -148,6 +163,13 @@ class CaseResult:
         return statistics.median(self.seconds)
 
     @property
+    def spread(self) -> float:
+        """``(max - min) / median`` of the samples (0 for fewer than two)."""
+        if len(self.seconds) < 2 or self.median_seconds <= 0:
+            return 0.0
+        return (max(self.seconds) - min(self.seconds)) / self.median_seconds
+
+    @property
     def tokens_per_second(self) -> float | None:
         """Median over repeats of ``tokens / seconds``; None if every sample was non-positive."""
         rates = [self.tokens / s for s in self.seconds if s > 0]
@@ -163,6 +185,7 @@ class CaseResult:
             "seconds": self.seconds,
             "t1": self.t1,
             "median_seconds": self.median_seconds,
+            "spread": self.spread,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -191,8 +214,9 @@ def run_cases(
 ) -> dict[str, dict[str, CaseResult]]:
     """Measure every case on every peer; returns ``{peer name: {case name: result}}``."""
     return run_case_list(
-        peers, workload.cases(vocab_size), workload.repeats, workload.warmup_tokens, log
-    )
+        peers, workload.cases(vocab_size), workload.repeats, workload.warmup_tokens, log,
+        max_spread=workload.max_spread, max_repeats=workload.repeat_cap,
+    )  # fmt: skip
 
 
 def run_case_list(
@@ -201,9 +225,13 @@ def run_case_list(
     repeats: int,
     warmup_tokens: int,
     log: Callable[[str], None] = lambda _msg: None,
+    *,
+    max_spread: float = math.inf,
+    max_repeats: int = 0,
 ) -> dict[str, dict[str, CaseResult]]:
     """``run_cases`` over given cases: each warmed up on every peer, then ``repeats`` rounds
-    of one repeat per peer (interleaved)."""
+    of one repeat per peer (interleaved), and more rounds, up to ``max_repeats`` in all,
+    while some peer's samples of the case spread wider than ``max_spread``."""
     results: dict[str, dict[str, CaseResult]] = {p.name: {} for p in peers}
     for case in cases:
         tokens = case.prompt_len if case.kind == "prefill" else case.batch * (case.max_tokens - 1)
@@ -212,7 +240,11 @@ def run_case_list(
                 case.name, case.kind, case.batch, case.prompt_len, tokens=tokens
             )
             warm_up(peer, case, warmup_tokens)
-        for r in range(repeats):
+        mine = [results[p.name][case.name] for p in peers]
+        r = 0
+        while r < repeats or (r < max_repeats and max(x.spread for x in mine) > max_spread):
+            if r == repeats:
+                log(f"{case.name}: samples spread {max(x.spread for x in mine):.0%}, repeating")
             for peer in peers:
                 seconds, t1 = measure_once(peer, case)
                 res = results[peer.name][case.name]
@@ -220,4 +252,5 @@ def run_case_list(
                 if t1 is not None:
                     res.t1.append(t1)
                 log(f"{case.name} repeat {r + 1}/{repeats} {peer.name}: {seconds:.3f} s")
+            r += 1
     return results

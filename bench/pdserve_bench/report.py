@@ -103,7 +103,24 @@ class BenchReport:
         )
         for peer, why in self.skipped.items():
             out.append(f"{PEER_TITLES[peer]} skipped: {why.splitlines()[0]}")
+        out += self._spread_lines()
         return "\n".join(out)
+
+    def _spread_lines(self) -> list[str]:
+        """The cases repeated past ``repeats`` for a wide spread, and any still wide."""
+        workload = self.settings.get("workload", {})
+        repeats, limit = workload.get("repeats", 0), workload.get("max_spread", 0.0)
+        lines = []
+        for peer, cases in self.results.items():
+            for name, r in cases.items():
+                wide = bool(limit) and r.spread > limit
+                if wide or (repeats and len(r.seconds) > repeats):
+                    still = " (still wide)" if wide else ""
+                    lines.append(
+                        f"{PEER_TITLES[peer]} {name}: {len(r.seconds)} rounds, samples spread "
+                        f"{r.spread:.0%}{still}"
+                    )
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -104,6 +104,8 @@ def test_bench_engine_cli_on_tiny_checkpoint(
         "32",
         "--repeats",
         "3",
+        "--max-repeats",  # the round count is asserted: no repeats for a wide spread
+        "3",
         "--membw-mib",
         "16",
         "--json",
@@ -211,3 +213,32 @@ def test_bench_guided_cli_on_tiny_checkpoint(
         assert doc["sampler"][name]["step_ms"] > 0
     assert doc["decode"]["unguided"]["vs_unguided"] == 1.0
     assert "typical" in capsys.readouterr().out
+
+
+class NoisyPeer(FakePeer):
+    """A peer whose prefill's second sample is disturbed (3x), as by load elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefills = 0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        seconds = super().generate(prompts, max_tokens)
+        if max_tokens == 1 and len(prompts[0]) == 10:
+            self.prefills += 1
+            if self.prefills == 3:  # the warm-up, then the second timed repeat
+                return 3 * seconds
+        return seconds
+
+
+def test_a_case_whose_samples_spread_wide_is_repeated_up_to_the_cap() -> None:
+    workload = Workload(prefill_lens=(10,), decode_batches=(1,), decode_prompt_len=5,
+                        decode_tokens=9, repeats=3, warmup_tokens=4, max_spread=0.25)  # fmt: skip
+    results = run_cases([NoisyPeer()], workload, vocab_size=100)["pdserve"]
+    prefill = results["prefill_10"]
+    assert len(prefill.seconds) == 6  # 3 rounds, then up to twice that: one sample stays 3x
+    assert prefill.spread == pytest.approx(2.0)
+    assert prefill.median_seconds == pytest.approx(0.51)  # the disturbed sample is outvoted
+    assert len(results["decode_b1"].seconds) == 3  # steady: not repeated
+    calm = run_cases([FakePeer()], workload, vocab_size=100)["pdserve"]
+    assert len(calm["prefill_10"].seconds) == 3 and calm["prefill_10"].spread == 0.0
