@@ -7,6 +7,9 @@ finished before the commit only at the commit."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
 import time
 
 import pytest
@@ -18,10 +21,11 @@ from pdserve.transfer.faults import SendFaults
 from pdserve.transfer.nixl.agent import nixl_available
 from pdserve.transfer.nixl.blocks import MARK_BYTES, layer_mark
 from pdserve.transfer.nixl.pool import NixlPool
-from pdserve.transfer.nixl.reader import NixlReader
+from pdserve.transfer.nixl.reader import NixlReader, StaticDirectory
 from pdserve.transfer.nixl.receiver import NixlReceiver
 from pdserve.transfer.nixl.sender import NixlSender
 from tests.unit.transfer.conftest import assert_same_payload, make_layout, random_payload
+from tests.unit.transfer.nixl import _child
 from tests.unit.transfer.nixl.pair import nixl_leftovers, nixl_pair
 
 pytestmark = pytest.mark.skipif(
@@ -216,6 +220,43 @@ def test_a_follow_past_its_deadline_fails_and_leaves_the_hand_off_to_its_writer(
             assert nixl_leftovers(pool, reader) == []
 
     run(main())
+
+
+def test_a_writer_killed_mid_follow_fails_the_read_and_leaves_nothing_taken() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child.serve, args=(child_end, 2000), daemon=True)
+    child.start()
+    try:
+        name, published, fp = parent.recv()
+        directory = StaticDirectory()
+        directory.publish(name, published, fp)
+        reader = NixlReader(directory, num_bytes=64 << 20, block_bytes=64 << 10)
+
+        async def main() -> None:
+            parent.send("begun")
+            location = parent.recv()
+            progress = Progress()
+            receiver = NixlReceiver(
+                reader, location, expected_layout=None, follow=True, progress=progress
+            )
+            reading = asyncio.create_task(receiver.receive(30.0))
+            await progress.reach(1)  # the first layer, while the writer is alive
+            os.kill(child.pid or 0, signal.SIGKILL)
+            child.join(10)
+            with pytest.raises(KVTransferError):
+                await reading
+            assert receiver.state is TransferState.FAILED
+            total = reader.allocator.num_blocks
+            assert reader.allocator.num_free + len(reader.lost) == total
+            await receiver.discard()  # notifies nobody: the peer is gone
+
+        run(main())
+        reader.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
 
 
 def test_a_payload_of_many_layers_is_followed_in_coalesced_runs() -> None:
