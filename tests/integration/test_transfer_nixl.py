@@ -96,7 +96,10 @@ def nodes(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         prefill = service(
             "prefill-0", "services.prefill",
             [*worker, "--host", "127.0.0.1", "--host-name", "node-a", "--transport", "nixl",
-             "--kvstore", "KVSTORE", "--kv-prefetch-min-bytes", "0"],
+             "--kvstore", "KVSTORE", "--kv-prefetch-min-bytes", "0",
+             # Bounds the wait for a prefetch's answer too: the 1 s floor of a small payload's
+             # bound is short on a loaded 2-core host (the Decode call would read it instead).
+             "--kv-transfer-timeout-s", "30"],
             role="prefill",
         )  # fmt: skip
         decode = service(
@@ -260,7 +263,8 @@ def test_announced_hand_offs_are_read_while_the_prefill_computes(
                 if time.monotonic() > deadline:
                     pytest.fail("the pool's blocks did not come back: " + resp.kv.recompute.reason)
                 await asyncio.sleep(0.05)  # the previous reader's notification is on its way
-            assert timing.transfer.prefetched  # read layer by layer as the prefill wrote it
-            assert timing.transfer.num_bytes == resp.kv.nixl.length > 0
+            # Read layer by layer as the prefill wrote it, and taken by the Decode call.
+            assert timing.transfer.prefetched, (resp.transfer, timing.transfer)
+            assert timing.transfer.num_bytes == resp.kv.nixl.length > 0, timing.transfer
 
     asyncio.run(asyncio.wait_for(main(), 120))
