@@ -3,7 +3,9 @@ worker bound to 127.0.0.1 ("node-a"), the decode worker to 127.0.0.2 ("node-b"),
 to TCP (``UCX_TLS=tcp``) so that NIXL's reads cross the loopback network instead of shared
 memory. The prefill worker registers its block pool at start and publishes its agent in its
 heartbeat; the decode worker finds it there. Greedy tokens through the Prefill and Decode
-RPCs must equal ``Engine.generate`` alone's, and every hand-off's blocks must come back.
+RPCs must equal ``Engine.generate`` alone's, and every hand-off's blocks must come back. A
+hand-off to the decode worker its request's reservation holds is announced as it begins
+(``Decode.Prefetch``): the decode worker READs each layer as the prefill marks it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import read_heartbeats
 from pdserve.redis_server import EmbeddedRedis
+from pdserve.scheduling.capacity import Claim, Phase
+from pdserve.scheduling.keys import KeySpace
+from pdserve.scheduling.registry import connect
+from pdserve.scheduling.reservations import ReservationLedger, ReservationPart
 from pdserve.service_process import ServiceProcess, healthy, terminate
 from pdserve.transfer.nixl.agent import AgentDescriptor, nixl_available
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -90,7 +96,10 @@ def nodes(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         prefill = service(
             "prefill-0", "services.prefill",
             [*worker, "--host", "127.0.0.1", "--host-name", "node-a", "--transport", "nixl",
-             "--kvstore", "KVSTORE"],
+             "--kvstore", "KVSTORE", "--kv-prefetch-min-bytes", "0",
+             # Bounds the wait for a prefetch's answer too: the 1 s floor of a small payload's
+             # bound is short on a loaded 2-core host (the Decode call would read it instead).
+             "--kv-transfer-timeout-s", "30"],
             role="prefill",
         )  # fmt: skip
         decode = service(
@@ -129,19 +138,39 @@ def greedy() -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+async def reserve_decode(n: Nodes) -> str:
+    """A reservation of the decode worker, as the scheduler makes one: a prefill worker
+    streams (and announces) KV only to the decode worker its request's reservation holds."""
+    decode = next(w for w in read_heartbeats(n.redis_url) if w.host == "node-b")
+    redis = connect(n.redis_url)
+    try:
+        part = ReservationPart(decode.id, Phase.DECODE, Claim(tokens=0, blocks=1))
+        committed = await ReservationLedger(redis, KeySpace()).reserve([part], lambda _: None)
+    finally:
+        await redis.aclose()
+    return committed.reservation_id
+
+
 async def hand_off(
-    n: Nodes, rid: str, prompt: list[int]
+    n: Nodes, rid: str, prompt: list[int], reservation_id: str = ""
 ) -> tuple[list[int], prefill_pb2.PrefillResponse, common_pb2.Timing]:
+    """``reservation_id``: one that holds the decode worker (the hand-off is announced)."""
     async with (
         grpc.aio.insecure_channel(n.prefill) as pch,
         grpc.aio.insecure_channel(n.decode) as dch,
     ):
+        route = (
+            {"decode_address": n.decode, "decode_host": "node-b", "reservation_id": reservation_id}
+            if reservation_id
+            else {}
+        )
         resp = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
             prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=greedy(), transport="nixl"
+                request_id=rid, prompt_token_ids=prompt, sampling=greedy(), transport="nixl",
+                **route,
             ),
             timeout=30,
-        )
+        )  # fmt: skip
         tokens = [resp.first_token_id]
         timing = common_pb2.Timing()
         async for chunk in decode_pb2_grpc.DecodeStub(dch).Decode(
@@ -177,6 +206,7 @@ def test_greedy_tokens_over_nixl_equal_the_engine_alone(nodes: Nodes, engine: En
             assert timing.transfer.transport == "nixl"
             assert timing.transfer.num_bytes == resp.kv.nixl.length > 0
             assert timing.transfer.recv_end_ns > timing.transfer.recv_start_ns
+            assert not timing.transfer.prefetched  # no decode worker known: not announced
 
     asyncio.run(asyncio.wait_for(main(), 120))
     # The link model learns nixl from the decode worker's reads, not from the prefill
@@ -207,5 +237,34 @@ def test_every_hand_off_gives_its_blocks_back(nodes: Nodes, engine: Engine) -> N
                 if time.monotonic() > deadline:
                     pytest.fail("the pool's blocks did not come back: " + resp.kv.recompute.reason)
                 await asyncio.sleep(0.05)  # the previous reader's notification is on its way
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_announced_hand_offs_are_read_while_the_prefill_computes(
+    nodes: Nodes, engine: Engine
+) -> None:
+    """Each 700-token hand-off takes most of the pool: the next one fits only once the
+    followed read's notification freed the blocks (at the commit)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2048) for _ in range(700)] for _ in range(2)]
+
+    async def main() -> None:
+        reservation = await reserve_decode(nodes)
+        for i, prompt in enumerate(prompts):
+            deadline = time.monotonic() + 20
+            while True:
+                rid = f"prefetched-{i}-{time.monotonic_ns()}"
+                tokens, resp, timing = await hand_off(nodes, rid, prompt, reservation)
+                assert tokens == reference(engine, prompt)
+                if resp.kv.WhichOneof("location") == "nixl":
+                    break
+                assert "blocks asked" in resp.kv.recompute.reason
+                if time.monotonic() > deadline:
+                    pytest.fail("the pool's blocks did not come back: " + resp.kv.recompute.reason)
+                await asyncio.sleep(0.05)  # the previous reader's notification is on its way
+            # Read layer by layer as the prefill wrote it, and taken by the Decode call.
+            assert timing.transfer.prefetched, (resp.transfer, timing.transfer)
+            assert timing.transfer.num_bytes == resp.kv.nixl.length > 0, timing.transfer
 
     asyncio.run(asyncio.wait_for(main(), 120))

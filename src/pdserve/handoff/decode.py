@@ -215,7 +215,9 @@ class DecodeConnector:
     def _nixl(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
         from pdserve.transfer.nixl.receiver import NixlReceiver
 
-        return NixlReceiver(self.nixl_reader, location, expected_layout=self.engine.layout)
+        return NixlReceiver(
+            self.nixl_reader, location, expected_layout=self.engine.layout, follow=follow
+        )
 
     def _stream(self, location: KVLocation, *, follow: bool = False) -> KVReceiver:
         """``store``: the entry at the location's KV store; ``direct``: the hand-off pushed

@@ -69,7 +69,7 @@ class TransferOptions:
     decode_prefix: bool = True
     """Ask the decode worker which leading blocks it caches and send only the rest."""
     prefetch: bool = True
-    """Announce layer-wise store/shm hand-offs to the decode worker as they begin."""
+    """Announce layer-wise store/shm/nixl hand-offs to the decode worker as they begin."""
     prefetch_min_bytes: int = 4 * 1024 * 1024
     """Smaller payloads are not announced: an announcement (one more RPC, a reader following
     the writer) costs about a millisecond here, more than reading 4 MiB takes after the fact."""
@@ -136,13 +136,14 @@ class TransferOptions:
         self, kind: TransportKind, *, decode_address: str, kv_bytes: int, max_tokens: int
     ) -> bool:
         """Whether a hand-off is announced to its decode worker as it begins
-        (``handoff.prefetch``): a layer-wise ``store`` or ``shm`` one, to a known decode
-        worker, of a request that will make a Decode call (``max_tokens`` > 1), of at least
-        ``prefetch_min_bytes`` (a smaller one is read faster than an announcement costs)."""
+        (``handoff.prefetch``): a layer-wise ``store``, ``shm`` or ``nixl`` one, to a known
+        decode worker, of a request that will make a Decode call (``max_tokens`` > 1), of at
+        least ``prefetch_min_bytes`` (a smaller one is read faster than an announcement
+        costs)."""
         return (
             self.prefetch
             and self.layerwise
-            and kind in (TransportKind.STORE, TransportKind.SHM)
+            and kind in (TransportKind.STORE, TransportKind.SHM, TransportKind.NIXL)
             and bool(decode_address)
             and max_tokens > 1
             and kv_bytes >= self.prefetch_min_bytes

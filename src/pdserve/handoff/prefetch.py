@@ -1,14 +1,15 @@
 """Reads of hand-offs that begin before their ``Decode`` call (``Decode.Prefetch``).
 
-Without them the decode worker learns of a ``store`` or ``shm`` hand-off only from the
-``Decode`` call, after the prefill answered, and its whole read adds to the time before
+Without them the decode worker learns of a ``store``, ``shm`` or ``nixl`` hand-off only from
+the ``Decode`` call, after the prefill answered, and its whole read adds to the time before
 decoding starts. With them:
 
   1. Announce (prefill): at ``begin``, as the layers start to leave, the prefill worker calls
      ``Decode.Prefetch`` with the location being written.
   2. Follow (decode): ``Prefetches.start`` runs the location's ``KVReceiver.receive`` as a task
-     that follows the writer (a store ``Get`` with ``follow``, or the shm segment's per-layer
-     ready marks), checking each layer as it lands: the read overlaps the prefill's compute.
+     that follows the writer (a store ``Get`` with ``follow``, the shm segment's per-layer
+     ready marks, or the nixl payload's, polled by small READs), checking each layer as it
+     lands: the read overlaps the prefill's compute.
      The ``Prefetch`` call answers when the read has ended (its trace spans nest in the
      call's); the prefill worker's commit waits for that answer (bounded), so when the
      prefill answers, the decode worker holds the checked KV.
@@ -38,7 +39,7 @@ from pdserve.transfer.base import KVLocation, KVReceiver, TransportKind
 
 logger = logging.getLogger(__name__)
 
-PREFETCHED = (TransportKind.STORE, TransportKind.SHM)
+PREFETCHED = (TransportKind.STORE, TransportKind.SHM, TransportKind.NIXL)
 """What can be prefetched (``direct`` arrives in this worker's endpoint by itself)."""
 
 TAKE_GRACE_S = 30.0
@@ -50,7 +51,8 @@ PREFETCH_TIMEOUT_S = 900.0
 for 32K tokens on a few CPU cores). A writer that gives up, stalls or dies ends it sooner:
 its ``Prefetch`` call is cancelled (by its commit's timeout, its discard, or the dropped
 connection of a dead process), which stops the read; a store write is also aborted once its
-lease passes without progress, and an shm writer marks its segment aborted."""
+lease passes without progress, an shm writer marks its segment aborted, and a nixl writer's
+blocks lose their tags."""
 
 
 @dataclass(eq=False, slots=True)

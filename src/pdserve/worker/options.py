@@ -133,7 +133,7 @@ class WorkerOptions:
         group=HANDOFF, env=False, to="transfer",
     )  # fmt: skip
     kv_prefetch: bool = setting(
-        True, "do not announce layer-wise store/shm hand-offs to the decode worker as they "
+        True, "do not announce layer-wise store/shm/nixl hand-offs to the decode worker as they "
         "begin (it then reads them only when the Decode call comes)", group=HANDOFF, env=False,
         to="transfer.prefetch",
     )  # fmt: skip

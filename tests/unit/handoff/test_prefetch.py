@@ -127,6 +127,8 @@ MIB = 1024 * 1024
     [
         ({}, TransportKind.STORE, "d:1", 4 * MIB, 2, True),
         ({}, TransportKind.SHM, "d:1", 64 * MIB, 16, True),
+        ({}, TransportKind.NIXL, "d:1", 64 * MIB, 16, True),  # read as the layers are marked
+        ({"layerwise": False}, TransportKind.NIXL, "d:1", 64 * MIB, 16, False),
         ({}, TransportKind.DIRECT, "d:1", 64 * MIB, 16, False),  # arrives by itself
         ({}, TransportKind.RECOMPUTE, "d:1", 64 * MIB, 16, False),
         ({}, TransportKind.STORE, "", 64 * MIB, 16, False),  # no decode worker to tell

@@ -2,12 +2,17 @@
 
 A hand-off's payload is one byte string laid over a list of blocks, in order::
 
-    u32 header_len | StreamHeader | pad to 64 | frame of layer 0 | frame of layer 1 | ...
+    u32 header_len | StreamHeader | pad to 64 | marks: num_layers x 8 bytes | pad to 64 |
+    frame of layer 0 | frame of layer 1 | ...
 
 (``stream.frames``: each frame its header, CRC-32, K and V; every frame of a payload has the
 same size, so layer ``i`` starts at ``frames_at + i * frame_size`` whatever order the layers
-come in.) ``BlockAllocator`` prefers one contiguous run, so that most payloads are one
-descriptor on each side; ``runs`` coalesces consecutive ids; ``pair_ranges`` cuts two
+come in.) Layer ``i``'s mark is ``layer_mark(capability, i)``, written once its frame is in:
+a reader that follows the writer polls the marks, and a mark left in the blocks by an earlier
+hand-off (another capability) never matches.
+
+``BlockAllocator`` prefers one contiguous run, so that most payloads are one descriptor on
+each side; ``runs`` coalesces consecutive ids; ``pair_ranges`` cuts two
 layouts of the same bytes (the remote blocks, the local ones) at every boundary of either,
 giving the equal-length descriptor pairs a READ takes.
 
@@ -16,6 +21,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from collections.abc import Sequence
@@ -24,16 +30,34 @@ from pdserve.errors import CapacityError, InvalidArgumentError
 
 LEN_PREFIX = struct.Struct("<I")
 FRAMES_ALIGN = 64
+MARK_BYTES = 8
+"""Bytes of one layer's ready mark."""
 
 
-def frames_offset(header_len: int) -> int:
-    """Where the first frame starts in a payload whose header is ``header_len`` bytes."""
-    end = LEN_PREFIX.size + header_len
-    return -(-end // FRAMES_ALIGN) * FRAMES_ALIGN
+def _align(n: int) -> int:
+    return -(-n // FRAMES_ALIGN) * FRAMES_ALIGN
+
+
+def marks_offset(header_len: int) -> int:
+    """Where the layers' ready marks start in a payload whose header is ``header_len`` bytes."""
+    return _align(LEN_PREFIX.size + header_len)
+
+
+def frames_offset(header_len: int, num_layers: int) -> int:
+    """Where the first frame starts."""
+    return _align(marks_offset(header_len) + num_layers * MARK_BYTES)
 
 
 def payload_bytes(header_len: int, num_layers: int, frame_size: int) -> int:
-    return frames_offset(header_len) + num_layers * frame_size
+    return frames_offset(header_len, num_layers) + num_layers * frame_size
+
+
+def layer_mark(capability: bytes, layer: int) -> bytes:
+    """Layer ``layer``'s ready mark in the hand-off of ``capability``: keyed by it, so that
+    no other hand-off's mark (nor zeros) passes for it."""
+    return hashlib.blake2b(
+        layer.to_bytes(4, "little"), key=capability, digest_size=MARK_BYTES
+    ).digest()
 
 
 def blocks_for(num_bytes: int, block_bytes: int) -> int:
@@ -52,20 +76,21 @@ def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def ranges(
-    blocks: Sequence[int], base: int, block_bytes: int, length: int
+    blocks: Sequence[int], base: int, block_bytes: int, length: int, start: int = 0
 ) -> list[tuple[int, int]]:
-    """``(address, length)`` of the first ``length`` bytes laid over ``blocks`` (runs
-    coalesced) in a pool of ``block_bytes`` blocks at ``base``."""
+    """``(address, length)`` of bytes ``start..start+length`` of the payload laid over
+    ``blocks`` (runs coalesced) in a pool of ``block_bytes`` blocks at ``base``."""
     out: list[tuple[int, int]] = []
-    left = length
+    end, at = start + length, 0  # ``at``: the payload offset where the run starts
     for first, count in runs(blocks):
-        if left <= 0:
+        if at >= end:
             break
-        take = min(count * block_bytes, left)
-        out.append((base + first * block_bytes, take))
-        left -= take
-    if left > 0:
-        raise InvalidArgumentError("blocks", f"{len(blocks)} blocks hold less than {length} bytes")
+        lo, hi = max(at, start), min(at + count * block_bytes, end)
+        if lo < hi:
+            out.append((base + first * block_bytes + lo - at, hi - lo))
+        at += count * block_bytes
+    if at < end:
+        raise InvalidArgumentError("blocks", f"{len(blocks)} blocks hold less than {end} bytes")
     return out
 
 

@@ -5,14 +5,18 @@ stops (registration is the expensive part of NIXL; nothing is registered per req
 
     tags: num_blocks x 16 bytes (pad to 4 KiB) | blocks: num_blocks x block_bytes
 
-A hand-off takes blocks (``take``), its layers are written into them as the engine makes them
-(``write``, the layer hook's thread), and at the commit each of its blocks' tag is set to the
-hand-off's capability (``seal``). The decode worker reads the tags, then the blocks, then the
-tags again, with one-sided READs, and accepts the data only if every tag was the handle's
-capability both times: blocks that are not (or no longer) held for that hand-off are never
-taken for its KV. It then sends the agent a notification naming the capability, and ``poll``
-frees that hand-off's blocks (tags cleared first). A hand-off whose reader never comes is
-freed after its lease (``expire``); a revoked one at once (``release``).
+A hand-off takes blocks (``take``), its header is written and each of its blocks' tag is set
+to the hand-off's capability (``open``), its layers are written into them as the engine makes
+them (``write``, the layer hook's thread; each layer's ready mark after its frame), and the
+commit starts its lease (``seal``). The decode worker reads the tags, then the blocks (all at
+once after the commit, or layer by layer as the marks appear when it follows the writer),
+then the tags again, with one-sided READs, and accepts the data only if every tag was the
+handle's capability both times: blocks that are not (or no longer) held for that hand-off are
+never taken for its KV. It then sends the agent a notification naming the capability, and
+``poll`` frees that hand-off's blocks (tags cleared first); one that comes before the commit
+(a reader that followed the writer to its last layer) frees them at the commit, never under
+the writer. A hand-off whose reader never comes is freed after its lease (``expire``); a
+discarded or revoked one at once (``release``).
 
 ``descriptor`` (``AgentDescriptor``: the agent's metadata, the region's addresses and block
 size) is what the worker's heartbeat publishes, with its fingerprint.
@@ -47,11 +51,16 @@ def free_message(capability: bytes) -> bytes:
 
 @dataclass(slots=True)
 class Held:
-    """A sealed hand-off's blocks, until its reader's notification or its lease's end."""
+    """A hand-off's blocks, from ``open`` until its reader's notification or its lease's end
+    (after the seal), or its discard."""
 
     request_id: str
     blocks: tuple[int, ...]
     expires_at: float
+    """``time.monotonic``; infinite until the seal (the writer discards what it never seals)."""
+    sealed: bool = False
+    read: bool = False
+    """Its reader's notification came before the seal: the seal frees it."""
 
 
 class NixlPool:
@@ -132,21 +141,33 @@ class NixlPool:
             self.data[start : start + take] = src[done : done + take]
             done += take
 
-    def seal(self, capability: bytes, request_id: str, blocks: Sequence[int]) -> None:
-        """The hand-off is readable: its blocks' tags become its capability."""
+    def open(self, capability: bytes, request_id: str, blocks: Sequence[int]) -> None:
+        """The hand-off's blocks become its own: their tags its capability (a reader that
+        follows the writer checks them before it reads a layer)."""
         tag = np.frombuffer(capability, dtype=np.uint8)
         with self._lock:
             self.tags[list(blocks)] = tag
-            self._held[capability] = Held(
-                request_id, tuple(blocks), time.monotonic() + self.lease_s
-            )
+            self._held[capability] = Held(request_id, tuple(blocks), float("inf"))
+
+    def seal(self, capability: bytes, request_id: str, blocks: Sequence[int]) -> None:
+        """The hand-off is committed: its lease starts (``open`` first, unless this opens it
+        too); one its reader is done with already is freed."""
+        if capability not in self._held:
+            self.open(capability, request_id, blocks)
+        with self._lock:
+            held = self._held[capability]
+            held.sealed, held.expires_at = True, time.monotonic() + self.lease_s
+            read = held.read
+        if read:
+            self.release(capability)
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Blocks of a hand-off that was never sealed."""
+        """Blocks taken but never opened."""
         self.allocator.give_back(blocks)
 
     def release(self, capability: bytes) -> bool:
-        """Free a sealed hand-off's blocks (tags first); False if it is not held."""
+        """Free a hand-off's blocks (tags first), sealed or not (its writer discards it);
+        False if it is not held."""
         with self._lock:
             held = self._held.pop(capability, None)
             if held is None:
@@ -157,8 +178,18 @@ class NixlPool:
 
     @property
     def held(self) -> int:
-        """Sealed hand-offs waiting for their reader."""
+        """Hand-offs holding blocks: being written, or sealed and waiting for their reader."""
         return len(self._held)
+
+    def _read(self, capability: bytes) -> bool:
+        """A reader is done with the hand-off: free it, or once sealed if it is not yet (its
+        writer may still be in its blocks); whether it was freed."""
+        with self._lock:
+            held = self._held.get(capability)
+            if held is not None and not held.sealed:
+                held.read = True
+                return False
+        return self.release(capability)
 
     # -- notifications and leases ---------------------------------------------------------
     def poll(self) -> int:
@@ -176,14 +207,16 @@ class NixlPool:
                 except ValueError:
                     logger.warning("NIXL agent %s sent a malformed free notification", agent)
                     continue
-                freed += self.release(capability)
+                freed += self._read(capability)
         return freed
 
     def expire(self, now: float | None = None) -> int:
         """Free the sealed hand-offs whose lease ran out unread; how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            late = [(c, h.request_id) for c, h in self._held.items() if h.expires_at <= now]
+            late = [
+                (c, h.request_id) for c, h in self._held.items() if h.sealed and h.expires_at <= now
+            ]
         for cap, request_id in late:
             if self.release(cap):
                 logger.warning("NIXL hand-off %s expired unread; its blocks are freed", request_id)

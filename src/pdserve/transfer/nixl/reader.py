@@ -194,9 +194,28 @@ class NixlReader:
         notification the peer gets once the (last) READ is done."""
         total = sum(n for _, n in remote)
         local = ranges(local_blocks, self.base, self.block_bytes, total)
-        pieces = cut_pieces(pair_ranges(local, remote), piece_bytes)
-        await self._transfer(agent, pieces, local_blocks, deadline, on_piece, notif)
+        await self.read_pairs(
+            agent, pair_ranges(local, remote), local_blocks, deadline,
+            on_piece=on_piece, piece_bytes=piece_bytes, notif=notif,
+        )  # fmt: skip
         return self.landing(local_blocks, total)
+
+    async def read_pairs(
+        self,
+        agent: str,
+        pairs: Sequence[Pair],
+        local_blocks: Sequence[int],
+        deadline: float,
+        *,
+        on_piece: Callable[[int], None] | None = None,
+        piece_bytes: int = 0,
+        notif: bytes = b"",
+    ) -> None:
+        """``read`` of ``(local, remote)`` range pairs (``blocks.pair_ranges``) whose local
+        ranges lie in ``local_blocks`` (never handed out again if the READ cannot be
+        released)."""
+        pieces = cut_pieces(pairs, piece_bytes)
+        await self._transfer(agent, pieces, local_blocks, deadline, on_piece, notif)
 
     def landing(self, blocks: Sequence[int], length: int) -> np.ndarray:
         """The first ``length`` bytes laid over landing ``blocks``: a view if they are one

@@ -12,14 +12,20 @@ A read of one location:
    held for this hand-off: released, expired, or never its), then READ the blocks into this
    worker's landing blocks (one descriptor per contiguous run on both sides), then READ the
    tags again (a hand-off freed during the read is refused).
-   The blocks are READ in pieces (``PIECE_BYTES``) posted at once, and each layer is checked
-   as soon as its piece has landed, while the later pieces are on the wire.
-4. The payload is checked as a layer stream (``FrameCollector``: CRC-32 per layer, the
-   layout against this engine's). Landing blocks in one run: K and V are views over them,
-   lent to the payload until the engine imported it; else copied out, the blocks back.
+   After the commit (the Decode call's read) the blocks are READ at once, in pieces
+   (``PIECE_BYTES``) posted together, each layer checked as soon as its piece has landed,
+   while the later pieces are on the wire. A read that follows the writer (``follow``: a
+   prefetch, begun with the hand-off) READs each layer as soon as its writer marks it
+   (``follow.py``), while the prefill computes the later ones.
+4. The payload is checked as a layer stream (``parse.py``: each layer's ready mark, its
+   CRC-32, the layout against this engine's). Landing blocks in one run: K and V are views
+   over them, lent to the payload until the engine imported it; else copied out, the blocks
+   back.
 5. The prefill agent is notified (``pool.free_message``, carried by the last READ), and frees
-   the blocks. A read that fails before, and ``discard`` of a hand-off never read, notify on
-   their own: a hand-off given up is freed at once, not at its lease's end.
+   the blocks (a followed read's at the commit). A read after the commit that fails, and
+   ``discard`` of a hand-off never read, notify on their own: a hand-off given up is freed at
+   once, not at its lease's end. A followed read that fails or is cancelled leaves the
+   hand-off to its Decode call.
 
 Every transfer is polled on the event loop until it is done, failed, or the deadline passed;
 one that cannot be released is left with its landing blocks (never reused), so no late write
@@ -35,78 +41,15 @@ from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.errors import InvalidArgumentError, KVTransferError
-from pdserve.kvstore.crc import fast_crc32
 from pdserve.transfer.base import HandoffRecord, KVLocation, TransferState, advance
 from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor
-from pdserve.transfer.nixl.blocks import LEN_PREFIX, blocks_for, frames_offset, ranges, runs
+from pdserve.transfer.nixl.blocks import blocks_for, ranges, runs
+from pdserve.transfer.nixl.follow import PIECE_BYTES, Follower, FollowStats
+from pdserve.transfer.nixl.parse import PayloadParser
 from pdserve.transfer.nixl.pool import free_message
 from pdserve.transfer.nixl.reader import NixlReader
-from pdserve.transfer.stream.frames import FRAME_HEAD, FrameCollector
-from pdserve.transfer.stream.header import StreamHeader
 
 logger = logging.getLogger(__name__)
-
-PIECE_BYTES = 4 * 1024 * 1024
-"""A payload is READ in pieces of this size, posted at once: each one's layers are checked
-as it lands, while the later ones are on the wire."""
-
-
-class _Parser:
-    """A payload's header and frames checked as its bytes land, in order (``arrived``):
-    each layer's CRC-32, the layout against the engine's; ``in_place``: K and V are views
-    over ``view`` (else copies)."""
-
-    def __init__(self, loc: KVLocation, expected: KVLayout | None, *, in_place: bool) -> None:
-        self.loc, self.expected, self.in_place = loc, expected, in_place
-        self.view = memoryview(b"")
-        self.collector: FrameCollector | None = None
-        self.at = self.frame = self.k_end = self.next = 0
-        self.compression = "none"
-
-    def _header(self, landed: int) -> bool:
-        loc, view = self.loc, self.view
-        if landed < LEN_PREFIX.size:
-            return False
-        (head_len,) = LEN_PREFIX.unpack_from(view, 0)
-        at = frames_offset(head_len)
-        if at > len(view):
-            raise KVTransferError(f"nixl payload of {loc.request_id!r}: header length {head_len}")
-        if landed < at:
-            return False
-        header = StreamHeader.decode(bytes(view[LEN_PREFIX.size : LEN_PREFIX.size + head_len]))
-        if header.request_id != loc.request_id or header.num_tokens != loc.num_tokens:
-            raise KVTransferError(f"nixl payload is not {loc.request_id!r}'s, as its handle says")
-        self.compression = header.compression.value
-        self.collector = c = FrameCollector(header, expected_layout=self.expected)
-        self.at, self.frame, self.k_end = at, c.frame_size, FRAME_HEAD.size + c.part
-        if at + header.layout.num_layers * c.frame_size > len(view):
-            raise KVTransferError(f"nixl payload of {loc.request_id!r} is cut short")
-        return True
-
-    def arrived(self, landed: int) -> None:
-        """Bytes ``0..landed`` of the payload are in: check every layer they complete."""
-        if self.collector is None and not self._header(landed):
-            return
-        c, view = self.collector, self.view
-        assert c is not None
-        while self.next < c.header.layout.num_layers:
-            start = self.at + self.next * self.frame
-            if start + self.frame > landed:
-                return
-            if self.in_place:
-                # The header-and-K and V pieces with their CRCs: the collector keeps them as
-                # they lie and checks the frame's CRC, combined from these, against its header.
-                k_end, end = start + self.k_end, start + self.frame
-                for piece in (view[start:k_end], view[k_end:end]):
-                    c.feed(piece, fast_crc32(piece))
-            else:
-                c.feed(view[start : start + self.frame])  # checked and copied out
-            self.next += 1
-
-    def build(self) -> KVPayload:
-        if self.collector is None:
-            raise KVTransferError(f"nixl payload of {self.loc.request_id!r} has no header")
-        return self.collector.build()
 
 
 class NixlReceiver:
@@ -118,10 +61,17 @@ class NixlReceiver:
         location: KVLocation,
         *,
         expected_layout: KVLayout | None,
+        follow: bool = False,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """``reader``: the worker's, or what makes it at first use (``KVTransferError``
-        where it cannot: the read falls back)."""
+        where it cannot: the read falls back); ``follow``: read each layer as its writer
+        marks it (``follow.py``; a prefetch), else the whole payload at once (after the
+        commit); ``progress``: the follower's (layers read so far, after each run)."""
         self._reader = reader
+        self.follow, self.progress = follow, progress
+        self.follow_stats: FollowStats | None = None
+        """A followed read's polls and READs (None: not followed)."""
         self.location = location
         self.expected_layout = expected_layout
         self.kind = location.kind
@@ -140,7 +90,10 @@ class NixlReceiver:
             payload = await self._receive(timeout_s)
         except BaseException:
             self.state = advance(self.state, TransferState.FAILED)
-            self._notify()
+            # A followed read (a prefetch) that fails or is cancelled leaves the hand-off for
+            # the Decode call (which reads it, or discards it): only the owner frees it.
+            if not self.follow:
+                self._notify()
             raise
         self.record.recv_end_ns = time.monotonic_ns()
         self.state = advance(self.state, TransferState.DONE)
@@ -208,9 +161,22 @@ class NixlReceiver:
             # rest are on the wire), and K and V are views over them (no copy), lent until the
             # engine imported them; else the frames are copied out of a gathered copy.
             in_place = len(runs(data_blocks)) == 1
-            parser = _Parser(loc, self.expected_layout, in_place=in_place)
+            parser = PayloadParser(
+                loc, self.expected_layout, in_place=in_place, marks=not self.follow
+            )
             if in_place:
                 parser.view = r.landing(data_blocks, loc.length).data.cast("B").toreadonly()
+            if self.follow:
+                follower = Follower(
+                    r, peer, loc, parser, data_blocks=data_blocks, deadline=deadline,
+                    progress=self.progress,
+                )  # fmt: skip
+                self.follow_stats = follower.stats
+                await follower.run()
+                if not in_place:
+                    parser.view = r.landing(data_blocks, loc.length).data.cast("B").toreadonly()
+                    parser.arrived(loc.length)
+            elif in_place:
                 await r.read(
                     loc.address, remote, data_blocks, deadline,
                     on_piece=parser.arrived, piece_bytes=PIECE_BYTES,

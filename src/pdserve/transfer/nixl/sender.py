@@ -1,10 +1,12 @@
 """``NixlSender``: the prefill side of one nixl hand-off, into the worker's ``NixlPool``.
 
-``begin`` takes the payload's blocks and writes its header; each layer hook writes its frame
-(``stream.frames`` format: header, CRC-32 of K then V, K, V) straight into its blocks while the
-engine computes the later layers; ``commit`` seals the hand-off (its blocks' tags become its
-capability) and returns the location naming the blocks. Nothing moves until the decode
-worker reads: the READs are one-sided, the prefill worker's CPU takes no part in them.
+``begin`` takes the payload's blocks, writes its header and opens the hand-off (its blocks'
+tags become its capability); each layer hook writes its frame (``stream.frames`` format:
+header, CRC-32 of K then V, K, V) straight into its blocks while the engine computes the later
+layers, then the layer's ready mark (``blocks.layer_mark``; x86 stores are seen in order, so a
+reader that sees the mark sees the frame, and the CRC guards it anyway); ``commit`` seals the
+hand-off (its lease starts) and returns the location naming the blocks. Nothing moves but
+by the decode worker's READs: one-sided, the prefill worker's CPU takes no part in them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from pdserve.transfer.base import (
     advance,
 )
 from pdserve.transfer.faults import SendFaults
-from pdserve.transfer.nixl.blocks import LEN_PREFIX, frames_offset, payload_bytes
+from pdserve.transfer.nixl.blocks import (
+    LEN_PREFIX,
+    MARK_BYTES,
+    frames_offset,
+    layer_mark,
+    marks_offset,
+    payload_bytes,
+)
 from pdserve.transfer.nixl.pool import NixlPool
 from pdserve.transfer.stamp import CAPABILITY_BYTES
 from pdserve.transfer.stream.frames import FRAME_HEAD, FRAME_MAGIC, LayerCopy, frame_bytes
@@ -56,7 +65,7 @@ class NixlSender:
         self.capability = b""
         self.blocks: list[int] = []
         self._header: StreamHeader | None = None
-        self._frames_at = 0
+        self._frames_at = self._marks_at = 0
         self._frame_size = 0
         self._seen: set[int] = set()
         self._error: Exception | None = None
@@ -77,13 +86,16 @@ class NixlSender:
         self._frame_size = frame_bytes(layout, num_tokens, header.compression)
         size = payload_bytes(len(head), layout.num_layers, self._frame_size)
         self.blocks = self.pool.take(size)  # CapacityError: nothing held
-        self._open = True
         self._header = header
-        self._frames_at = frames_offset(len(head))
+        self._marks_at = marks_offset(len(head))
+        self._frames_at = frames_offset(len(head), layout.num_layers)
         self.record.num_bytes = size
         lead = LEN_PREFIX.pack(len(head)) + head
         self.pool.write(self.blocks, 0, np.frombuffer(lead, dtype=np.uint8))
         self.capability = secrets.token_bytes(CAPABILITY_BYTES)
+        # The header is in before the tags name the hand-off: a reader that follows sees it.
+        self.pool.open(self.capability, request_id, self.blocks)
+        self._open = True
         self.state = advance(self.state, TransferState.SENDING)
 
     def send_layer(self, layer: int, k: KVArray, v: KVArray) -> None:
@@ -119,6 +131,8 @@ class NixlSender:
             self.pool.write(self.blocks, at, np.frombuffer(head, dtype=np.uint8))
             self.pool.write(self.blocks, at + len(head), kb)
             self.pool.write(self.blocks, at + len(head) + len(kb), vb)
+            mark = np.frombuffer(layer_mark(self.capability, layer), dtype=np.uint8)
+            self.pool.write(self.blocks, self._marks_at + layer * MARK_BYTES, mark)
 
     def planned(self) -> KVLocation:
         h = self._header
@@ -162,8 +176,5 @@ class NixlSender:
         with self._lock:
             was_open, self._open = self._open, False
         if was_open:
-            if self.state is TransferState.SENT:
-                self.pool.release(self.capability)  # False: its reader freed it already
-            else:
-                self.pool.free(self.blocks)
+            self.pool.release(self.capability)  # False: its reader freed it already
         self.state = advance(self.state, TransferState.FAILED)
