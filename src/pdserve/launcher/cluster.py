@@ -72,13 +72,6 @@ class Cluster(ClusterSpec):
         return self._service("scheduler").address
 
     @property
-    def scheduler_addresses(self) -> list[str]:
-        """Every scheduler replica's address (``scheduler_address`` is the first)."""
-        return [
-            self._service(replica_name("scheduler", i)).address for i in range(self.num_schedulers)
-        ]
-
-    @property
     def kvstore_address(self) -> str:
         """The KV store's address: ``host:port`` of the service, or the ``mooncake://`` one."""
         if self._mooncake is not None:

@@ -58,16 +58,6 @@ def weight_files(path: str | Path) -> list[Path]:
     return [_require(root / name) for name in shard_names]
 
 
-def check_checkpoint(path: str | Path) -> None:
-    """Fail fast, naming the file, if config, tokenizer or any weight file is missing."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ModelLoadError(f"checkpoint directory does not exist: {root}")
-    _require(root / CONFIG_NAME)
-    _require(root / TOKENIZER_NAME)
-    weight_files(root)
-
-
 def load_state_dict(
     path: str | Path,
     dtype: torch.dtype | None = None,

@@ -179,7 +179,6 @@ class Heartbeater:
         """Heartbeats written."""
         self.errors = 0
         """Heartbeats that failed on a Redis error."""
-        self.last_error: BaseException | None = None
         self._failing = False
         self._worker_id: str | None = None
         self._stopping = asyncio.Event()
@@ -245,7 +244,6 @@ class Heartbeater:
                 value = await self.registry.heartbeat(info, self.ttl_s, read_key=self.read_key)
         except (RedisError, OSError, TimeoutError) as err:
             self.errors += 1
-            self.last_error = err
             if not self._failing:  # log once per outage, not once per tick
                 logger.warning(
                     "heartbeat of %s failed, retrying every %.1fs: %s",
