@@ -27,7 +27,6 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
@@ -204,10 +203,5 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -42,7 +42,6 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Unpack
 
 import grpc
@@ -261,12 +260,7 @@ class Client(_Base):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -384,10 +378,5 @@ class AsyncClient(_Base):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import grpc
 from grpc.aio import AioRpcError
@@ -330,10 +329,5 @@ class KVStoreClient:
     async def __aenter__(self) -> KVStoreClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

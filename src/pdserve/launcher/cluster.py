@@ -9,7 +9,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from pdserve.errors import WorkerUnavailableError
 from pdserve.kvstore.mooncake.master import MasterProcess
@@ -310,10 +309,5 @@ class Cluster(ClusterSpec):
     def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

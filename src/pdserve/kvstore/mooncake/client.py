@@ -32,7 +32,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -348,10 +347,5 @@ class MooncakeStoreClient:
     async def __aenter__(self) -> MooncakeStoreClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -18,7 +18,6 @@ import time
 import urllib.request
 import weakref
 from pathlib import Path
-from types import TracebackType
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
@@ -160,10 +159,5 @@ class MasterProcess:
     def __enter__(self) -> MasterProcess:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

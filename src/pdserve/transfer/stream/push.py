@@ -13,7 +13,6 @@ refused stream), ``CapacityError`` (the decode worker's inbox is full), ``Unknow
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Sequence
-from types import TracebackType
 
 import grpc
 from grpc.aio import AioRpcError
@@ -107,10 +106,5 @@ class PushClient:
     async def __aenter__(self) -> PushClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
