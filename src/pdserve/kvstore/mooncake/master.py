@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
-from pdserve.kvstore.mooncake.library import Library, load
+from pdserve.kvstore.mooncake.library import load
 
 
 def _free_port(host: str) -> int:
@@ -59,7 +59,6 @@ class MasterProcess:
         port: int | None = None,
         metadata_port: int | None = None,
         eviction_high_watermark: float = 0.9,
-        library: Library | None = None,
     ) -> None:
         """``eviction_high_watermark``: the fill ratio of the segments past which Mooncake
         evicts objects (least recently used first)."""
@@ -68,7 +67,7 @@ class MasterProcess:
         self.metadata_port = metadata_port or _free_port(host)
         self.metrics_port = _free_port(host)
         self.eviction_high_watermark = eviction_high_watermark
-        self._binary = (library or load("kv_store")).master_binary()
+        self._binary = load("kv_store").master_binary()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: tempfile.TemporaryDirectory[str] | None = None
         self._finalizer: weakref.finalize | None = None
