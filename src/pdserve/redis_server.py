@@ -49,13 +49,6 @@ def find_redis_server() -> Path:
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _ping(host: str, port: int, password: str | None = None) -> bool:
     auth = f"AUTH {password}\r\n".encode() if password else b""
     expected = (b"+OK\r\n" if password else b"") + b"+PONG"
@@ -71,16 +64,6 @@ def _ping(host: str, port: int, password: str | None = None) -> bool:
             return reply.startswith(expected)
     except OSError:
         return False
-
-
-def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class EmbeddedRedis:
@@ -138,10 +121,9 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING."""
         if self.running:
             return self
-        fixed_port = self._port is not None
         last_log = ""
-        for _ in range(1 if fixed_port else _START_ATTEMPTS):
-            port = self._port if fixed_port and self._port is not None else _free_port(self.host)
+        for _ in range(1 if self._port is not None else _START_ATTEMPTS):
+            port = self._port if self._port is not None else deathsig.free_port(self.host)
             started, last_log = self._launch(port, timeout_s)
             if started:
                 self._port = port
@@ -178,7 +160,7 @@ class EmbeddedRedis:
             stderr=subprocess.STDOUT,
         )
         self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_process, proc)
+        self._finalizer = weakref.finalize(self, deathsig.stop, proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -193,7 +175,7 @@ class EmbeddedRedis:
     def stop(self) -> None:
         """Terminate the server, wait for it, and delete its directory. Idempotent."""
         if self._finalizer is not None:
-            self._finalizer()  # runs _stop_process once and disarms the exit hook
+            self._finalizer()  # runs deathsig.stop once and disarms the exit hook
             self._finalizer = None
         self._proc = None
         if self._workdir is not None:

@@ -24,29 +24,12 @@ from pdserve.errors import WorkerUnavailableError
 from pdserve.kvstore.mooncake.library import load
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
-
-
-def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class MasterProcess:
@@ -63,9 +46,9 @@ class MasterProcess:
         """``eviction_high_watermark``: the fill ratio of the segments past which Mooncake
         evicts objects (least recently used first)."""
         self.host = host
-        self.port = port or _free_port(host)
-        self.metadata_port = metadata_port or _free_port(host)
-        self.metrics_port = _free_port(host)
+        self.port = port or deathsig.free_port(host)
+        self.metadata_port = metadata_port or deathsig.free_port(host)
+        self.metrics_port = deathsig.free_port(host)
         self.eviction_high_watermark = eviction_high_watermark
         self._binary = load("kv_store").master_binary()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -119,7 +102,7 @@ class MasterProcess:
                 deathsig.wrap(self.args()), stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
         self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_process, proc)
+        self._finalizer = weakref.finalize(self, deathsig.stop, proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
             if _accepts(self.host, self.port) and _accepts(self.host, self.metadata_port):
