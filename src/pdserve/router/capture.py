@@ -348,9 +348,9 @@ class Capture:
 
 
 @contextlib.asynccontextmanager
-async def capturing(capture: Capture, *, flush_s: float = 2.0) -> AsyncIterator[Capture]:
+async def capturing(capture: Capture) -> AsyncIterator[Capture]:
     """Run ``capture``'s poll and writer while inside: two tasks, the poll cancelled on the
-    way out, the writer given ``flush_s`` to write the records still queued."""
+    way out, the writer given 2 s to write the records still queued."""
     try:
         await capture.refresh()
     except (RedisError, OSError) as err:  # the poll keeps trying
@@ -363,4 +363,4 @@ async def capturing(capture: Capture, *, flush_s: float = 2.0) -> AsyncIterator[
         capture.close()
         await cancel_and_wait(poll)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(writer, flush_s)  # cancels it when the time is up
+            await asyncio.wait_for(writer, 2.0)  # cancels it when the time is up
