@@ -76,8 +76,6 @@ class EmbeddedRedis:
     def __init__(
         self,
         *,
-        port: int | None = None,
-        host: str = "127.0.0.1",
         password: str | None = None,
         config: Sequence[str] = (),
         sentinel: bool = False,
@@ -87,11 +85,11 @@ class EmbeddedRedis:
         watches)."""
         if password is not None and (not password or any(c.isspace() for c in password)):
             raise WorkerUnavailableError("an embedded Redis password must be non-empty, no spaces")
-        self.host = host
+        self.host = "127.0.0.1"
         self.password = password
         self.config = tuple(config)
         self.sentinel = sentinel
-        self._port = port
+        self._port: int | None = None  # a free one at the first start, kept for restarts
         self._binary = find_redis_server()
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None

@@ -214,7 +214,6 @@ class Capture:
         poll_s: float = POLL_S,
         name: str | None = None,
         max_pending: int = MAX_PENDING,
-        stream_max_len: int = STREAM_MAX_LEN,
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.redis = redis
@@ -222,7 +221,6 @@ class Capture:
         self.poll_s = poll_s
         self.name = name or router_name()
         self.max_pending = max_pending
-        self.stream_max_len = stream_max_len
         self.rng = rng
         self.setting: CaptureSetting | None = None
         """The capture in force; None while capture is off."""
@@ -280,7 +278,7 @@ class Capture:
                 pipe.xadd(
                     self.keys.capture_stream,
                     {FIELD_CAPTURE: setting.id, FIELD_HELLO: self.name},
-                    maxlen=self.stream_max_len,
+                    maxlen=STREAM_MAX_LEN,
                     approximate=True,
                 )
                 pipe.expire(self.keys.capture_stream, STREAM_TTL_S)
@@ -316,7 +314,7 @@ class Capture:
                         pipe.xadd(
                             self.keys.capture_stream,
                             entry,  # type: ignore[arg-type]
-                            maxlen=self.stream_max_len,
+                            maxlen=STREAM_MAX_LEN,
                             approximate=True,
                         )
                     pipe.expire(self.keys.capture_stream, STREAM_TTL_S)

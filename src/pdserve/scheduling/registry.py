@@ -157,7 +157,6 @@ class Heartbeater:
         provider: Callable[[], WorkerInfo],
         *,
         interval_s: float = 1.0,
-        ttl_s: float | None = None,
         read_key: str | None = None,
         on_read: Callable[[bytes | None], None] | None = None,
     ) -> None:
@@ -170,11 +169,7 @@ class Heartbeater:
         self.read_key = read_key
         self.on_read = on_read
         self.interval_s = interval_s
-        self.ttl_s = 3 * interval_s if ttl_s is None else ttl_s
-        if not self.ttl_s > interval_s:
-            raise InvalidArgumentError(
-                "ttl_s", f"must exceed interval_s {interval_s}, got {self.ttl_s}"
-            )
+        self.ttl_s = 3 * interval_s
         self.beats = 0
         """Heartbeats written."""
         self.errors = 0

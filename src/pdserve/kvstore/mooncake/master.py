@@ -35,21 +35,11 @@ def _accepts(host: str, port: int) -> bool:
 class MasterProcess:
     """``with MasterProcess() as m: ... m.address() ...`` (see the module doc)."""
 
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        metadata_port: int | None = None,
-        eviction_high_watermark: float = 0.9,
-    ) -> None:
-        """``eviction_high_watermark``: the fill ratio of the segments past which Mooncake
-        evicts objects (least recently used first)."""
-        self.host = host
-        self.port = port or deathsig.free_port(host)
-        self.metadata_port = metadata_port or deathsig.free_port(host)
-        self.metrics_port = deathsig.free_port(host)
-        self.eviction_high_watermark = eviction_high_watermark
+    def __init__(self) -> None:
+        self.host = "127.0.0.1"
+        self.port = deathsig.free_port(self.host)
+        self.metadata_port = deathsig.free_port(self.host)
+        self.metrics_port = deathsig.free_port(self.host)
         self._binary = load("kv_store").master_binary()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: tempfile.TemporaryDirectory[str] | None = None
@@ -87,7 +77,9 @@ class MasterProcess:
             f"--http_metadata_server_host={self.host}",
             f"--http_metadata_server_port={self.metadata_port}",
             f"--metrics_port={self.metrics_port}",
-            f"--eviction_high_watermark_ratio={self.eviction_high_watermark}",
+            # The fill ratio of the segments past which Mooncake evicts objects (least
+            # recently used first).
+            "--eviction_high_watermark_ratio=0.9",
             "--enable_metric_reporting=false",
         ]
 
