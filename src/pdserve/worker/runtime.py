@@ -271,7 +271,6 @@ async def run_worker(
     servicers: Sequence[tuple[AddServicerFn, object]],
     *,
     sweeps: Sequence[tuple[str, Callable[[], Awaitable[None]]]] = (),
-    sweep_interval_s: float = 1.0,
     telemetry: WorkerTelemetry | None = None,
     links: Links | None = None,
     bandwidth: Sequence[BandwidthMeter] = (),
@@ -280,7 +279,7 @@ async def run_worker(
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
-    ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
+    ``sweeps`` (name, coroutine function) run every second. With
     ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
     KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
     connectors' meters, whose live bytes/s the heartbeats publish; ``kv_agent``: its prefill
@@ -353,10 +352,7 @@ async def run_worker(
             ),
             name="shm-janitor",
         ),
-        *(
-            asyncio.create_task(_every(sweep_interval_s, work, name), name=name)
-            for name, work in sweeps
-        ),
+        *(asyncio.create_task(_every(1.0, work, name), name=name) for name, work in sweeps),
     ]
     # Only our own engine logs its prefix cache's changes (TensorRT-LLM's is its own).
     torch_engine = engine.engine if isinstance(engine, TorchBackend) else None
