@@ -66,7 +66,3 @@ class TenantQuotas:
 
     def of(self, tenant: str) -> TenantQuota:
         return self.per_tenant.get(tenant, self.default)
-
-    @property
-    def any_limited(self) -> bool:
-        return self.default.limited or any(q.limited for q in self.per_tenant.values())

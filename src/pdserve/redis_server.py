@@ -27,7 +27,6 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
@@ -50,13 +49,6 @@ def find_redis_server() -> Path:
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _ping(host: str, port: int, password: str | None = None) -> bool:
     auth = f"AUTH {password}\r\n".encode() if password else b""
     expected = (b"+OK\r\n" if password else b"") + b"+PONG"
@@ -74,16 +66,6 @@ def _ping(host: str, port: int, password: str | None = None) -> bool:
         return False
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1, without persistence.
 
@@ -94,8 +76,6 @@ class EmbeddedRedis:
     def __init__(
         self,
         *,
-        port: int | None = None,
-        host: str = "127.0.0.1",
         password: str | None = None,
         config: Sequence[str] = (),
         sentinel: bool = False,
@@ -105,11 +85,11 @@ class EmbeddedRedis:
         watches)."""
         if password is not None and (not password or any(c.isspace() for c in password)):
             raise WorkerUnavailableError("an embedded Redis password must be non-empty, no spaces")
-        self.host = host
+        self.host = "127.0.0.1"
         self.password = password
         self.config = tuple(config)
         self.sentinel = sentinel
-        self._port = port
+        self._port: int | None = None  # a free one at the first start, kept for restarts
         self._binary = find_redis_server()
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
@@ -139,10 +119,9 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING."""
         if self.running:
             return self
-        fixed_port = self._port is not None
         last_log = ""
-        for _ in range(1 if fixed_port else _START_ATTEMPTS):
-            port = self._port if fixed_port and self._port is not None else _free_port(self.host)
+        for _ in range(1 if self._port is not None else _START_ATTEMPTS):
+            port = self._port if self._port is not None else deathsig.free_port(self.host)
             started, last_log = self._launch(port, timeout_s)
             if started:
                 self._port = port
@@ -179,7 +158,7 @@ class EmbeddedRedis:
             stderr=subprocess.STDOUT,
         )
         self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_process, proc)
+        self._finalizer = weakref.finalize(self, deathsig.stop, proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -194,7 +173,7 @@ class EmbeddedRedis:
     def stop(self) -> None:
         """Terminate the server, wait for it, and delete its directory. Idempotent."""
         if self._finalizer is not None:
-            self._finalizer()  # runs _stop_process once and disarms the exit hook
+            self._finalizer()  # runs deathsig.stop once and disarms the exit hook
             self._finalizer = None
         self._proc = None
         if self._workdir is not None:
@@ -204,10 +183,5 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

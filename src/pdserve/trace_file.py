@@ -33,11 +33,6 @@ class PromptPrefix:
     """The captured request's tenant (``""``: none); the hashes are salted with it, so two
     tenants' prompts never share a replayed block, as they never shared cached KV."""
 
-    @property
-    def shared_tokens(self) -> int:
-        """Leading prompt tokens the hashes fix."""
-        return len(self.block_hashes) * (self.block_size or 0)
-
 
 NO_PREFIX = PromptPrefix()
 """A trace line that says nothing of its prompt's content."""

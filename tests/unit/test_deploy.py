@@ -226,11 +226,12 @@ def test_redis_command_runs_with_the_generated_config(tmp_path: Path) -> None:
     """The compose Redis command, run by a real redis-server: AUTH needed, the password
     from the generated file admitted."""
     redis = pytest.importorskip("redis")
-    from pdserve.redis_server import _free_port, find_redis_server
+    from pdserve.deathsig import free_port
+    from pdserve.redis_server import find_redis_server
 
     init_secrets.make_files(tmp_path, [])
     argv = [a.replace(SECRETS, str(tmp_path)) for a in SERVICES["redis"]["command"]]
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     argv = [str(find_redis_server()), *argv[1:], "--port", str(port), "--bind", "127.0.0.1"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:

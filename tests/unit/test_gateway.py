@@ -193,9 +193,7 @@ def test_validation_locations_become_params() -> None:
 
 def test_plan_jobs_numbers_choices_and_spreads_seeds() -> None:
     jobs = plan_jobs(["a", [5, 6]], 2, {"seed": 10, "max_tokens": 3}, "cmpl-x")
-    assert [(j.index, j.prompt_index, j.prompt) for j in jobs] == [
-        (0, 0, "a"), (1, 0, "a"), (2, 1, [5, 6]), (3, 1, [5, 6]),
-    ]  # fmt: skip
+    assert [(j.index, j.prompt) for j in jobs] == [(0, "a"), (1, "a"), (2, [5, 6]), (3, [5, 6])]
     assert [j.options.get("seed") for j in jobs] == [10, 11, 10, 11]
     assert [j.options.get("request_id") for j in jobs] == [f"cmpl-x-{i}" for i in range(4)]
     assert all(j.options.get("max_tokens") == 3 for j in jobs)

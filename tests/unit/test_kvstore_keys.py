@@ -9,8 +9,6 @@ def test_each_namespace_has_its_shape() -> None:
     cap = bytes(range(16))
     key = keys.handoff_key("req/1", cap)
     assert key == f"kv/req/1/{cap.hex()}"
-    assert keys.is_handoff_key(key)
     chunk = keys.prefix_chunk_key("fp", b"\xab\xcd")
     assert chunk == "pfx/fp/abcd"
-    assert not keys.is_handoff_key(chunk)
     assert not key.startswith(keys.PREFIX_CHUNK_PREFIX)

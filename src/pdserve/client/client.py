@@ -42,7 +42,6 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Unpack
 
 import grpc
@@ -124,6 +123,7 @@ class _Base:
         api_key: str | None = None,
         tls: TlsConfig | bool = False,
     ) -> None:
+        """``api_key``: sent as ``authorization: Bearer KEY``; ``tls``: see the module doc."""
         self.address = address
         self._target, self._balancing = channel_target(address)
         self.timeout = check_timeout(timeout)
@@ -135,6 +135,10 @@ class _Base:
         self._api_key = api_key
         self.tls = _tls(tls)
         """TLS settings of the channel; None: plaintext."""
+        self._connect()
+
+    def _connect(self) -> None:
+        """Open the channel (a blocking client: at once; an asyncio one waits for its loop)."""
 
     def _channel_args(self) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
         options = [*CHANNEL_OPTIONS, *self._balancing]
@@ -168,20 +172,7 @@ class _Base:
 class Client(_Base):
     """A blocking client of one router; thread-safe, reuse it (one channel for all calls)."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        tenant: str | None = None,
-        retry: RetryPolicy | None = None,
-        api_key: str | None = None,
-        tls: TlsConfig | bool = False,
-    ) -> None:
-        """``api_key``: sent as ``authorization: Bearer KEY``; ``tls``: see the module doc."""
-        super().__init__(
-            address, timeout=timeout, tenant=tenant, retry=retry, api_key=api_key, tls=tls
-        )
+    def _connect(self) -> None:
         creds, options = self._channel_args()
         self._channel = (
             grpc.secure_channel(self._target, creds, options=options)
@@ -261,12 +252,7 @@ class Client(_Base):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -274,23 +260,9 @@ class AsyncClient(_Base):
     """An asyncio client of one router. Use it from one event loop; ``await close()`` at the end
     (or ``async with``)."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        tenant: str | None = None,
-        retry: RetryPolicy | None = None,
-        api_key: str | None = None,
-        tls: TlsConfig | bool = False,
-    ) -> None:
-        """See ``Client``."""
-        super().__init__(
-            address, timeout=timeout, tenant=tenant, retry=retry, api_key=api_key, tls=tls
-        )
-        # Created on first use, inside the event loop that will drive it.
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: router_pb2_grpc.RouterStub | None = None
+    # Created on first use, inside the event loop that will drive it.
+    _channel: grpc.aio.Channel | None = None
+    _stub: router_pb2_grpc.RouterStub | None = None
 
     def _get_stub(self) -> router_pb2_grpc.RouterStub:
         if self._stub is None:
@@ -384,10 +356,5 @@ class AsyncClient(_Base):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -131,14 +131,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         n_full = (len(seq) - 1) // self.block_size
-        if len(seq.block_hashes) < n_full:
-            seq.block_hashes += chain_block_hashes(
-                seq.token_ids[: n_full * self.block_size],
-                self.block_size,
-                salt=seq.tenant,
-                parent=seq.block_hashes[-1] if seq.block_hashes else b"",
-                start=len(seq.block_hashes),
-            )
+        self._hash_blocks(seq, n_full)
         hits: list[int] = []
         for h in seq.block_hashes[:n_full]:
             block_id = self._cached.get(h)
@@ -148,6 +141,17 @@ class BlockManager:
         self.prefix_queries += n_full
         self.prefix_hits += len(hits)
         return hits
+
+    def _hash_blocks(self, seq: Sequence, n_full: int) -> None:
+        """Extend ``seq.block_hashes`` to its first ``n_full`` blocks (hashed once each)."""
+        if len(seq.block_hashes) < n_full:
+            seq.block_hashes += chain_block_hashes(
+                seq.token_ids[: n_full * self.block_size],
+                self.block_size,
+                salt=seq.tenant,
+                parent=seq.block_hashes[-1] if seq.block_hashes else b"",
+                start=len(seq.block_hashes),
+            )
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now (a snapshot for ``events`` consumers)."""
@@ -172,14 +176,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        if len(seq.block_hashes) < n_full:
-            seq.block_hashes += chain_block_hashes(
-                seq.token_ids[: n_full * self.block_size],
-                self.block_size,
-                salt=seq.tenant,
-                parent=seq.block_hashes[-1] if seq.block_hashes else b"",
-                start=len(seq.block_hashes),
-            )
+        self._hash_blocks(seq, n_full)
         for i in range(seq.num_registered_blocks, n_full):
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]

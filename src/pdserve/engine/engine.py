@@ -394,7 +394,6 @@ class Engine:
             num_held=len(self._held),
             queued_tokens=queued,
             num_preemptions=s.num_preemptions,
-            prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
         )
 

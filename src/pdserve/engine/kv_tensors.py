@@ -13,13 +13,6 @@ import torch
 
 from pdserve.engine.kv_arrays import WIRE_DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float16": torch.float16,
-}
-"""Layout dtype name -> the torch dtype of its KV."""
-
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_BY_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 

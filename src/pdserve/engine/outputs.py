@@ -96,7 +96,6 @@ class EngineStats:
     queued_tokens: int
     """Tokens still to prefill across waiting and running sequences."""
     num_preemptions: int
-    prefix_cache_queries: int
     prefix_cache_hits: int
 
 

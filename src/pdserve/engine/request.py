@@ -8,8 +8,7 @@ first token and KV, a migrated request's tokens), never inside it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -30,6 +29,3 @@ class EngineRequest:
     in its capacity's ``tags`` while the request is admitted."""
     deadline: float | None = None
     """When the caller stops waiting, on ``time.monotonic``'s clock; None: no deadline."""
-    trace_context: Mapping[str, str] | None = field(default=None, compare=False)
-    """A W3C trace-context carrier (``traceparent``, ``tracestate``) for work done outside
-    the call's own context; None: the ambient context (gRPC propagates it)."""

@@ -53,19 +53,15 @@ class StepModel:
 class StepMeter:
     """Fits ``StepModel`` from ``observe`` calls (see the module docstring).
 
-    ``half_life`` is counted in steps of each kind: after that many newer steps an old one
-    weighs half. ``busy_window_s`` is the time constant of ``busy``.
+    A step weighs half once 64 newer steps of its kind came. ``busy_window_s`` is the time
+    constant of ``busy``.
     """
 
-    def __init__(
-        self, *, half_life: float = 64.0, busy_window_s: float = 5.0, min_prefill_tokens: int = 256
-    ) -> None:
+    def __init__(self, *, busy_window_s: float = 5.0, min_prefill_tokens: int = 256) -> None:
         self.min_prefill_tokens = min_prefill_tokens
-        if not half_life > 0:
-            raise InvalidArgumentError("half_life", f"must be > 0, got {half_life}")
         if not busy_window_s > 0:
             raise InvalidArgumentError("busy_window_s", f"must be > 0, got {busy_window_s}")
-        self._keep = 0.5 ** (1.0 / half_life)
+        self._keep = 0.5 ** (1.0 / 64)
         self._busy_window_s = busy_window_s
         # Decode-only steps: weighted sums for t = a + b * n.
         self._w = self._sn = self._st = self._snn = self._snt = 0.0

@@ -90,10 +90,9 @@ class AsyncEngine:
         *,
         batch_window_ms: float = 0.0,
         adaptive_window: bool = True,
-        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     ) -> None:
         self._engine = engine
-        self._failures = FailureTracker(max_consecutive_failures)
+        self._failures = FailureTracker(DEFAULT_MAX_CONSECUTIVE_FAILURES)
         self._window = BatchWindow(batch_window_ms, adaptive=adaptive_window)  # engine thread
         # Immutable after construction, so readable from the event loop without the thread.
         self.layout: KVLayout = engine.layout

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 import grpc
 
@@ -27,30 +26,19 @@ from pdserve.client import AsyncClient, ModelInfo, PdServeClientError
 from pdserve.gateway.errors import from_client_error, unauthorized
 from pdserve.security.apikeys import key_digest
 
-DEFAULT_TTL_S = 30.0
-DEFAULT_CAPACITY = 4096
+TTL_S = 30.0
+CAPACITY = 4096
 """Admitted keys remembered at most (the least recently used is forgotten first)."""
 CHECK_TIMEOUT_S = 10.0
 """Deadline of one ``GetModelInfo`` (or the request's own deadline, if shorter)."""
 
 
 class Callers:
-    """The router's verdict on callers' keys, asked once per key per ``ttl_s``."""
+    """The router's verdict on callers' keys, asked once per key per ``TTL_S``."""
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        timeout_s: float | None,
-        *,
-        ttl_s: float = DEFAULT_TTL_S,
-        capacity: int = DEFAULT_CAPACITY,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, client: AsyncClient, timeout_s: float | None) -> None:
         self.client = client
         self.timeout_s = CHECK_TIMEOUT_S if timeout_s is None else min(timeout_s, CHECK_TIMEOUT_S)
-        self.ttl_s = ttl_s
-        self.capacity = capacity
-        self.clock = clock
         self.asked = 0
         """``GetModelInfo`` calls made so far."""
         self.info: ModelInfo | None = None
@@ -63,7 +51,7 @@ class Callers:
     async def admit(self, api_key: str | None) -> ModelInfo:
         """The router's ``ModelInfo`` if it admits ``api_key`` (None: no key); else the
         ``GatewayError`` of its refusal (401 for a missing or refused key)."""
-        now = self.clock()
+        now = time.monotonic()
         if self.info is not None and now < self._open_until:
             return self.info
         digest = key_digest(api_key) if api_key is not None else None
@@ -79,14 +67,14 @@ class Callers:
             info = await self.client.model_info(timeout=self.timeout_s, api_key=api_key)
         except PdServeClientError as err:
             if digest is None and err.code == grpc.StatusCode.UNAUTHENTICATED:
-                self._closed_until = now + self.ttl_s
+                self._closed_until = now + TTL_S
             raise from_client_error(err, prompt_param="", api_key_sent=api_key is not None) from err
         self.info = info
         if digest is None:  # the router takes calls without a key
-            self._open_until = now + self.ttl_s
+            self._open_until = now + TTL_S
         else:
-            self._admitted[digest] = now + self.ttl_s
+            self._admitted[digest] = now + TTL_S
             self._admitted.move_to_end(digest)
-            while len(self._admitted) > self.capacity:
+            while len(self._admitted) > CAPACITY:
                 self._admitted.popitem(last=False)
         return info

@@ -22,7 +22,6 @@ class Job:
     """One choice to generate."""
 
     index: int
-    prompt_index: int
     prompt: str | list[int]
     options: RequestOptions
 
@@ -43,7 +42,7 @@ def plan_jobs(
             job_options = RequestOptions(**options, request_id=f"{request_id}-{index}")
             if seed is not None and j and 0 <= seed < _SEED_MOD:
                 job_options["seed"] = (seed + j) % _SEED_MOD
-            jobs.append(Job(index, i, prompt, job_options))
+            jobs.append(Job(index, prompt, job_options))
     return jobs
 
 

@@ -2,7 +2,7 @@
 
 Parsing a body, validating it, rendering a chat template and tokenizing the prompt cost time
 in proportion to the body. On the event loop, a large body would hold every other request
-(and every stream's next token) for that long; so a body larger than ``inline_bytes`` is
+(and every stream's next token) for that long; so a body larger than ``INLINE_BYTES`` is
 prepared on one of ``threads`` threads (a bound: more such bodies wait their turn, in order),
 while a small one, which costs less than a thread hand-off is worth, is prepared inline.
 
@@ -38,19 +38,18 @@ class PoolCounts:
 
 
 class WorkPool:
-    """``threads`` worker threads for request bodies over ``inline_bytes``."""
+    """``threads`` worker threads for request bodies over ``INLINE_BYTES``."""
 
-    def __init__(self, threads: int = DEFAULT_THREADS, inline_bytes: int = INLINE_BYTES) -> None:
+    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
         if threads < 1:
             raise InvalidArgumentError("--parse-threads", f"must be >= 1, got {threads}")
-        self.inline_bytes = inline_bytes
         self.counts = PoolCounts()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gw-body")
 
     async def run(self, size: int, work: Callable[[], T]) -> T:
         """``work()`` for a body of ``size`` bytes: inline when small, else on a thread. A
         caller cancelled while its work waits for a thread takes it out of the queue."""
-        if size <= self.inline_bytes:
+        if size <= INLINE_BYTES:
             self.counts.inline += 1
             return work()
         self.counts.pooled += 1

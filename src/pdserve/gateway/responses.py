@@ -9,18 +9,25 @@ other field is always present, with ``null`` where OpenAI sends ``null``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pdserve.client import Usage as ClientUsage
 
 
-def _drop_none(data: dict[str, Any], *keys: str) -> dict[str, Any]:
-    for key in keys:
-        if data.get(key) is None:
-            data.pop(key, None)
-    return data
+class _OmitsNone(BaseModel):
+    """A body whose fields named in ``_omit_if_none`` are left out of the JSON when None."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in self._omit_if_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -76,7 +83,7 @@ PromptLogprobList = list[dict[str, PromptTokenLogprob] | None]
 entry for the prompt's token and the alternatives asked for."""
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitsNone):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -84,9 +91,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobList | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_ids", "prompt_logprobs")
+    _omit_if_none = ("token_ids", "prompt_logprobs")
 
 
 class Completion(BaseModel):
@@ -129,7 +134,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_OmitsNone):
     """``content`` is null when the answer is tool calls alone; ``tool_calls`` is left out
     when there are none, as OpenAI leaves it out."""
 
@@ -137,24 +142,20 @@ class AssistantMessage(BaseModel):
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "tool_calls")
+    _omit_if_none = ("tool_calls",)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitsNone):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_ids")
+    _omit_if_none = ("token_ids",)
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_OmitsNone):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -165,23 +166,19 @@ class ChatCompletion(BaseModel):
     """``default`` when the request named a tier (``auto`` or ``default``)."""
     prompt_logprobs: PromptLogprobList | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "service_tier", "prompt_logprobs")
+    _omit_if_none = ("service_tier", "prompt_logprobs")
 
 
-class FunctionCallDelta(BaseModel):
+class FunctionCallDelta(_OmitsNone):
     name: str | None = None
     """On a call's first delta only."""
     arguments: str | None = None
     """The next piece of the arguments' JSON text."""
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "name", "arguments")
+    _omit_if_none = ("name", "arguments")
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(_OmitsNone):
     """A piece of tool call ``index`` of a streamed choice: the first carries ``id``,
     ``type`` and the function's ``name`` (and ``arguments: ""`` or their first piece), the
     next ones more of the arguments, as OpenAI streams them."""
@@ -191,34 +188,28 @@ class ToolCallDelta(BaseModel):
     type: Literal["function"] | None = None
     function: FunctionCallDelta
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "id", "type")
+    _omit_if_none = ("id", "type")
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_OmitsNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "role", "content", "tool_calls")
+    _omit_if_none = ("role", "content", "tool_calls")
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitsNone):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_ids")
+    _omit_if_none = ("token_ids",)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitsNone):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -227,9 +218,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     service_tier: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "service_tier")
+    _omit_if_none = ("service_tier",)
 
 
 # -- /v1/models, errors --------------------------------------------------------------------------
@@ -250,7 +239,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeResponse(BaseModel):
+class TokenizeResponse(_OmitsNone):
     """vLLM's ``POST /tokenize`` answer."""
 
     count: int
@@ -259,9 +248,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
     """With ``return_token_strs``: each token's text."""
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_strs")
+    _omit_if_none = ("token_strs",)
 
 
 class DetokenizeResponse(BaseModel):

@@ -220,16 +220,16 @@ class CrcPipeline:
     A chunk that just arrived is in cache, where ``fast_crc32`` runs at ~80 GB/s: a 1 MiB
     chunk takes ~15 us, far less than handing it to a thread (~100 us of submission and
     wake-ups, measured). Chunks of ``INLINE_BYTES`` or more are checked in worker threads
-    (``fast_crc32`` releases the GIL), up to ``depth`` at a time, so the event loop keeps
+    (``fast_crc32`` releases the GIL), up to ``DEPTH`` at a time, so the event loop keeps
     receiving. The data must not be trusted before ``drain()`` returned; ``cancel()`` drops
     what is still pending (the stream failed anyway).
     """
 
     INLINE_BYTES = 4 * 1024 * 1024
+    DEPTH = 4
 
-    def __init__(self, key: str = "", *, depth: int = 4) -> None:
+    def __init__(self, key: str = "") -> None:
         self.key = key
-        self.depth = depth
         self._pending: deque[tuple[int, asyncio.Future[int], int]] = deque()
 
     async def check(self, chunk: Chunk) -> None:
@@ -237,7 +237,7 @@ class CrcPipeline:
         if len(chunk.data) < self.INLINE_BYTES:
             self._compare(chunk.seq, fast_crc32(chunk.data), chunk.crc32)
             return
-        while len(self._pending) >= self.depth:
+        while len(self._pending) >= self.DEPTH:
             await self._next()
         future = asyncio.get_running_loop().run_in_executor(None, fast_crc32, chunk.data)
         self._pending.append((chunk.seq, future, chunk.crc32))
@@ -264,8 +264,8 @@ class CrcPipeline:
 class ChunkAssembler(ChunkReader):
     """A ``ChunkReader`` that also keeps the data: ``finish()`` returns it."""
 
-    def __init__(self, *, limit_bytes: int | None = None) -> None:
-        super().__init__(limit_bytes=limit_bytes)
+    def __init__(self) -> None:
+        super().__init__()
         self._parts: list[Buffer] = []
 
     def feed(self, chunk: Chunk) -> Buffer:

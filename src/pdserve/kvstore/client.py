@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import grpc
 from grpc.aio import AioRpcError
@@ -143,26 +142,21 @@ class KVStoreClient:
         address: str,
         *,
         timeout_s: float = 10.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         security: SecurityOptions = INSECURE,
     ) -> None:
-        """``interceptors`` None: the process-wide tracing's (CLIENT spans, ``traceparent``).
-        ``security``: TLS and the internal token of the calls (``pdserve.security``)."""
+        """The calls carry the process-wide tracing's interceptors (CLIENT spans,
+        ``traceparent``). ``security``: TLS and the internal token of the calls
+        (``pdserve.security``)."""
         if not address:
             raise InvalidArgumentError("address", "must be host:port")
         if not timeout_s > 0:
             raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
-        if chunk_bytes < 1:
-            raise InvalidArgumentError("chunk_bytes", f"must be >= 1, got {chunk_bytes}")
         self.address = address
         self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        if interceptors is None:
-            interceptors = tracing.client_interceptors()
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self.security = security
         self._channel = security.aio_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
+            address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors()
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._chunks = KVStoreCalls(self._channel)  # Put and Get without protobuf's copies
@@ -330,10 +324,5 @@ class KVStoreClient:
     async def __aenter__(self) -> KVStoreClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -1,10 +1,13 @@
-"""One entry of the KV store: its in-memory record, what a reader gets, what ``stat`` says."""
+"""One entry of the KV store: its in-memory record, what a reader gets, what ``stat`` says, and
+the lease it gets (``Leases``, a decode worker's inbox's too)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pdserve.errors import InvalidArgumentError
 from pdserve.kvstore.disk import DiskTier
 
 
@@ -78,3 +81,25 @@ class _Entry:
     @property
     def file_name(self) -> str:
         return DiskTier.file_name(self.key, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class Leases:
+    """The lease of a payload: ``default_s`` when its writer asks for none (0), at most
+    ``max_s``."""
+
+    default_s: float
+    max_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.default_s <= self.max_s or math.isinf(self.max_s):
+            raise InvalidArgumentError(
+                "default_lease_s",
+                f"must be in (0, max_lease_s={self.max_s}], got {self.default_s}",
+            )
+
+    def of(self, lease_s: float) -> float:
+        """The lease a put asking for ``lease_s`` gets."""
+        if math.isnan(lease_s) or lease_s < 0:
+            raise InvalidArgumentError("lease_s", f"must be >= 0 (0 = default), got {lease_s}")
+        return min(lease_s or self.default_s, self.max_s)

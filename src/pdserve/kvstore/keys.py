@@ -7,8 +7,7 @@ The store itself treats keys as opaque strings; the namespaces are its callers' 
   one the worker got, which the router makes unique per tenant (``RequestKey.scoped_id``,
   ``pdserve.request_key``): two tenants' equal ids never name one key. The capability (16
   random bytes, ``transfer.stamp``) makes the key unguessable: only the writer and whoever it
-  answered can name the entry. A decode worker's own endpoint assembles the layer streams of
-  these keys as they land (``is_handoff_key``).
+  answered can name the entry.
 * prefix chunks, ``pfx/{kv fingerprint}/{chained hash hex}`` (``prefix_chunk_key``): cache
   entries of prompt-prefix KV shared by prefill workers (``prefix.store``), the hash that of
   the chunk's last block (``block_manager.chain_block_hashes``, salted with the tenant).
@@ -23,11 +22,6 @@ PREFIX_CHUNK_PREFIX = "pfx/"
 def handoff_key(request_id: str, capability: bytes) -> str:
     """The key of a request's prompt KV: ``kv/{request_id}/{capability hex}``."""
     return f"{HANDOFF_PREFIX}{request_id}/{capability.hex()}"
-
-
-def is_handoff_key(key: str) -> bool:
-    """Whether ``key`` names a hand-off (see ``handoff_key``)."""
-    return key.startswith(HANDOFF_PREFIX)
 
 
 def prefix_chunk_key(kv_fingerprint: str, chunk_hash: bytes) -> str:

@@ -54,24 +54,6 @@ class StoreStats:
         reads = self.hits + self.misses
         return self.hits / reads if reads else 0.0
 
-    @property
-    def num_ram_entries(self) -> int:
-        return self.num_entries - self.num_disk_entries
-
-    @property
-    def ram_bytes(self) -> int:
-        """RAM held by entries (without the reservations of writes in progress)."""
-        return self.used_bytes - self.reserved_bytes
-
-    @property
-    def bytes_in_per_s(self) -> float:
-        """Average write bandwidth since start."""
-        return self.bytes_in / self.uptime_s if self.uptime_s > 0 else 0.0
-
-    @property
-    def bytes_out_per_s(self) -> float:
-        return self.bytes_out / self.uptime_s if self.uptime_s > 0 else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class StoreStat:

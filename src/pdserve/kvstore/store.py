@@ -29,7 +29,6 @@ Not thread-safe: the KVStore service calls it from its one event-loop thread.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.kvstore.disk import DiskTier
-from pdserve.kvstore.entry import EntryStat, Part, StoredPayload, Tier, _Entry
+from pdserve.kvstore.entry import EntryStat, Leases, Part, StoredPayload, Tier, _Entry
 from pdserve.kvstore.handles import PendingPut, ReadHandle
 from pdserve.kvstore.room import Action, plan_room
 from pdserve.kvstore.stats import StoreStats
@@ -67,16 +66,10 @@ class KVStore:
     ) -> None:
         if capacity_bytes < 1:
             raise InvalidArgumentError("capacity_bytes", f"must be >= 1, got {capacity_bytes}")
-        if not 0 < default_lease_s <= max_lease_s or math.isinf(max_lease_s):
-            raise InvalidArgumentError(
-                "default_lease_s",
-                f"must be in (0, max_lease_s={max_lease_s}], got {default_lease_s}",
-            )
+        self.leases = Leases(default_lease_s, max_lease_s)
         if disk_dir is not None and disk_bytes < 1:
             raise InvalidArgumentError("disk_bytes", "a disk tier needs a budget >= 1")
         self.capacity_bytes = capacity_bytes
-        self.default_lease_s = default_lease_s
-        self.max_lease_s = max_lease_s
         self._clock = clock
         self._started = clock()
         self._disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
@@ -99,12 +92,6 @@ class KVStore:
             self._disk.close()
 
     # -- writes ----------------------------------------------------------------------------
-    def lease_for(self, lease_s: float) -> float:
-        """The lease a put asking for ``lease_s`` gets: 0 means the default; capped at max."""
-        if math.isnan(lease_s) or lease_s < 0:
-            raise InvalidArgumentError("lease_s", f"must be >= 0 (0 = default), got {lease_s}")
-        return min(lease_s or self.default_lease_s, self.max_lease_s)
-
     def begin_put(
         self,
         key: str,
@@ -119,7 +106,7 @@ class KVStore:
             raise InvalidArgumentError("key", "must not be empty")
         if total_bytes < 0:
             raise InvalidArgumentError("total_bytes", f"must be >= 0, got {total_bytes}")
-        lease = self.lease_for(lease_s)
+        lease = self.leases.of(lease_s)
         write = PendingPut(
             self, key, bytes(header), lease, total_bytes, cache, self._clock() + lease
         )

@@ -9,7 +9,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from pdserve.errors import WorkerUnavailableError
 from pdserve.kvstore.mooncake.master import MasterProcess
@@ -70,13 +69,6 @@ class Cluster(ClusterSpec):
     @property
     def scheduler_address(self) -> str:
         return self._service("scheduler").address
-
-    @property
-    def scheduler_addresses(self) -> list[str]:
-        """Every scheduler replica's address (``scheduler_address`` is the first)."""
-        return [
-            self._service(replica_name("scheduler", i)).address for i in range(self.num_schedulers)
-        ]
 
     @property
     def kvstore_address(self) -> str:
@@ -317,10 +309,5 @@ class Cluster(ClusterSpec):
     def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -58,22 +58,7 @@ def weight_files(path: str | Path) -> list[Path]:
     return [_require(root / name) for name in shard_names]
 
 
-def check_checkpoint(path: str | Path) -> None:
-    """Fail fast, naming the file, if config, tokenizer or any weight file is missing."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ModelLoadError(f"checkpoint directory does not exist: {root}")
-    _require(root / CONFIG_NAME)
-    _require(root / TOKENIZER_NAME)
-    weight_files(root)
-
-
-def load_state_dict(
-    path: str | Path,
-    dtype: torch.dtype | None = None,
-    *,
-    device: str | torch.device = "cpu",
-) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint by HF name; floating tensors cast to ``dtype`` if given."""
     root = Path(path)
     files = weight_files(root)
@@ -82,7 +67,7 @@ def load_state_dict(
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            tensors = load_file(str(file), device=str(device))
+            tensors = load_file(str(file), device="cpu")
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
         for name, tensor in tensors.items():

@@ -106,8 +106,6 @@ class PrefixReuse:
         self.store_blocks = store_blocks
         self.fingerprint = kv_fingerprint(layout)
         self._tasks: set[asyncio.Task[None]] = set()
-        self.imported_tokens = 0
-        self.published_chunks = 0
 
     def chunk_blocks(self, prompt_ids: Sequence[int], tenant: str) -> list[list[bytes]]:
         """The block hashes of each of the prompt's whole chunks (the last token never in one)."""
@@ -160,7 +158,6 @@ class PrefixReuse:
         async with aclosing(stream):
             async for _ in stream:
                 pass
-        self.imported_tokens += n
         return found
 
     def _join(self, blobs: Sequence[bytes]) -> KVPayload:
@@ -206,7 +203,6 @@ class PrefixReuse:
             )
             blob = await asyncio.to_thread(chunk.to_bytes)
             await self.store.put(p.keys[i], blob, self.lease_s, cache=True)
-            self.published_chunks += 1
             if self.store_blocks is not None:
                 self.store_blocks.stored(p.blocks[i])
 

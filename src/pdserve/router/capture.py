@@ -214,7 +214,6 @@ class Capture:
         poll_s: float = POLL_S,
         name: str | None = None,
         max_pending: int = MAX_PENDING,
-        stream_max_len: int = STREAM_MAX_LEN,
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.redis = redis
@@ -222,7 +221,6 @@ class Capture:
         self.poll_s = poll_s
         self.name = name or router_name()
         self.max_pending = max_pending
-        self.stream_max_len = stream_max_len
         self.rng = rng
         self.setting: CaptureSetting | None = None
         """The capture in force; None while capture is off."""
@@ -280,7 +278,7 @@ class Capture:
                 pipe.xadd(
                     self.keys.capture_stream,
                     {FIELD_CAPTURE: setting.id, FIELD_HELLO: self.name},
-                    maxlen=self.stream_max_len,
+                    maxlen=STREAM_MAX_LEN,
                     approximate=True,
                 )
                 pipe.expire(self.keys.capture_stream, STREAM_TTL_S)
@@ -316,7 +314,7 @@ class Capture:
                         pipe.xadd(
                             self.keys.capture_stream,
                             entry,  # type: ignore[arg-type]
-                            maxlen=self.stream_max_len,
+                            maxlen=STREAM_MAX_LEN,
                             approximate=True,
                         )
                     pipe.expire(self.keys.capture_stream, STREAM_TTL_S)
@@ -348,9 +346,9 @@ class Capture:
 
 
 @contextlib.asynccontextmanager
-async def capturing(capture: Capture, *, flush_s: float = 2.0) -> AsyncIterator[Capture]:
+async def capturing(capture: Capture) -> AsyncIterator[Capture]:
     """Run ``capture``'s poll and writer while inside: two tasks, the poll cancelled on the
-    way out, the writer given ``flush_s`` to write the records still queued."""
+    way out, the writer given 2 s to write the records still queued."""
     try:
         await capture.refresh()
     except (RedisError, OSError) as err:  # the poll keeps trying
@@ -363,4 +361,4 @@ async def capturing(capture: Capture, *, flush_s: float = 2.0) -> AsyncIterator[
         capture.close()
         await cancel_and_wait(poll)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(writer, flush_s)  # cancels it when the time is up
+            await asyncio.wait_for(writer, 2.0)  # cancels it when the time is up

@@ -3,7 +3,7 @@
 A channel multiplexes any number of concurrent calls over one HTTP/2 connection, so opening
 one per request would only add connection set-up latency and file descriptors. The pool is
 bounded: when a new address would exceed ``max_size``, the least recently used channel is
-closed after a grace period that lets its in-flight calls finish.
+closed after a grace period (``EVICT_GRACE_S``) that lets its in-flight calls finish.
 
 Every channel gets the pool's client interceptors: by default those of the process-wide
 tracing (``pdserve.telemetry.tracing.client_interceptors``), so that each call carries the
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 
@@ -24,6 +23,8 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.rpc.server import CHANNEL_OPTIONS
 from pdserve.security.options import INSECURE, SecurityOptions
 from pdserve.telemetry import tracing
+
+EVICT_GRACE_S = 30.0
 
 
 class ChannelPool:
@@ -33,8 +34,6 @@ class ChannelPool:
         self,
         *,
         max_size: int = 64,
-        evict_grace_s: float = 30.0,
-        options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS,
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         security: SecurityOptions = INSECURE,
     ) -> None:
@@ -42,8 +41,6 @@ class ChannelPool:
         if max_size < 1:
             raise InvalidArgumentError("max_size", f"must be >= 1, got {max_size}")
         self.max_size = max_size
-        self.evict_grace_s = evict_grace_s
-        self._options = list(options)
         self.security = security
         self._interceptors = list(
             tracing.client_interceptors() if interceptors is None else interceptors
@@ -60,13 +57,13 @@ class ChannelPool:
             self._channels.move_to_end(address)
             return channel
         channel = self.security.aio_channel(
-            address, options=self._options, interceptors=self._interceptors
+            address, options=CHANNEL_OPTIONS, interceptors=self._interceptors
         )
         self._channels[address] = channel
         self.created += 1
         while len(self._channels) > self.max_size:
             _, old = self._channels.popitem(last=False)
-            task = asyncio.create_task(old.close(self.evict_grace_s), name="pdserve-channel-close")
+            task = asyncio.create_task(old.close(EVICT_GRACE_S), name="pdserve-channel-close")
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         return channel

@@ -157,10 +157,11 @@ async def write_rollout(redis: Redis, keys: KeySpace, rollout: Rollout | None) -
 class RolloutFollower:
     """A router's current copy of the split (see the module docstring)."""
 
-    def __init__(self, redis: Redis, keys: KeySpace, *, poll_s: float = 5.0) -> None:
+    POLL_S = 5.0
+
+    def __init__(self, redis: Redis, keys: KeySpace) -> None:
         self.redis = redis
         self.keys = keys
-        self.poll_s = poll_s
         self.current: Rollout | None = None
         self.reads = 0
 
@@ -184,13 +185,13 @@ class RolloutFollower:
                     await self.refresh()  # after subscribing: no change slips in between
                     while True:
                         message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=self.poll_s
+                            ignore_subscribe_messages=True, timeout=self.POLL_S
                         )
-                        await self.refresh()  # on a message, or after poll_s without one
+                        await self.refresh()  # on a message, or after POLL_S without one
                         del message
             except (RedisError, OSError) as err:
                 logger.warning("following the rollout failed, retrying: %s", err)
-                await asyncio.sleep(self.poll_s)  # a retry timer
+                await asyncio.sleep(self.POLL_S)  # a retry timer
 
 
 @contextlib.asynccontextmanager

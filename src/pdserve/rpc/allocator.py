@@ -36,11 +36,10 @@ DEFAULT_MMAP_BYTES = 256 * 1024 * 1024
 DEFAULT_TRIM_BYTES = 2 * 1024 * 1024 * 1024
 
 
-def tune_for_streams(
-    mmap_bytes: int = DEFAULT_MMAP_BYTES, trim_bytes: int = DEFAULT_TRIM_BYTES
-) -> bool:
-    """Serve allocations up to ``mmap_bytes`` from the heap and keep up to ``trim_bytes`` of
-    free heap; True if the C library took both settings."""
+def tune_for_streams() -> bool:
+    """Serve allocations up to ``DEFAULT_MMAP_BYTES`` from the heap and keep up to
+    ``DEFAULT_TRIM_BYTES`` of free heap; True if the C library took both settings."""
+    mmap_bytes, trim_bytes = DEFAULT_MMAP_BYTES, DEFAULT_TRIM_BYTES
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     mallopt = getattr(libc, "mallopt", None)

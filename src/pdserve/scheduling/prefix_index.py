@@ -172,21 +172,19 @@ class PromptBlocks:
         return max(own, self.cached_tokens(index, store_id(prefix_store))) if prefix_store else own
 
 
-async def follow_events(
-    index: PrefixIndex, redis: Redis, keys: KeySpace, *, block_ms: int = 1000
-) -> None:
+async def follow_events(index: PrefixIndex, redis: Redis, keys: KeySpace) -> None:
     """Apply the stream's entries to ``index`` as they come, from the oldest retained on,
     until cancelled. A Redis outage is logged once; reading resumes where it stopped."""
     last_id: bytes | str = "0"
     failing = False
     while True:
         try:
-            replies = await redis.xread({keys.kv_events: last_id}, block=block_ms, count=512)
+            replies = await redis.xread({keys.kv_events: last_id}, block=1000, count=512)
         except (RedisError, OSError) as err:
             if not failing:
                 logger.warning("reading KV events failed, retrying: %s", err)
             failing = True
-            await asyncio.sleep(block_ms / 1000.0)  # a retry timer, not synchronisation
+            await asyncio.sleep(1.0)  # a retry timer, not synchronisation
             continue
         failing = False
         for _stream, entries in cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]],

@@ -36,13 +36,12 @@ Reachable = Callable[[bool], Awaitable[None]]
 async def kept_fresh(
     scheduler: ClusterScheduler,
     *,
-    period_s: float | None = None,
     on_reachable: Reachable | None = None,
 ) -> AsyncIterator[None]:
-    """Refresh ``scheduler``'s view every ``period_s`` (default half its
-    ``refresh_interval_s``) while inside; the task is cancelled and awaited on the way out.
-    A period of 0 (a scheduler that refreshes for every decision) starts no task."""
-    period = scheduler.refresh_interval_s / 2 if period_s is None else period_s
+    """Refresh ``scheduler``'s view every half its ``refresh_interval_s`` while inside; the
+    task is cancelled and awaited on the way out. A period of 0 (a scheduler that refreshes
+    for every decision) starts no task."""
+    period = scheduler.refresh_interval_s / 2
     if not period > 0:
         yield
         return

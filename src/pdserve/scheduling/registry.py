@@ -157,7 +157,6 @@ class Heartbeater:
         provider: Callable[[], WorkerInfo],
         *,
         interval_s: float = 1.0,
-        ttl_s: float | None = None,
         read_key: str | None = None,
         on_read: Callable[[bytes | None], None] | None = None,
     ) -> None:
@@ -170,16 +169,11 @@ class Heartbeater:
         self.read_key = read_key
         self.on_read = on_read
         self.interval_s = interval_s
-        self.ttl_s = 3 * interval_s if ttl_s is None else ttl_s
-        if not self.ttl_s > interval_s:
-            raise InvalidArgumentError(
-                "ttl_s", f"must exceed interval_s {interval_s}, got {self.ttl_s}"
-            )
+        self.ttl_s = 3 * interval_s
         self.beats = 0
         """Heartbeats written."""
         self.errors = 0
         """Heartbeats that failed on a Redis error."""
-        self.last_error: BaseException | None = None
         self._failing = False
         self._worker_id: str | None = None
         self._stopping = asyncio.Event()
@@ -245,7 +239,6 @@ class Heartbeater:
                 value = await self.registry.heartbeat(info, self.ttl_s, read_key=self.read_key)
         except (RedisError, OSError, TimeoutError) as err:
             self.errors += 1
-            self.last_error = err
             if not self._failing:  # log once per outage, not once per tick
                 logger.warning(
                     "heartbeat of %s failed, retrying every %.1fs: %s",

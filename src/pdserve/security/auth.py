@@ -190,11 +190,11 @@ _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream"
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Runs ``auth`` before every method but those under ``exempt`` (see the module doc)."""
+    """Runs ``auth`` before every method but those under ``EXEMPT_PREFIXES`` (see the module
+    doc)."""
 
-    def __init__(self, auth: Authenticator, *, exempt: tuple[str, ...] = EXEMPT_PREFIXES) -> None:
+    def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
-        self.exempt = exempt
 
     async def intercept_service(
         self,
@@ -203,7 +203,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or method.startswith(self.exempt):
+        if handler is None or method.startswith(EXEMPT_PREFIXES):
             return handler
         if self.auth.admits(handler_call_details.invocation_metadata):
             return handler

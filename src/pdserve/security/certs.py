@@ -212,27 +212,6 @@ def make_certs(
     return out
 
 
-def issue_extra(
-    certs: ClusterCerts, path_stem: Path, common_name: str, *, server: bool, days: int = 1
-) -> tuple[Path, Path]:
-    """Another certificate signed by ``certs``'s CA (``path_stem``.pem/.key), e.g. a client of
-    another identity; returns (cert, key)."""
-    ca_key = serialization.load_pem_private_key((certs.dir / "ca.key").read_bytes(), None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise InvalidArgumentError("ca.key", "not an EC key made by pdserve certs")
-    ca_name = x509.load_pem_x509_certificate(certs.ca.read_bytes()).subject
-    key = _key()
-    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if server:
-        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-    hosts = ["localhost", "127.0.0.1"] if server else []
-    cert = _issue(common_name, key, ca_key, ca_name, days=days, usages=usages, hosts=hosts)
-    cert_path, key_path = path_stem.with_suffix(".pem"), path_stem.with_suffix(".key")
-    _write_key(key_path, key)
-    _write_cert(cert_path, cert)
-    return cert_path, key_path
-
-
 def main_certs(argv: Sequence[str]) -> int:
     """``pdserve certs DIR``: see the module docstring."""
     p = argparse.ArgumentParser(

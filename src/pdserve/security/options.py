@@ -52,11 +52,6 @@ class SecurityOptions:
     reflection: bool = False
     """Serve gRPC server reflection (off by default: it lists every method to anyone)."""
 
-    @property
-    def secured(self) -> bool:
-        """Whether any protection is configured (TLS or an internal credential)."""
-        return self.tls.serving or self.internal_token is not None
-
     def internal_auth(self) -> InternalAuth | None:
         """The caller check of an internal service; None when nothing is configured (open)."""
         identities = frozenset({self.internal_identity}) if self.tls.client_auth else frozenset()
@@ -109,25 +104,6 @@ class SecurityOptions:
                 "can call it (see docs/security.md)",
                 service, host,
             )  # fmt: skip
-
-    def service_args(self) -> list[str]:
-        """The flags that give a child service these options (the token travels by file or
-        environment, never on a command line: see ``pdserve.launcher``)."""
-        t = self.tls
-        args: list[str] = []
-        for flag, value in (
-            ("--tls-cert", t.cert), ("--tls-key", t.key), ("--tls-ca", t.ca),
-            ("--tls-server-name", t.server_name),
-        ):  # fmt: skip
-            if value is not None:
-                args += [flag, str(value)]
-        if t.client_auth:
-            args.append("--tls-client-auth")
-        if self.internal_identity != DEFAULT_IDENTITY:
-            args += ["--internal-identity", self.internal_identity]
-        if self.reflection:
-            args.append("--reflection")
-        return args
 
 
 INSECURE = SecurityOptions()

@@ -21,14 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pdserve.backends.base import SIM
 from pdserve.backends.pytorch import TorchBackend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.gate import ComputeGate
-from pdserve.engine.kv_payload import KVLayout, KVPayload
+from pdserve.engine.kv_payload import KVLayout
 from pdserve.engine.step_runner import Compute, ComputeFactory
 from pdserve.engine_loop.async_engine import AsyncEngine
 from pdserve.errors import InvalidArgumentError
@@ -144,11 +142,3 @@ def sim_backend(
         kv_bytes_per_token=options.profile.model.kv_bytes_per_token,
         import_delay=lambda kv: options.transfer_s(kv.num_tokens),
     )
-
-
-def stand_in_payload(layout: KVLayout, prompt_ids: list[int]) -> KVPayload:
-    """The payload a sim prefill of ``prompt_ids`` hands over (for tests and tools)."""
-    n = len(prompt_ids)
-    k = np.asarray(prompt_ids, dtype=np.float32).reshape(n, 1, 1)
-    v = np.arange(n, dtype=np.float32).reshape(n, 1, 1)
-    return KVPayload(layout, n, (k,) * layout.num_layers, (v,) * layout.num_layers)

@@ -104,7 +104,6 @@ def fetch_jaeger_traces(
     service: str,
     limit: int,
     lookback_s: float = 3600.0,
-    timeout_s: float = 30.0,
 ) -> list[SpanRecord]:
     """Query ``url`` (the Jaeger query service, e.g. ``http://localhost:16686``) for the
     ``limit`` most recent traces through ``service`` within the last ``lookback_s`` seconds."""
@@ -123,7 +122,7 @@ def fetch_jaeger_traces(
     )
     address = f"{url.rstrip('/')}/api/traces?{query}"
     try:
-        with urllib.request.urlopen(address, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(address, timeout=30.0) as resp:
             payload = json.load(resp)
     except urllib.error.HTTPError as err:
         raise WorkerUnavailableError(f"Jaeger query {address} failed: HTTP {err.code}") from err

@@ -33,12 +33,6 @@ VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
 
-VLLM_METRICS: tuple[str, ...] = (
-    VLLM_TTFT, VLLM_ITL, VLLM_E2E, VLLM_PROMPT_TOKENS, VLLM_GENERATION_TOKENS,
-    VLLM_REQUEST_SUCCESS, VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE,
-)  # fmt: skip
-"""Every vLLM-named family (counters without their ``_total`` suffix)."""
-
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,

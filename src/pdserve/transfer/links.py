@@ -177,16 +177,8 @@ def choose_transport(
     return Handoff(kind, links.link(peer, kind).transfer_time_s(kv_bytes))
 
 
-def default_timeout_s(
-    num_bytes: int,
-    bytes_per_s: float,
-    *,
-    factor: float = 4.0,
-    slack_s: float = 0.5,
-    floor_s: float = 1.0,
-    ceiling_s: float = 5.0,
-) -> float:
-    """``clamp(factor * expected + slack_s, floor_s, ceiling_s)``, expected = bytes / bandwidth.
+def default_timeout_s(num_bytes: int, bytes_per_s: float) -> float:
+    """``clamp(4 * expected + 0.5 s, 1 s, 5 s)``, expected = bytes / bandwidth.
 
     Generous against jitter, but bounded: past the ceiling, recomputing beats waiting.
     """
@@ -194,9 +186,5 @@ def default_timeout_s(
         raise InvalidArgumentError("num_bytes", f"must be >= 0, got {num_bytes}")
     if not bytes_per_s > 0:
         raise InvalidArgumentError("bytes_per_s", f"must be > 0, got {bytes_per_s}")
-    if not 0 < floor_s <= ceiling_s:
-        raise InvalidArgumentError(
-            "floor_s", f"need 0 < floor_s <= ceiling_s, got {floor_s}, {ceiling_s}"
-        )
     expected = num_bytes / bytes_per_s
-    return min(max(factor * expected + slack_s, floor_s), ceiling_s)
+    return min(max(4.0 * expected + 0.5, 1.0), 5.0)

@@ -2,9 +2,9 @@
 
 The engine logs every block hash it stores in or evicts from its prefix cache
 (``engine.block_manager.BlockEvents``); ``KVEventPublisher.run`` drains that log every
-``interval_s`` and appends what it found as one entry of the Redis stream ``{ns}:kvevents``
+``INTERVAL_S`` and appends what it found as one entry of the Redis stream ``{ns}:kvevents``
 (the format is in ``scheduling.prefix_index``, whose index the scheduler keeps). First, and
-then every ``snapshot_interval_s`` or when the log overflowed, it sends a full snapshot
+then every ``SNAPSHOT_INTERVAL_S`` or when the log overflowed, it sends a full snapshot
 instead, taken on the engine thread between two steps so that no event is lost or counted
 twice. Redis errors are logged once per outage and the next pass sends a snapshot.
 """
@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 20_000
 """Entries the stream keeps (approximately): a scheduler that starts later replays these."""
+INTERVAL_S = 0.05
+"""The publishing period."""
+SNAPSHOT_INTERVAL_S = 30.0
 
 
 def install_events(engine: AsyncEngine) -> BlockEvents:
@@ -51,17 +54,12 @@ class KVEventPublisher:
         worker_id: str,
         engine: AsyncEngine,
         events: BlockEvents,
-        *,
-        interval_s: float = 0.05,
-        snapshot_interval_s: float = 30.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.worker_id = worker_id
         self.engine = engine
         self.events = events
-        self.interval_s = interval_s
-        self.snapshot_interval_s = snapshot_interval_s
         self.epoch = uuid.uuid4().hex.encode()
         self.block_size = engine.layout.block_size
         self.published = 0
@@ -81,14 +79,14 @@ class KVEventPublisher:
                 self._next_snapshot = 0.0  # entries may be lost: resynchronise
             else:
                 failing = False
-            await asyncio.sleep(self.interval_s)  # the publishing period, a timer
+            await asyncio.sleep(INTERVAL_S)  # the publishing period, a timer
 
     async def publish_once(self) -> None:
         """One pass: a snapshot when due, else the events logged since the last pass."""
         now = time.monotonic()
         if now >= self._next_snapshot or self.events.overflowed:
             hashes = await self.engine.call(self._snapshot)
-            self._next_snapshot = now + self.snapshot_interval_s
+            self._next_snapshot = now + SNAPSHOT_INTERVAL_S
             await self._append(encode_events([(True, h) for h in hashes]), snapshot=True)
             return
         drained = self.events.drain()
@@ -115,16 +113,13 @@ class KVEventPublisher:
 
 class StoreEventPublisher:
     """Drains a ``StoreBlocks`` log (the KV store's prefix blocks this worker put or found
-    gone) into the stream under the store's name, every ``interval_s``; no snapshots (the
+    gone) into the stream under the store's name, every ``INTERVAL_S``; no snapshots (the
     store's content is the sum of every worker's entries, all of one epoch)."""
 
-    def __init__(
-        self, redis: Redis, keys: KeySpace, blocks: StoreBlocks, *, interval_s: float = 0.05
-    ) -> None:
+    def __init__(self, redis: Redis, keys: KeySpace, blocks: StoreBlocks) -> None:
         self.redis = redis
         self.keys = keys
         self.blocks = blocks
-        self.interval_s = interval_s
         self.published = 0
 
     async def run(self) -> None:
@@ -149,4 +144,4 @@ class StoreEventPublisher:
                     if not failing:
                         logger.warning("publishing the KV store's blocks failed: %s", err)
                     failing = True
-            await asyncio.sleep(self.interval_s)  # the publishing period, a timer
+            await asyncio.sleep(INTERVAL_S)  # the publishing period, a timer

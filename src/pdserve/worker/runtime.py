@@ -270,9 +270,7 @@ async def run_worker(
     engine: EngineBackend,
     servicers: Sequence[tuple[AddServicerFn, object]],
     *,
-    on_bound: Callable[[str], None] | None = None,
     sweeps: Sequence[tuple[str, Callable[[], Awaitable[None]]]] = (),
-    sweep_interval_s: float = 1.0,
     telemetry: WorkerTelemetry | None = None,
     links: Links | None = None,
     bandwidth: Sequence[BandwidthMeter] = (),
@@ -281,8 +279,7 @@ async def run_worker(
 ) -> None:
     """Serve ``servicers`` until a signal, with heartbeats; see the module docstring.
 
-    ``on_bound`` receives the worker's advertised address once the port is bound, before it
-    serves. ``sweeps`` (name, coroutine function) run every ``sweep_interval_s``. With
+    ``sweeps`` (name, coroutine function) run every second. With
     ``telemetry`` (started) calls are traced and failed heartbeats counted. ``links``: the
     KV links the worker's prefill side measured, for its heartbeats; ``bandwidth``: its
     connectors' meters, whose live bytes/s the heartbeats publish; ``kv_agent``: its prefill
@@ -299,8 +296,6 @@ async def run_worker(
         auth=options.security.internal_auth(),
     )
     options.security.warn_if_open(f"{options.role.value} worker", options.host)
-    if on_bound is not None:
-        on_bound(options.address(port))
     identity = WorkerIdentity(
         id=options.identity_id(port),
         role=options.role,
@@ -357,10 +352,7 @@ async def run_worker(
             ),
             name="shm-janitor",
         ),
-        *(
-            asyncio.create_task(_every(sweep_interval_s, work, name), name=name)
-            for name, work in sweeps
-        ),
+        *(asyncio.create_task(_every(1.0, work, name), name=name) for name, work in sweeps),
     ]
     # Only our own engine logs its prefix cache's changes (TensorRT-LLM's is its own).
     torch_engine = engine.engine if isinstance(engine, TorchBackend) else None

@@ -31,7 +31,7 @@ def test_each_worker_message_gives_the_same_request() -> None:
         "r@t#1", (5, 6, 7), "t", "resv-1"
     )  # fmt: skip
     assert first.params == sampling_from_proto(sampling)
-    assert first.deadline is None and first.trace_context is None
+    assert first.deadline is None
 
 
 def test_the_calls_deadline_is_on_the_monotonic_clock() -> None:

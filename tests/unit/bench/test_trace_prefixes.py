@@ -166,4 +166,4 @@ def test_the_most_hashes_a_prompt_holds_are_accepted(tmp_path: Path) -> None:
     """``(prompt_tokens - 1) // block_size``: the last token is never in a block."""
     (entry,) = load_trace(_write(tmp_path / "t.jsonl", [GOOD]))
     assert entry.prefix.block_hashes == (b"\x00\xff", b"\xa1\xb2")
-    assert entry.prefix.shared_tokens == 8
+    assert entry.prefix.block_size == 4

@@ -16,12 +16,12 @@ from pdserve.engine.kv_arrays import (
     host_copy,
     to_float32,
 )
-from pdserve.engine.kv_tensors import TORCH_DTYPES, as_tensor
+from pdserve.engine.kv_tensors import as_tensor
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_DTYPES))
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32"])
 def test_a_cpu_tensor_is_viewed_without_a_copy_and_viewed_back(name: str) -> None:
-    t = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0)).to(TORCH_DTYPES[name])
+    t = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0)).to(getattr(torch, name))
     a = host_array(t)
     assert dtype_name(a) == name and a.shape == (5, 2, 8)
     assert a.ctypes.data == t.data_ptr()  # the tensor's memory

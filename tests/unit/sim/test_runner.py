@@ -19,13 +19,22 @@ import pytest
 from pdserve.engine.block_manager import chain_block_hashes
 from pdserve.engine.engine import Engine
 from pdserve.engine.guide import Guide
+from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import FinishReason, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.sim.backend import SimOptions, sim_compute, stand_in_payload
+from pdserve.sim.backend import SimOptions, sim_compute
 from pdserve.sim.runner import SimRunner, prompt_digest, sim_token
 from pdserve.sim.timing import SimStep
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def stand_in_payload(layout: KVLayout, prompt_ids: list[int]) -> KVPayload:
+    """The payload a sim prefill of ``prompt_ids`` hands over (``SimRunner.read_layer``'s)."""
+    n = len(prompt_ids)
+    k = np.asarray(prompt_ids, dtype=np.float32).reshape(n, 1, 1)
+    v = np.arange(n, dtype=np.float32).reshape(n, 1, 1)
+    return KVPayload(layout, n, (k,) * layout.num_layers, (v,) * layout.num_layers)
 
 
 @dataclass

@@ -14,7 +14,6 @@ import torch
 
 from pdserve.engine.kv_arrays import dtype_name, host_array
 from pdserve.engine.kv_payload import KVLayout, KVPayload
-from pdserve.engine.kv_tensors import TORCH_DTYPES
 from pdserve.transfer.janitor import SHM_DIR
 
 
@@ -27,7 +26,7 @@ def make_layout(
 def random_payload(layout: KVLayout, num_tokens: int, seed: int = 0) -> KVPayload:
     g = torch.Generator().manual_seed(seed)
     shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
-    dtype = TORCH_DTYPES[layout.dtype]
+    dtype = getattr(torch, layout.dtype)
     keys = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layout.num_layers))
     values = tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(layout.num_layers))
     return KVPayload(layout, num_tokens, keys, values)

@@ -141,8 +141,6 @@ def test_default_timeout_validates() -> None:
         default_timeout_s(1, 0.0)
     with pytest.raises(InvalidArgumentError):
         default_timeout_s(-1, 1.0)
-    with pytest.raises(InvalidArgumentError):
-        default_timeout_s(1, 1.0, floor_s=6.0, ceiling_s=5.0)
 
 
 def test_links_ewma_over_the_priors() -> None:

@@ -32,7 +32,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -47,7 +46,7 @@ from pdserve.errors import (
 from pdserve.kvstore.client import Bytes, Piece, PutResult
 from pdserve.kvstore.crc import fast_crc32
 from pdserve.kvstore.mooncake.address import MooncakeAddress
-from pdserve.kvstore.mooncake.library import Library, load
+from pdserve.kvstore.mooncake.library import load
 from pdserve.kvstore.mooncake.objects import ObjectWriter, decode_head, pieces_of
 from pdserve.kvstore.wire import Chunk
 from pdserve.security.options import INSECURE, SecurityOptions
@@ -76,15 +75,14 @@ class MooncakeStoreClient:
         timeout_s: float = 10.0,
         local_host: str = "",
         security: SecurityOptions = INSECURE,
-        library: Library | None = None,
         field: str = "kvstore",
     ) -> None:
         """``local_host``: the address other processes reach this one's segment at; default
         the local address of the route to the master. ``security``: kept for the callers
         that take theirs from the store's client (Mooncake's own transfers carry no TLS: run
-        it on a private network). ``library``: the loaded package
-        (``library.load``); default loaded here, refusing the address if it is missing.
-        ``field``: what a refusal of the address names (the flag, or a handle's field)."""
+        it on a private network). The Mooncake package is loaded here (``library.load``),
+        refusing the address if it is missing. ``field``: what a refusal of the address names
+        (the flag, or a handle's field)."""
         self.address = address
         self.config = MooncakeAddress.parse(address, field)
         if not timeout_s > 0:
@@ -93,7 +91,7 @@ class MooncakeStoreClient:
         self.chunk_bytes = PIECE_BYTES
         self.local_host = local_host
         self.security = security
-        self._library = library or load(field)
+        self._library = load(field)
         self._store: Any = None
         self._connecting = asyncio.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake")
@@ -348,10 +346,5 @@ class MooncakeStoreClient:
     async def __aenter__(self) -> MooncakeStoreClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -18,18 +18,10 @@ import time
 import urllib.request
 import weakref
 from pathlib import Path
-from types import TracebackType
 
 from pdserve import deathsig
 from pdserve.errors import WorkerUnavailableError
-from pdserve.kvstore.mooncake.library import Library, load
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+from pdserve.kvstore.mooncake.library import load
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -40,36 +32,15 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class MasterProcess:
     """``with MasterProcess() as m: ... m.address() ...`` (see the module doc)."""
 
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        metadata_port: int | None = None,
-        eviction_high_watermark: float = 0.9,
-        library: Library | None = None,
-    ) -> None:
-        """``eviction_high_watermark``: the fill ratio of the segments past which Mooncake
-        evicts objects (least recently used first)."""
-        self.host = host
-        self.port = port or _free_port(host)
-        self.metadata_port = metadata_port or _free_port(host)
-        self.metrics_port = _free_port(host)
-        self.eviction_high_watermark = eviction_high_watermark
-        self._binary = (library or load("kv_store")).master_binary()
+    def __init__(self) -> None:
+        self.host = "127.0.0.1"
+        self.port = deathsig.free_port(self.host)
+        self.metadata_port = deathsig.free_port(self.host)
+        self.metrics_port = deathsig.free_port(self.host)
+        self._binary = load("kv_store").master_binary()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: tempfile.TemporaryDirectory[str] | None = None
         self._finalizer: weakref.finalize | None = None
@@ -106,7 +77,9 @@ class MasterProcess:
             f"--http_metadata_server_host={self.host}",
             f"--http_metadata_server_port={self.metadata_port}",
             f"--metrics_port={self.metrics_port}",
-            f"--eviction_high_watermark_ratio={self.eviction_high_watermark}",
+            # The fill ratio of the segments past which Mooncake evicts objects (least
+            # recently used first).
+            "--eviction_high_watermark_ratio=0.9",
             "--enable_metric_reporting=false",
         ]
 
@@ -121,7 +94,7 @@ class MasterProcess:
                 deathsig.wrap(self.args()), stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
         self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_process, proc)
+        self._finalizer = weakref.finalize(self, deathsig.stop, proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
             if _accepts(self.host, self.port) and _accepts(self.host, self.metadata_port):
@@ -160,10 +133,5 @@ class MasterProcess:
     def __enter__(self) -> MasterProcess:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

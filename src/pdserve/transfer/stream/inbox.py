@@ -28,7 +28,6 @@ Event-loop only (not thread-safe), like the servicer that feeds it.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import AsyncIterable, Callable
@@ -44,6 +43,7 @@ from pdserve.errors import (
     UnknownRequestError,
 )
 from pdserve.kvstore.chunks import ChunkReader, CrcPipeline
+from pdserve.kvstore.entry import Leases
 from pdserve.kvstore.keys import HANDOFF_PREFIX
 from pdserve.kvstore.wire import Buffer, Chunk
 from pdserve.transfer.stamp import CAPABILITY_BYTES
@@ -145,15 +145,9 @@ class Inbox:
     ) -> None:
         if capacity_bytes < 1:
             raise InvalidArgumentError("capacity_bytes", f"must be >= 1, got {capacity_bytes}")
-        if not 0 < default_lease_s <= max_lease_s or math.isinf(max_lease_s):
-            raise InvalidArgumentError(
-                "default_lease_s",
-                f"must be in (0, max_lease_s={max_lease_s}], got {default_lease_s}",
-            )
         self.capacity_bytes = capacity_bytes
         self.expected_layout = expected_layout
-        self.default_lease_s = default_lease_s
-        self.max_lease_s = max_lease_s
+        self.leases = Leases(default_lease_s, max_lease_s)
         self._clock = clock
         self._entries: dict[str, Pushed] = {}
         self._arrivals: set[_Arrival] = set()
@@ -178,7 +172,7 @@ class Inbox:
                 await crcs.check(chunk)
                 if arrival is None:
                     crcs.key = reader.key
-                    lease = self._lease(reader.lease_s)
+                    lease = self.leases.of(reader.lease_s)
                     arrival = self._begin(reader, lease)
                 if data:
                     self._account(arrival, len(data), lease)
@@ -193,11 +187,6 @@ class Inbox:
             if arrival is not None:
                 self._end(arrival)  # a no-op after the commit
         return Received(reader.key, reader.num_bytes, reader.num_chunks, lease)
-
-    def _lease(self, lease_s: float) -> float:
-        if math.isnan(lease_s) or lease_s < 0:
-            raise InvalidArgumentError("lease_s", f"must be >= 0 (0 = default), got {lease_s}")
-        return min(lease_s or self.default_lease_s, self.max_lease_s)
 
     def _begin(self, reader: ChunkReader, lease: float) -> _Arrival:
         """The arrival of a stream whose first chunk ``reader`` has read: its key and header

@@ -12,10 +12,8 @@ refused stream), ``CapacityError`` (the decode worker's inbox is full), ``Unknow
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Sequence
-from types import TracebackType
+from collections.abc import AsyncIterable
 
-import grpc
 from grpc.aio import AioRpcError
 
 from pdserve.errors import InvalidArgumentError
@@ -44,25 +42,19 @@ class PushClient:
         address: str,
         *,
         timeout_s: float = 10.0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         security: SecurityOptions = INSECURE,
     ) -> None:
         """``timeout_s``: the deadline of ``delete`` (a push lasts as long as its producer).
-        ``interceptors`` None: the process-wide tracing's."""
+        The calls carry the process-wide tracing's interceptors."""
         if not address:
             raise InvalidArgumentError("address", "must be host:port")
         if not timeout_s > 0:
             raise InvalidArgumentError("timeout_s", f"must be > 0, got {timeout_s}")
-        if chunk_bytes < 1:
-            raise InvalidArgumentError("chunk_bytes", f"must be >= 1, got {chunk_bytes}")
         self.address = address
         self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        if interceptors is None:
-            interceptors = tracing.client_interceptors()
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self._channel = security.aio_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
+            address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors()
         )
         self._push = chunk_stream_call(self._channel, PUSH_METHOD)  # without protobuf's copies
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
@@ -107,10 +99,5 @@ class PushClient:
     async def __aenter__(self) -> PushClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
