@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -71,6 +72,51 @@ def nixl_api(field: str = "--transport") -> ModuleType:
             return module
         errors.append(f"{name}: has no nixl_agent")
     raise NixlUnavailableError(field, "; ".join(errors))
+
+
+PROGRESS_DELAY_US = 100
+"""How long an agent's progress thread waits between polls when it finds nothing to do. NIXL's
+Python wrapper (nixl-cu12 1.5.1) always sets 0, which makes the UCX backend's progress thread
+poll without pause: one core per agent, for the process's life, taken from the engines on a
+host whose cores they share. The wait bounds how late a peer's request is served only when no
+event woke the thread first."""
+
+_MAKING = threading.Lock()
+"""Held while an agent is made with ``PROGRESS_DELAY_US`` (see ``make_agent``)."""
+
+
+def make_agent(api: ModuleType, name: str) -> Any:
+    """A NIXL agent named ``name`` with the UCX backend and a progress thread that waits
+    ``PROGRESS_DELAY_US`` between idle polls.
+
+    The wrapper builds its own ``nixlAgentConfig`` and sets its delay to 0; while this agent is
+    made, the bindings' config class is one that never takes a delay below ours. A NIXL whose
+    bindings differ gets the wrapper's own agent (it may poll without pause)."""
+    config = api.nixl_agent_config(backends=["UCX"])
+    try:
+        bindings: Any = importlib.import_module(f"{api.__name__}._bindings")
+    except ImportError:
+        return api.nixl_agent(name, config)
+    config_class = getattr(bindings, "nixlAgentConfig", None)
+    delay: Any = getattr(config_class, "__dict__", {}).get("pthrDelay")
+    if config_class is None or delay is None:
+        return api.nixl_agent(name, config)
+
+    class _Waiting(config_class):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the bindings' name)
+            return int(delay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            delay.__set__(self, max(int(value), PROGRESS_DELAY_US))
+
+    with _MAKING:
+        bindings.nixlAgentConfig = _Waiting
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = config_class
 
 
 def nixl_available() -> bool:

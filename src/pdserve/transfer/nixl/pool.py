@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.errors import InvalidArgumentError
-from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor, nixl_api
+from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor, make_agent, nixl_api
 from pdserve.transfer.nixl.blocks import BlockAllocator, blocks_for
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class NixlPool:
         self.host = host or socket.gethostname()
         self.lease_s = lease_s
         self.name = name or f"pdserve-prefill-{self.host}-{secrets.token_hex(6)}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent(api, self.name)
         n = num_bytes // block_bytes
         tags_len = -(-n * TAG_BYTES // PAGE) * PAGE
         self._mem = np.zeros(tags_len + n * block_bytes, dtype=np.uint8)

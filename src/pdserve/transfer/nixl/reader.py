@@ -31,7 +31,7 @@ import numpy as np
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import InvalidArgumentError, KVPayloadMismatchError, KVTransferError
 from pdserve.transfer.base import KVLocation
-from pdserve.transfer.nixl.agent import AgentDescriptor, fingerprint, nixl_api
+from pdserve.transfer.nixl.agent import AgentDescriptor, fingerprint, make_agent, nixl_api
 from pdserve.transfer.nixl.blocks import (
     BlockAllocator,
     Pair,
@@ -115,7 +115,7 @@ class NixlReader:
         self.directory = directory
         self.host = host or socket.gethostname()
         self.name = name or f"pdserve-decode-{self.host}-{secrets.token_hex(6)}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent(api, self.name)
         n = max(1, num_bytes // block_bytes)
         self._mem = np.zeros(n * block_bytes, dtype=np.uint8)
         self.base = self._mem.ctypes.data

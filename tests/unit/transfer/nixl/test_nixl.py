@@ -397,3 +397,32 @@ def test_closing_deregisters_and_a_closed_pool_polls_nothing() -> None:
     pool.close()
     pool.close()  # once
     assert pool.poll() == 0
+
+
+@needs_nixl
+def test_agents_progress_threads_wait_between_idle_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NIXL's wrapper hands its bindings a config whose progress-thread delay is 0 (a thread
+    # that polls without pause: a whole core per agent). The config the bindings receive when
+    # a pool or a reader makes its agent is recorded here; the wrapper's own is the control.
+    import importlib
+
+    from pdserve.transfer.nixl.agent import PROGRESS_DELAY_US, make_agent, nixl_api
+
+    api = nixl_api()
+    bindings = importlib.import_module(f"{api.__name__}._bindings")
+    real, config_class = bindings.nixlAgent, bindings.nixlAgentConfig
+    delays: list[int] = []
+
+    def recording(name: str, config: object) -> object:
+        delays.append(int(config.pthrDelay))  # type: ignore[attr-defined]
+        return real(name, config)
+
+    monkeypatch.setattr(bindings, "nixlAgent", recording)
+    api.nixl_agent("plain-agent", api.nixl_agent_config(backends=["UCX"]))
+    make_agent(api, "waiting-agent")
+    pool = NixlPool(num_bytes=1 << 20, block_bytes=64 << 10)
+    reader = NixlReader(StaticDirectory(), num_bytes=1 << 20, block_bytes=64 << 10)
+    pool.close()
+    reader.close()
+    assert delays == [0, PROGRESS_DELAY_US, PROGRESS_DELAY_US, PROGRESS_DELAY_US]
+    assert bindings.nixlAgentConfig is config_class  # put back once the agent is made
