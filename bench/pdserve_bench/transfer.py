@@ -106,6 +106,14 @@ async def one(
                 )
 
 
+def worker_for(prefill: str, transport: str) -> str:
+    """The prefill worker that serves ``prefill`` (``prefill`` or ``prefill-deferred``) for
+    ``transport``: mooncake has a pair of its own, writing into the Mooncake Store."""
+    return (
+        prefill.replace("prefill", f"prefill-{MOONCAKE}", 1) if transport == MOONCAKE else prefill
+    )
+
+
 async def _one(
     s: Services, prefill: str, prompt: list[int], transport: str, rid: str, decode: str,
     reservation: str, reused: bool,
@@ -113,7 +121,8 @@ async def _one(
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     wire = transport
     if transport == MOONCAKE:  # the store transport, from the workers writing into Mooncake
-        wire, prefill = "store", prefill.replace("prefill", f"prefill-{MOONCAKE}", 1)
+        wire = "store"
+    prefill = worker_for(prefill, transport)
     async with (
         grpc.aio.insecure_channel(s.address(prefill)) as pch,
         grpc.aio.insecure_channel(decode, options=[("grpc.max_receive_message_length", -1)]) as dch,
@@ -199,7 +208,12 @@ async def measure(
     for n in sizes:
         reused = bool(reuse_above) and n > reuse_above
         shared = prompts(n) if reused else None
-        cached = shared  # the deferred worker's last prompt of this size: in its prefix cache
+        # Each deferred worker's last prompt of this size: in that worker's prefix cache.
+        cached = (
+            {}
+            if shared is None
+            else {worker_for("prefill-deferred", t): shared for t in transports}
+        )
         for t in transports:
             if reused and t not in MOVING:
                 continue
@@ -211,7 +225,7 @@ async def measure(
                     prompt = shared or prompts(n)
                     runs.append(await one(s, prefill, prompt, t, reused=reused))
                     if prefill == "prefill-deferred":
-                        cached = prompt
+                        cached[worker_for(prefill, t)] = prompt
                 sample = min(runs, key=lambda x: x.visible_ms if t != "recompute" else x.ready_ms)
                 samples.append(dataclasses.replace(sample, first_visible_ms=runs[0].visible_ms))
                 mode = "layer-wise" if sample.layerwise else "deferred"
@@ -223,7 +237,7 @@ async def measure(
                     flush=True,
                 )
         moving = [t for t in transports if t in MOVING]
-        if n_rounds and reference is not None and cached is not None and moving:
+        if n_rounds and reference is not None and cached and moving:
             hand_off = functools.partial(_cached_hand_off, s, cached)
             pairs += await rounds(hand_off, moving, n_rounds, reference, _log, s.cpu_s)
     bursts = {}
@@ -235,8 +249,13 @@ async def measure(
     return samples, bursts, pairs
 
 
-def _cached_hand_off(s: Services, prompt: list[int], transport: str) -> Awaitable[Sample]:
-    """A deferred hand-off of ``prompt``, which the deferred worker holds in its prefix cache."""
+def _cached_hand_off(
+    s: Services, cached: dict[str, list[int]], transport: str
+) -> Awaitable[Sample]:
+    """A deferred hand-off of the prompt the transport's deferred worker last served, which
+    it holds in its prefix cache (a fresh one if it served none of this size)."""
+    worker = worker_for("prefill-deferred", transport)
+    prompt = cached.get(worker) or cached[next(iter(cached))]
     return one(s, "prefill-deferred", prompt, transport, reused=True)
 
 

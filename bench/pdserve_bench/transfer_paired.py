@@ -9,7 +9,7 @@ its reference (memcpy for ``shm``, loopback TCP and raw gRPC for ``store`` and `
 measured right before and right after it, its ratio is its rate over the mean of the two, and
 a point's ratio is the median over ``--rounds`` rounds (default 9), reported with its range.
 The CPU time of every service process is read right before and after each hand-off, and a
-point's CPU seconds per GB are its rounds' sum over their bytes: the whole hand-off on both
+point's CPU seconds per GB are the median of its rounds': the whole hand-off on both
 sides (the prefill's one-token step and the decode's one step included, the same for every
 transport; the services' heartbeats and timers too, small beside it).
 
@@ -93,7 +93,8 @@ class PairedPoint:
     ratio_high: float
     grpc_ratio: float | None
     cpu_s_per_gb: float | None = None
-    """The services' CPU seconds over the rounds per GB moved (None: not measured)."""
+    """The median over the rounds of the services' CPU seconds per GB moved (None: not
+    measured)."""
 
     @property
     def ratio_text(self) -> str:
@@ -107,15 +108,14 @@ def summarize(pairs: Sequence[Pair]) -> dict[tuple[str, int], PairedPoint]:
         mine = [p for p in pairs if (p.transport, p.tokens) == key]
         ratios = [p.ratio for p in mine]
         grpc = [r for p in mine if (r := p.grpc_ratio) is not None]
-        metered = [p for p in mine if p.cpu_s >= 0]
-        moved = sum(p.num_bytes for p in metered)
+        per_gb = [p.cpu_s / (p.num_bytes / 1e9) for p in mine if p.cpu_s >= 0 and p.num_bytes]
         points[key] = PairedPoint(
             key[0], key[1], len(mine),
             statistics.median(p.send_bytes_per_s for p in mine),
             statistics.median(p.recv_bytes_per_s for p in mine),
             statistics.median(ratios), min(ratios), max(ratios),
             statistics.median(grpc) if grpc else None,
-            sum(p.cpu_s for p in metered) / (moved / 1e9) if moved else None,
+            statistics.median(per_gb) if per_gb else None,
         )  # fmt: skip
     return points
 
