@@ -126,6 +126,50 @@ def test_without_the_package_a_mooncake_store_is_refused_at_start_naming_the_ext
     check_address("127.0.0.1:7000")  # our own store needs nothing
 
 
+def test_an_object_is_put_from_its_parts_as_they_came_with_or_without_the_gather_call() -> None:
+    # The writer keeps each piece (and its lead) as it came; the object is the same bytes
+    # whether the library gathers the parts itself or is given them joined.
+    import ctypes
+
+    import numpy as np
+
+    from pdserve.kvstore.mooncake.library import Library
+    from pdserve.kvstore.mooncake.objects import ObjectWriter, decode_head, pieces_of
+
+    piece = bytearray(os.urandom(1000))
+    writer = ObjectWriter(b"HEAD", 1010, cache=False)
+    writer.write(memoryview(piece), lead=b"LEAD")
+    writer.write(b"tail56")
+    parts = writer.finish("k")
+    assert any(np.shares_memory(p, np.frombuffer(piece, dtype=np.uint8)) for p in parts)
+
+    class Joined:  # a library without batch_put_from_multi_buffers
+        stored = b""
+
+        def put_from(self, key: str, ptr: int, size: int, config: object) -> int:
+            self.stored = ctypes.string_at(ptr, size)
+            return 0
+
+    class Gathering(Joined):
+        def batch_put_from_multi_buffers(
+            self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], config: object
+        ) -> list[int]:
+            self.stored = b"".join(
+                ctypes.string_at(p, n) for p, n in zip(ptrs[0], sizes[0], strict=True)
+            )
+            return [0]
+
+    library = Library(module=None)
+    stores = [Joined(), Gathering()]
+    for store in stores:
+        assert library.put_parts(store, "k", parts, None) == 0
+    assert stores[0].stored == stores[1].stored
+    raw = memoryview(stores[1].stored)
+    header, start = decode_head("k", raw)
+    assert header == b"HEAD"
+    assert [bytes(p) for p in pieces_of("k", raw, start)] == [b"LEAD" + piece, b"tail56"]
+
+
 # -- against a real master --------------------------------------------------------------
 async def pieces(parts: list[bytes], fail_after: int | None = None) -> AsyncIterator[bytes]:
     for i, part in enumerate(parts):

@@ -4,12 +4,12 @@ Store.
 The same calls as ``KVStoreClient`` (put, a streamed put, a streamed or whole get, lookup,
 delete), so the connectors, the prefix reuse and the workers use either without knowing which:
 
-* A streamed put (a hand-off's layer stream) collects the pieces, as the engine computes, into
-  one buffer laid out as the object (``objects``), and puts it once its last piece is in: a
-  Mooncake object is written whole, so readers see it complete or not at all, and a stream
-  that breaks off leaves nothing. The writer's piece boundaries go into the object (a table at
-  its end) so that a reader hands the frames on as they were cut: K and V land as tensors over
-  the read buffer, without a copy.
+* A streamed put (a hand-off's layer stream) keeps the pieces as the engine computes them
+  and puts them as one object (``objects``; the library gathers the pieces, so nothing joins
+  them into one buffer first) once its last piece is in: a Mooncake object is written whole,
+  so readers see it complete or not at all, and a stream that breaks off leaves nothing. The
+  writer's piece boundaries go into the object (a table at its end) so that a reader hands the
+  frames on as they were cut: K and V land as tensors over the read buffer, without a copy.
 * A get reads the object into one buffer (``get_into``) and yields the writer's pieces, each
   with its CRC-32 computed from the bytes read, which the frame collector combines and checks
   against each frame's own CRC: the check is end to end, from the writer's seal to the reader.
@@ -160,11 +160,11 @@ class MooncakeStoreClient:
 
     # -- writes -------------------------------------------------------------------------
     async def _put_object(self, key: str, writer: ObjectWriter) -> None:
-        buffer, size = writer.finish(key)
+        parts = writer.finish(key)
         store = await self._joined()
         replicate = self._library.replicate_config(self.config.replicas)
         future = asyncio.get_running_loop().run_in_executor(
-            self._pool, store.put_from, key, buffer.ctypes.data, size, replicate
+            self._pool, self._library.put_parts, store, key, parts, replicate
         )
         try:
             rc = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pdserve.errors import InvalidArgumentError
 
@@ -39,6 +42,17 @@ class Library:
         config = self.module.ReplicateConfig()
         config.replica_num = replicas
         return config
+
+    def put_parts(self, store: Any, key: str, parts: Sequence[np.ndarray], config: Any) -> int:
+        """Put one object made of ``parts`` (contiguous uint8 arrays, in order) without joining
+        them first: the library gathers them itself (``batch_put_from_multi_buffers``); a
+        library without that call gets one joined buffer. Its return code (0: stored)."""
+        if hasattr(store, "batch_put_from_multi_buffers"):
+            ptrs = [[part.ctypes.data for part in parts]]
+            sizes = [[part.nbytes for part in parts]]
+            return int(store.batch_put_from_multi_buffers([key], ptrs, sizes, config)[0])
+        joined = np.concatenate(parts)
+        return int(store.put_from(key, joined.ctypes.data, joined.nbytes, config))
 
     def master_binary(self) -> str:
         """The ``mooncake_master`` executable the package ships (or one on ``PATH``)."""

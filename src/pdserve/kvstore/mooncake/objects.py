@@ -58,53 +58,46 @@ _TABLE_TAIL = struct.Struct("<I")
 
 
 class ObjectWriter:
-    """One object being filled: head, header, the pieces' bytes, then the table of piece
-    lengths and its count (``objects`` describes the head)."""
+    """One object being gathered: head, header, the pieces' bytes, then the table of piece
+    lengths and its count (``objects`` describes the head). The pieces are kept as they came,
+    not copied: the object is put from all of them at once (``Library.put_parts``), so each
+    piece must stay as it is until the put has ended (the writers' pieces are their own
+    copies of the layers)."""
 
     def __init__(self, header: bytes, data_bytes: int, *, cache: bool) -> None:
-        self.head = encode_head(header, cache=cache)
         self.expected = data_bytes  # -1: unknown
-        size = object_bytes(len(header), max(data_bytes, 0)) + 64 * _TABLE_ENTRY.size
-        self.buffer = np.empty(size, dtype=np.uint8)
-        self.view = self.buffer.data.cast("B")
-        self.view[: len(self.head)] = self.head
-        self.filled = len(self.head)
+        self.parts: list[np.ndarray] = [_array(encode_head(header, cache=cache))]
         self.pieces: list[int] = []
-
-    def _room(self, n: int) -> None:
-        if self.filled + n > len(self.buffer):
-            grown = np.empty(max(2 * len(self.buffer), self.filled + n), dtype=np.uint8)
-            grown[: self.filled] = self.buffer[: self.filled]
-            self.buffer, self.view = grown, grown.data.cast("B")
 
     def write(self, data: Bytes, lead: bytes = b"") -> None:
         piece = memoryview(data).cast("B")
         n = len(lead) + len(piece)
         if not n:
             return
-        self._room(n)
-        start = self.filled
-        self.view[start : start + len(lead)] = lead
-        self.view[start + len(lead) : start + n] = piece
-        self.filled += n
+        if lead:
+            self.parts.append(_array(bytes(lead)))
+        if len(piece):
+            self.parts.append(_array(piece))
         self.pieces.append(n)
 
     @property
     def data_bytes(self) -> int:
-        return self.filled - len(self.head)
+        return sum(self.pieces)
 
-    def finish(self, key: str) -> tuple[np.ndarray, int]:
-        """The object's buffer and length, its table written."""
+    def finish(self, key: str) -> list[np.ndarray]:
+        """The object's parts, in order, its table last."""
         data = self.data_bytes
         if self.expected >= 0 and data != self.expected:
             raise KVTransferError(
                 f"put {key!r}: the stream announced {self.expected} bytes and sent {data}"
             )
         table = b"".join(_TABLE_ENTRY.pack(n) for n in self.pieces)
-        tail = table + _TABLE_TAIL.pack(len(self.pieces))
-        self._room(len(tail))
-        self.view[self.filled : self.filled + len(tail)] = tail
-        return self.buffer, self.filled + len(tail)
+        return [*self.parts, _array(table + _TABLE_TAIL.pack(len(self.pieces)))]
+
+
+def _array(data: Bytes) -> np.ndarray:
+    """``data``'s bytes as a uint8 array over the same memory (no copy)."""
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def pieces_of(key: str, raw: memoryview, start: int) -> list[memoryview]:
