@@ -58,6 +58,7 @@ import grpc
 from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
 from pdserve.rpc import allocator
+from pdserve.telemetry.breakdown import percentile
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -171,11 +172,16 @@ class Prompts:
 async def burst(
     s: Services, prefill: str, n: int, tokens: int, transport: str, prompts: Prompts
 ) -> dict[str, float]:
-    """``n`` hand-offs at once through one prefill worker: aggregate send and receive rates."""
+    """``n`` hand-offs at once through one prefill worker: aggregate send and receive rates,
+    and the p50 and p99 of their latencies (first byte sent to the KV checked)."""
     samples = await asyncio.gather(*(one(s, prefill, prompts(tokens), transport) for _ in range(n)))
     send = peak_and_average([(x.send_start_ns, x.send_end_ns, x.num_bytes) for x in samples])
     recv = peak_and_average([(x.recv_start_ns, x.recv_end_ns, x.num_bytes) for x in samples])
-    return {"send_peak": send[0], "send_avg": send[1], "recv_peak": recv[0], "recv_avg": recv[1]}
+    latency = [x.latency_ms for x in samples]
+    return {
+        "send_peak": send[0], "send_avg": send[1], "recv_peak": recv[0], "recv_avg": recv[1],
+        "latency_p50_ms": percentile(latency, 50), "latency_p99_ms": percentile(latency, 99),
+    }  # fmt: skip
 
 
 # -- the run -------------------------------------------------------------------------------------

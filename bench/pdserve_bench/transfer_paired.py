@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.telemetry.breakdown import percentile
 from pdserve_bench.transfer_sample import Sample, link_bytes_per_s
 
 Reference = Callable[[str], tuple[float, float]]
@@ -50,6 +51,8 @@ class Pair:
     """Raw gRPC, bytes/s (0: not measured, shm)."""
     cpu_s: float = -1.0
     """CPU seconds every service process spent during the hand-off (-1: not measured)."""
+    latency_ms: float = -1.0
+    """First byte sent to the KV checked (``Sample.latency_ms``; -1: not recorded)."""
 
     @classmethod
     def of(
@@ -61,7 +64,7 @@ class Pair:
     ) -> Pair:
         return cls(
             x.transport, x.tokens, x.num_bytes, x.send_span_bytes_per_s, x.recv_bytes_per_s,
-            before[0], after[0], before[1], after[1], cpu_s,
+            before[0], after[0], before[1], after[1], cpu_s, x.latency_ms,
         )  # fmt: skip
 
     @property
@@ -95,6 +98,8 @@ class PairedPoint:
     cpu_s_per_gb: float | None = None
     """The median over the rounds of the services' CPU seconds per GB moved (None: not
     measured)."""
+    latency_ms: tuple[float, float] | None = None
+    """p50 and p99 over the rounds of a hand-off's latency, one at a time (None: none)."""
 
     @property
     def ratio_text(self) -> str:
@@ -109,6 +114,7 @@ def summarize(pairs: Sequence[Pair]) -> dict[tuple[str, int], PairedPoint]:
         ratios = [p.ratio for p in mine]
         grpc = [r for p in mine if (r := p.grpc_ratio) is not None]
         per_gb = [p.cpu_s / (p.num_bytes / 1e9) for p in mine if p.cpu_s >= 0 and p.num_bytes]
+        latency = [p.latency_ms for p in mine if p.latency_ms >= 0]
         points[key] = PairedPoint(
             key[0], key[1], len(mine),
             statistics.median(p.send_bytes_per_s for p in mine),
@@ -116,6 +122,7 @@ def summarize(pairs: Sequence[Pair]) -> dict[tuple[str, int], PairedPoint]:
             statistics.median(ratios), min(ratios), max(ratios),
             statistics.median(grpc) if grpc else None,
             statistics.median(per_gb) if per_gb else None,
+            (percentile(latency, 50), percentile(latency, 99)) if latency else None,
         )  # fmt: skip
     return points
 

@@ -105,17 +105,23 @@ def report(
                 f"| {t} | {n} | {lw.num_bytes / 1e6:.0f} | {_rates(base, ref, point)} | "
                 f"{lw.prefill_rpc_ms:.0f} | {visible} | {share} | {hidden} |"
             )
-    metered = [x for x in points.values() if x.cpu_s_per_gb is not None]
+    metered = [x for x in points.values() if x.cpu_s_per_gb is not None or x.latency_ms]
     if metered:
         lines += [
             "",
-            "CPU of the paired rounds' hand-offs: every service process's seconds per GB moved "
-            "(the whole hand-off on both sides, its two model steps included):",
+            "The paired rounds' hand-offs, one at a time: every service process's CPU seconds "
+            "per GB moved (the whole hand-off on both sides, its two model steps included) and "
+            "the latency from the first byte sent to the KV checked:",
             "",
-            "| transport | tokens | CPU s/GB |",
-            "|---|---:|---:|",
+            "| transport | tokens | CPU s/GB | latency p50 / p99 ms |",
+            "|---|---:|---:|---:|",
         ]
-        lines += [f"| {x.transport} | {x.tokens} | {x.cpu_s_per_gb:.2f} |" for x in metered]
+        lines += [
+            f"| {x.transport} | {x.tokens} | "
+            f"{'-' if x.cpu_s_per_gb is None else f'{x.cpu_s_per_gb:.2f}'} | "
+            f"{'-' if x.latency_ms is None else f'{x.latency_ms[0]:.1f} / {x.latency_ms[1]:.1f}'} |"
+            for x in metered
+        ]
     cold = [x for x in samples if not x.layerwise and x.first_visible_ms >= 0]
     if cold:
         lines += [
@@ -132,8 +138,9 @@ def report(
     if bursts:
         lines += [
             "",
-            "| transport | send peak GB/s | send average | recv peak | recv average |",
-            "|---|---:|---:|---:|---:|",
+            "| transport | send peak GB/s | send average | recv peak | recv average "
+            "| latency p50 / p99 ms |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for t, b in bursts.items():
             received = (
@@ -141,7 +148,13 @@ def report(
                 if t.startswith("direct")
                 else f"{b['recv_peak'] / gb:.2f} | {b['recv_avg'] / gb:.2f}"
             )
+            latency = (
+                f"{b['latency_p50_ms']:.0f} / {b['latency_p99_ms']:.0f}"
+                if "latency_p50_ms" in b
+                else "-"
+            )
             lines.append(
-                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} |"
+                f"| {t} | {b['send_peak'] / gb:.2f} | {b['send_avg'] / gb:.2f} | {received} | "
+                f"{latency} |"
             )
     return "\n".join(lines)

@@ -48,6 +48,13 @@ class Sample:
     the paired rounds (0: not measured)."""
 
     @property
+    def latency_ms(self) -> float:
+        """First byte sent to the KV checked on the decode side (one host's monotonic clock
+        on both sides; direct: until its send was acknowledged, where the KV was checked)."""
+        end = max(self.send_end_ns, self.recv_end_ns)
+        return (end - self.send_start_ns) / 1e6 if end > self.send_start_ns else 0.0
+
+    @property
     def waited_ms(self) -> float:
         return self.recv_ms if self.wait_ms < 0 else self.wait_ms
 

@@ -50,9 +50,11 @@ def test_bench_transfer_reports_every_transport(
         assert p.num_bytes > 0 and p.before > 0 and p.after > 0 and p.ratio > 0
         assert (p.grpc_ratio is None) == (p.transport == "shm")
         assert p.cpu_s >= 0  # the services' CPU read around each hand-off
+        assert p.latency_ms > 0
     ratios = summarize(pairs)
     assert f"| {ratios['store', 40].ratio_text} |" in report
-    assert "| store | 40 | " in report.split("CPU s/GB")[1]  # every hand-off metered
+    assert "| store | 40 | " in report.split("CPU s/GB | latency p50 / p99 ms")[1]
+    assert all(b["latency_p99_ms"] >= b["latency_p50_ms"] > 0 for b in saved["bursts"].values())
     for t in ("shm", "store", "direct", "recompute"):
         assert f"| {t} | 40 |" in report
     assert main(["--from-json", str(out)]) == 0  # the report again, from the saved run

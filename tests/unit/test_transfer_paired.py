@@ -77,5 +77,8 @@ def test_a_points_cpu_per_gb_is_its_rounds_cpu_over_their_bytes() -> None:
     pairs = asyncio.run(rounds(hand_off, ["nixl"], 2, reference, cpu=lambda: next(readings)))
     assert [p.cpu_s for p in pairs] == [0.5, 1.5]
     assert summarize(pairs)["nixl", 100].cpu_s_per_gb == 1.0  # 2 s over 2 GB
+    # Each 1 GB hand-off's first byte left at 0 and its send ended at 1 s (1 GB/s).
+    assert [p.latency_ms for p in pairs] == [1000.0, 1000.0]
+    assert summarize(pairs)["nixl", 100].latency_ms == (1000.0, 1000.0)
     unmetered = asyncio.run(rounds(hand_off, ["nixl"], 1, reference))
     assert unmetered[0].cpu_s == -1.0 and summarize(unmetered)["nixl", 100].cpu_s_per_gb is None
