@@ -258,10 +258,9 @@ async def measure(
 def _cached_hand_off(
     s: Services, cached: dict[str, list[int]], transport: str
 ) -> Awaitable[Sample]:
-    """A deferred hand-off of the prompt the transport's deferred worker last served, which
-    it holds in its prefix cache (a fresh one if it served none of this size)."""
-    worker = worker_for("prefill-deferred", transport)
-    prompt = cached.get(worker) or cached[next(iter(cached))]
+    """A deferred hand-off of the prompt the transport's deferred worker last served (every
+    moving transport ran a deferred hand-off of this size before), in its prefix cache."""
+    prompt = cached[worker_for("prefill-deferred", transport)]
     return one(s, "prefill-deferred", prompt, transport, reused=True)
 
 

@@ -16,9 +16,9 @@ that every block's tag names the hand-off (``NixlReceiver``), follows it:
    during the read is refused), which notifies the writer's agent as a read after the commit
    does; its pool frees the blocks at the commit, never under the writer.
 
-Polls are paced as shm's follower paces its (``transfer/shm/follow.py``): a backoff from
-50 us to 2 ms, and from the third layer on, once the next layer is due judging by the
-previous interval, at most 100 us for up to 50 ms. The pauses are the event loop's timers
+Polls are paced as shm's follower paces its (``transfer.pacing``): a backoff from 50 us to
+2 ms, and from the third layer on, once the next layer is due judging by the previous
+interval, at most 100 us for up to 50 ms. The pauses are the event loop's timers
 (NIXL has no awaitable), whose resolution bounds the shortest one (1 ms with epoll). A
 cancelled read (its ``Prefetch`` call was) stops at its next await; the deadline bounds it.
 """
@@ -31,20 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import KVTransferError
+from pdserve.transfer import pacing
 from pdserve.transfer.base import KVLocation
 from pdserve.transfer.nixl.agent import TAG_BYTES, AgentDescriptor
 from pdserve.transfer.nixl.blocks import MARK_BYTES, layer_mark, pair_ranges, ranges
 from pdserve.transfer.nixl.parse import PayloadParser
 from pdserve.transfer.nixl.reader import NixlReader
 
-_WAIT_MIN_S = 50e-6
-_WAIT_MAX_S = 2e-3
-_WAIT_NEAR_S = 100e-6
-"""The longest pause once the awaited mark is due ..."""
-_NEAR_WINDOW_S = 50e-3
-"""... for this long; then the backoff grows again (a stalled writer costs little)."""
-_NEAR = 0.75
-"""A layer is due when this share of the previous layer's interval has passed."""
 LEAD_BYTES = 4096
 """The first READ of the payload: its header, usually whole."""
 PIECE_BYTES = 4 * 1024 * 1024
@@ -103,8 +96,7 @@ class Follower:
         layers = self.parser.num_layers
         seen: list[float] = []  # when each run's marks were found
         while self.done < layers:
-            due = seen[-1] + _NEAR * (seen[-1] - seen[-2]) if len(seen) > 1 else float("inf")
-            ready = await self._marked(marks, due)
+            ready = await self._marked(marks, pacing.due_after(seen))
             seen.append(time.monotonic())
             start = time.monotonic_ns()
             await self._layers(self.done, ready)
@@ -142,14 +134,14 @@ class Follower:
 
     async def _marked(self, marks: bytes, due: float) -> int:
         """Poll until the next layer is marked; the end of the run of marked layers from it
-        (for ``_NEAR_WINDOW_S`` from ``due`` on, pause at most ``_WAIT_NEAR_S``)."""
+        (paced by ``transfer.pacing`` from ``due`` on)."""
         r, peer, loc, p = self.r, self.peer, self.loc, self.parser
         size = len(marks)
         local = ranges(self.poll_blocks, r.base, r.block_bytes, TAG_BYTES + size)
         tag = (peer.tags_addr + loc.blocks[0] * TAG_BYTES, TAG_BYTES)
         remote = [tag, *ranges(loc.blocks, peer.data_addr, peer.block_bytes, size, p.marks_at)]
         pairs = pair_ranges(local, remote)
-        delay = _WAIT_MIN_S
+        delay = pacing.WAIT_MIN_S
         while True:
             await r.read_pairs(loc.address, pairs, self.poll_blocks, self.deadline)
             self.stats.polls += 1
@@ -168,8 +160,7 @@ class Follower:
                     f"nixl read of {loc.request_id!r} timed out waiting for layer {self.done}"
                 )
             await asyncio.sleep(delay)
-            near = 0.0 <= time.monotonic() - due < _NEAR_WINDOW_S
-            delay = min(2 * delay, _WAIT_NEAR_S if near else _WAIT_MAX_S)
+            delay = pacing.next_wait(delay, due, time.monotonic())
 
     async def _layers(self, first: int, end: int) -> None:
         """READ layers ``first..end-1`` (their frames are contiguous), checked as they land

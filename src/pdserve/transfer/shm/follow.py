@@ -6,15 +6,15 @@ of the segment when the hand-off began (``Decode.Prefetch``) maps it privately a
 layer as soon as its mark appears, while the prefill still computes the later ones; at the
 seal it holds a verified payload and only the last layer's check was left to wait for.
 
-There is no cross-process wake-up in Python's standard library short of a socket, so the
-reader polls the marks (its own thread, never the event loop) with a backoff from 50 us to
-2 ms: a few hundred cheap wake-ups a second while a long prefill computes. The layers come at
-the compute's pace, so from the third one on the reader expects the next one once the
-previous interval has nearly passed again (``_NEAR``), and from then on it polls every 100 us
-at most, for up to 50 ms (a stalled writer then costs no CPU); so it does for the seal, which
-follows the last layer at once. The last layer's check, the only one the request waits for,
-thus starts within ~0.1 ms of its mark instead of up to 2 ms later (on a 1K-token hand-off
-of the base preset, about half of the transfer time the request saw). ``stop`` (set by
+There is no cross-process wake-up in Python's standard library short of a socket, so the reader
+polls the marks (its own thread, never the event loop) with a backoff from 50 us to 2 ms: a few
+hundred cheap wake-ups a second while a long prefill computes. The layers come at the compute's
+pace, so from the third one on the reader expects the next one once the previous interval has
+nearly passed again (``transfer.pacing``), and from then on it polls every 100 us at most, for
+up to 50 ms (a stalled writer then costs no CPU); so it does for the seal, which follows the
+last layer at once. The last layer's check, the only one the request waits for, thus starts
+within ~0.1 ms of its mark instead of up to 2 ms later (on a 1K-token hand-off of the base
+preset, about half of the transfer time the request saw). ``stop`` (set by
 ``SegmentReader.cleanup``) ends the wait at once; so does an aborted writer; ``deadline``
 bounds it. The hand-off's capability (``transfer.stamp``) is checked as soon as the writer has
 written it, before any layer is read: a handle that is not the writer's gets
@@ -33,6 +33,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from pdserve.errors import KVTransferError
+from pdserve.transfer import pacing
 from pdserve.transfer.janitor import SegmentState
 from pdserve.transfer.shm import segment
 from pdserve.transfer.shm.checksum import combine, in_pair, layer_checksum
@@ -40,15 +41,6 @@ from pdserve.transfer.shm.populate import Populator
 from pdserve.transfer.shm.segment import SegmentGeometry, SegmentHeader
 from pdserve.transfer.shm.slot_mappings import SlotMappings, SlotNotReservedError
 from pdserve.transfer.stamp import check_capability, mapped_capability
-
-_WAIT_MIN_S = 50e-6
-_WAIT_MAX_S = 2e-3
-_WAIT_NEAR_S = 100e-6
-"""The longest sleep once the awaited mark is due ..."""
-_NEAR_WINDOW_S = 50e-3
-"""... for this long; then the backoff grows again (a stalled writer costs no CPU)."""
-_NEAR = 0.75
-"""A layer is due when this share of the previous layer's interval has passed."""
 
 
 class _Waiter:
@@ -61,9 +53,9 @@ class _Waiter:
         self.name, self.deadline, self.stop, self.gave_up = name, deadline, stop, gave_up
 
     def until(self, ready: Callable[[], bool], what: str, due: float | None = None) -> None:
-        """Wait for ``ready()``; for ``_NEAR_WINDOW_S`` from the monotonic time ``due`` on
-        (None: now), sleep at most ``_WAIT_NEAR_S`` between polls."""
-        delay = _WAIT_MIN_S
+        """Wait for ``ready()``, paced by ``transfer.pacing`` from the monotonic time ``due``
+        on (None: now)."""
+        delay = pacing.WAIT_MIN_S
         due = time.monotonic() if due is None else due
         while not ready():
             if self.gave_up():
@@ -73,9 +65,7 @@ class _Waiter:
             if time.monotonic() > self.deadline:
                 raise KVTransferError(f"shm read of {self.name!r} timed out waiting for {what}")
             time.sleep(delay)
-            near = 0.0 <= time.monotonic() - due < _NEAR_WINDOW_S
-            cap = _WAIT_NEAR_S if near else _WAIT_MAX_S
-            delay = min(2 * delay, cap)
+            delay = pacing.next_wait(delay, due, time.monotonic())
 
 
 def follow_segment(
@@ -207,7 +197,7 @@ def _follow(
     seen: list[float] = []  # when each mark was found
     with memoryview(mm) as whole:
         for i in range(geom.num_layers):
-            due = seen[-1] + _NEAR * (seen[-1] - seen[-2]) if len(seen) > 1 else float("inf")
+            due = pacing.due_after(seen)
             wait.until(functools.partial(_marked, mm, geom, i), f"layer {i}", due)
             seen.append(time.monotonic())
             expected = segment.mapped_layer(mm, geom, i)

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.engine.kv_payload import KVPayload
 from pdserve.errors import KVTransferError
+from pdserve.transfer import pacing
 from pdserve.transfer.shm import follow as shm_follow
 from pdserve.transfer.shm import segment
 from pdserve.transfer.shm.reader import SegmentReader
@@ -183,19 +184,19 @@ def test_the_waiter_polls_finely_only_while_the_mark_is_due(
     waiter = shm_follow._Waiter("seg", start + 60, threading.Event(), lambda: False)
     polls = iter(range(1000))
     waiter.until(lambda: next(polls) == 999, "a mark", None if due_in is None else due)
-    window = shm_follow._NEAR_WINDOW_S
+    window = pacing.NEAR_WINDOW_S
     began = start
     fine = coarse = 0
     for i, slept in enumerate(clock.sleeps):
-        assert slept <= shm_follow._WAIT_MAX_S
+        assert slept <= pacing.WAIT_MAX_S
         if i and 0 <= began - due < window:
-            assert slept <= shm_follow._WAIT_NEAR_S
+            assert slept <= pacing.WAIT_NEAR_S
             fine += 1
-        elif slept > shm_follow._WAIT_NEAR_S:
+        elif slept > pacing.WAIT_NEAR_S:
             coarse += 1
         began += slept
     assert coarse > 0  # backed off before the window (0.02) or after it (now, long past)
     if due_in is not None and due_in < 0:
         assert fine == 0
     else:  # the whole window was polled finely
-        assert fine >= (window - shm_follow._WAIT_MAX_S) / shm_follow._WAIT_NEAR_S - 2
+        assert fine >= (window - pacing.WAIT_MAX_S) / pacing.WAIT_NEAR_S - 2
