@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -266,7 +265,9 @@ def main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
     # cluster's workers are using (the launcher sets the same for them).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.compute.omp import adopt_worker_wait_policy
+
+    adopt_worker_wait_policy()
     from pdserve.launcher import default_model
 
     model = args.model or default_model(args.preset)

@@ -4,12 +4,12 @@ is, a ``mooncake_master`` and a pair of prefill workers writing into it."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.compute.omp import worker_omp_env
 from pdserve.errors import WorkerUnavailableError
 from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.launcher import read_heartbeats
@@ -53,7 +53,7 @@ class Services:
         redis: bool = False,
         mooncake: bool = False,
     ) -> Services:
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**worker_omp_env(), "PYTHONUNBUFFERED": "1"}
         embedded = EmbeddedRedis().start() if redis else None
         if embedded is not None:
             env["PDSERVE_REDIS_URL"] = embedded.url

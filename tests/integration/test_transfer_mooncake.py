@@ -12,7 +12,6 @@ the reason, where the Mooncake package cannot load.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import grpc
 import pytest
 
 from pdserve import deathsig
+from pdserve.compute.omp import worker_omp_env
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.mooncake.library import available
@@ -68,7 +68,7 @@ def spawn_worker(
             "--host", host, "--host-name", name, *args]  # fmt: skip
     proc = subprocess.Popen(
         deathsig.wrap(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        env=worker_omp_env(),
     )  # fmt: skip
     deadline = time.monotonic() + 180
     while not port_file.exists():

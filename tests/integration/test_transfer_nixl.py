@@ -11,7 +11,6 @@ hand-off to the decode worker its request's reservation holds is announced as it
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdserve.compute.omp import worker_omp_env
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import read_heartbeats
@@ -80,8 +80,8 @@ def nodes(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     deadline = time.monotonic() + 120
     with EmbeddedRedis() as redis:
         env = {
-            **os.environ, "PDSERVE_REDIS_URL": redis.url, "UCX_TLS": "tcp",
-            "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
+            **worker_omp_env(), "PDSERVE_REDIS_URL": redis.url, "UCX_TLS": "tcp",
+            "PYTHONUNBUFFERED": "1",
         }  # fmt: skip
 
         def service(

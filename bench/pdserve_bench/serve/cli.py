@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.compute.omp import adopt_worker_wait_policy
 from pdserve.errors import InvalidArgumentError, PdServeError
 from pdserve_bench.serve.calibrate import ScaledSlo, measure, other_scales, scaled
 from pdserve_bench.serve.cli_targets import (
@@ -198,7 +199,7 @@ def main(argv: Sequence[str]) -> int:
 
     # Before torch loads: this process's idle OpenMP threads must not spin on the cores the
     # servers under test are using (the launcher sets the same for its children).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    adopt_worker_wait_policy()
     try:
         check_command_line(p, args)  # sim flags are checked here (the clusters' labels)
         s = settings(args)

@@ -3,13 +3,13 @@ name; ``args`` builds their command lines, ``readiness`` waits for them (package
 
 from __future__ import annotations
 
-import os
 import secrets
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.compute.omp import worker_omp_env
 from pdserve.errors import WorkerUnavailableError
 from pdserve.kvstore.mooncake.master import MasterProcess
 from pdserve.launcher import args as cmd
@@ -113,10 +113,8 @@ class Cluster(ClusterSpec):
 
     def child_env(self) -> dict[str, str]:
         """The environment every service starts with."""
-        # Several engines share this host's cores. OpenMP threads that spin while idle would
-        # steal them from the busy engine (measured here: decode 3x slower), so idle
-        # threads sleep instead, unless the caller chose otherwise.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # Idle OpenMP threads sleep (compute.omp), unless the caller chose otherwise.
+        env = {**worker_omp_env(), **self.env, "PYTHONUNBUFFERED": "1"}
         # One name for all would merge the services into one in the trace backend; each
         # names itself instead.
         env.pop(ENV_SERVICE_NAME, None)

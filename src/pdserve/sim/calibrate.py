@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.compute.omp import OMP_WAIT_POLICY
 from pdserve.cpuinfo import cpu_model, isa_flags
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
@@ -329,9 +330,14 @@ def _median_ms(samples: list[Sample]) -> str:
 
 
 def describe_device(threads: int, dtype: str) -> str:
-    """One line naming what was measured: CPU, logical CPUs, ISA, torch threads, dtype."""
+    """One line naming what was measured: CPU, logical CPUs, ISA, torch threads, dtype and
+    the OpenMP wait policy (``compute.omp``: it changes a small model's step times)."""
     isa = " ".join(isa_flags()) or "no avx2"
-    return f"{cpu_model()} ({os.cpu_count()} CPUs, {isa}), torch {threads} threads, {dtype}"
+    wait = os.environ.get(OMP_WAIT_POLICY, "unset")
+    return (
+        f"{cpu_model()} ({os.cpu_count()} CPUs, {isa}), torch {threads} threads, {dtype}, "
+        f"{OMP_WAIT_POLICY}={wait}"
+    )
 
 
 def calibrate(

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.compute.omp import adopt_worker_wait_policy
 from pdserve.errors import InvalidArgumentError
 from pdserve.sim.timing import Fitted
 
@@ -196,6 +197,8 @@ def _load_average() -> float | None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Carry out a parsed ``sim calibrate``; returns the exit status."""
+    # Before torch loads: the workers' steps are measured, and their idle threads sleep.
+    policy = adopt_worker_wait_policy()
     import torch
 
     from pdserve.cpuinfo import cpu_model, isa_flags
@@ -218,6 +221,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"warning: 1-minute load {load:.1f}: other work will inflate the measured steps")
     dtype = resolve_dtype(args.dtype, "cpu")
     print(f"torch {torch.__version__}, {threads} threads, dtype {dtype} (--dtype {args.dtype})")
+    print(f"OpenMP wait policy {policy}, as the workers run (compute.omp)")
     fitted = calibrate(
         args.model,
         plan,

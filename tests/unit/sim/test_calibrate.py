@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main as pdserve_main
+from pdserve.compute.omp import OMP_WAIT_POLICY, WORKER_WAIT_POLICY
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
@@ -155,13 +156,21 @@ def test_calibrate_quick_writes_a_loadable_profile(tiny_llama_dir: Path, tmp_pat
 
 
 def test_cli_calibrate_quick_end_to_end(
-    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Unset, so the CLI must adopt the workers' policy itself (setenv first: restored after).
+    monkeypatch.setenv(OMP_WAIT_POLICY, "unset-by-test")
+    monkeypatch.delenv(OMP_WAIT_POLICY)
     out = tmp_path / "cpu.json"
     argv = ["calibrate", "--model", str(tiny_llama_dir), "--out", str(out), "--quick"]
     assert main_sim([*argv, "--dtype", "float32", "--repeats", "2"]) == 0
     printed = capsys.readouterr().out
-    _check_profile(out, tiny_llama_dir)
+    fitted = _check_profile(out, tiny_llama_dir)
+    assert f"{OMP_WAIT_POLICY}={WORKER_WAIT_POLICY}" in fitted.device  # as the workers run
+    assert f"OpenMP wait policy {WORKER_WAIT_POLICY}" in printed
     assert "machine:" in printed
     assert "isa:" in printed
     assert "overhead_s" in printed
