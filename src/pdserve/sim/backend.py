@@ -4,7 +4,7 @@ What is real: the engine loop, the continuous-batching scheduler, the paged bloc
 and its prefix cache (and so KV events), admission, hold/export for hand-offs, imports,
 aborts, migration, capacity and the step meter that heartbeats publish; above it every
 worker, transport, scheduler and router path runs unchanged. What is modelled: the time of
-each step (``sim.timing``), the KV pool's size (the modelled accelerator's memory, or the
+each step (``sim.profile``), the KV pool's size (the modelled accelerator's memory, or the
 engine flags) and the time a hand-off's KV takes on the modelled link (``sim.links``),
 spent before the decode starts. The KV that moves is a small stand-in (``sim.runner``):
 one float per token and layer for K (the token id) and one for V (the position).
@@ -17,12 +17,14 @@ The served vocabulary, tokenizer and length limits are the checkpoint directory'
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.backends.base import SIM
 from pdserve.backends.pytorch import TorchBackend
+from pdserve.compute.lease import CoreSplit
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.gate import ComputeGate
@@ -33,8 +35,8 @@ from pdserve.errors import InvalidArgumentError
 from pdserve.models.config import ModelConfig
 from pdserve.sim.flags import DEFAULT_LINK
 from pdserve.sim.links import parse_link
+from pdserve.sim.profile import SimProfile, parse_profile
 from pdserve.sim.runner import SimRunner
-from pdserve.sim.timing import SimProfile, parse_profile
 from pdserve.tokenizer import Tokenizer
 from pdserve.transfer.links import Link, Links
 
@@ -107,6 +109,7 @@ def sim_compute(options: SimOptions) -> ComputeFactory:
             vocab_size=min(mc.vocab_size, tokenizer.vocab_size),
             avoid=tokenizer.eos_token_ids,
             time_scale=options.time_scale,
+            on_threads=options.profile.on_threads,
         )
         layout = KVLayout(
             model_fingerprint=sim_fingerprint(model_dir, options.profile),
@@ -121,21 +124,46 @@ def sim_compute(options: SimOptions) -> ComputeFactory:
     return build
 
 
+def sim_split(
+    profile: SimProfile, keep: int | None, set_threads: Callable[[int], None]
+) -> CoreSplit | None:
+    """How a sim engine splits the threads of the CPU host its profile measured, as a torch
+    engine does (``--lease-split-threads``: None keeps half, 0 takes turns); None where the
+    profile was not measured on the shares of a split (an accelerator is never split)."""
+    on = profile.on_threads
+    if not on or keep == 0:
+        return None
+    threads = max(on)
+    keep = threads // 2 if keep is None else keep
+    if keep not in on or threads - keep not in on:
+        raise InvalidArgumentError(
+            "--lease-split-threads",
+            f"the profile has step times on {sorted(on)} threads, not on both shares of a "
+            f"split that keeps {keep} of {threads}",
+        )
+    return CoreSplit(threads=threads, interactive=keep, set_threads=set_threads)
+
+
 def sim_backend(
     model_dir: str | Path,
     options: SimOptions,
     *,
     batch_window_ms: float = 0.0,
-    gate: ComputeGate | None = None,
+    lease: Callable[[CoreSplit | None], ComputeGate] | None = None,
+    split_threads: int | None = None,
     **config: Any,
 ) -> TorchBackend:
     """A sim worker's backend on ``model_dir``'s vocabulary; ``config`` holds
-    ``EngineConfig`` fields; ``gate``: a lease shared with other engines (their modelled
-    steps then take turns, as on one shared device). Call ``start()`` next."""
+    ``EngineConfig`` fields. ``lease`` makes the gate shared with other engines, given the
+    split of threads its profile models (``sim_split``, ``split_threads``): the modelled
+    steps then split the host's threads as torch engines do, or take turns, as on one
+    shared device. Call ``start()`` next."""
     config.pop("num_threads", None)  # nothing computes: no thread pool to size
     engine = Engine.from_pretrained(model_dir, compute=sim_compute(options), **config)
-    if gate is not None:
-        engine.gate = gate
+    if lease is not None:
+        runner = engine.runner
+        assert isinstance(runner, SimRunner)  # sim_compute's
+        engine.gate = lease(sim_split(options.profile, split_threads, runner.use_threads))
     return TorchBackend(
         AsyncEngine(engine, batch_window_ms=batch_window_ms),
         name=SIM,

@@ -28,8 +28,9 @@ from pdserve.compute.omp import OMP_WAIT_POLICY
 from pdserve.cpuinfo import cpu_model, isa_flags
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidArgumentError
+from pdserve.sim.fitted import Fitted, fit
 from pdserve.sim.shapes import ModelShape
-from pdserve.sim.timing import Fitted, SimStep, fit, step_of
+from pdserve.sim.timing import SimStep, step_of
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -346,9 +347,14 @@ def calibrate(
     *,
     dtype: str = "auto",
     threads: int | None = None,
+    split: bool = True,
     progress: Progress | None = None,
 ) -> Fitted:
     """Load ``model_dir`` into the torch engine, run ``plan`` and fit a ``Fitted`` profile.
+
+    With ``split`` the plan runs again on each share of the threads that a host lease's
+    split gives (``split_shares``), fit into the profile's ``shares``: engines sharing a host
+    step on those while a long prefill runs beside decode steps.
 
     ``dtype`` and ``threads`` are the engine's (``EngineConfig.dtype`` and ``num_threads``;
     the latter sets torch's process-wide thread count). The engine is sized for the plan:
@@ -382,12 +388,28 @@ def calibrate(
     )
     assert engine.dtype is not None  # the torch engine's
     dtype_name = str(engine.dtype).removeprefix("torch.")
-    device = describe_device(torch.get_num_threads(), dtype_name)
     shape = dataclasses.replace(
         ModelShape.from_config(model_dir / "config.json", flag="--model"),
         dtype_bytes=engine.dtype.itemsize,
     )
-    if progress is not None:
-        progress(f"measuring {shape.name} on {device}")
-    samples = record_plan(engine, plan, progress)
-    return fit(samples, shape, device)
+    all_threads = torch.get_num_threads()
+    fits: list[Fitted] = []
+    try:
+        for n in (all_threads, *(split_shares(all_threads) if split else ())):
+            torch.set_num_threads(n)
+            device = describe_device(n, dtype_name)
+            if progress is not None:
+                progress(f"measuring {shape.name} on {device}")
+            fits.append(fit(record_plan(engine, plan, progress), shape, device, threads=n))
+    finally:
+        torch.set_num_threads(all_threads)
+    return dataclasses.replace(fits[0], shares=tuple(fits[1:]))
+
+
+def split_shares(threads: int) -> tuple[int, ...]:
+    """The thread counts of the two shares of the split a host lease makes by default
+    (``compute.CoreSplit``: half for decode steps, the rest for the prefill beside them);
+    none for an engine of one thread, which is never split."""
+    if threads < 2:
+        return ()
+    return tuple(sorted({threads // 2, threads - threads // 2}))

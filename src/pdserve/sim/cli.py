@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pdserve.compute.omp import adopt_worker_wait_policy
 from pdserve.errors import InvalidArgumentError
-from pdserve.sim.timing import Fitted
+from pdserve.sim.fitted import Fitted
 
 
 def sim_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,13 @@ def sim_parser() -> argparse.ArgumentParser:
         help="compute dtype (auto: bfloat16 where the CPU has bf16 kernels, else float32)",
     )
     cal.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    cal.add_argument(
+        "--no-split",
+        dest="split",
+        action="store_false",
+        help="measure on every thread only, not also on the shares of a host lease's split "
+        "(sim workers sharing a --host-lease then take turns instead of splitting)",
+    )
     cal.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     cal.add_argument("--repeats", type=int, default=None, help="steps measured per shape")
     _add_plan_parser(sub)
@@ -182,7 +189,7 @@ def _print_fit(fitted: Fitted) -> None:
         ("attention_pair_s", fitted.attention_pair_s, 1e9, "ns per (query, key) pair"),
         ("kv_read_token_s", fitted.kv_read_token_s, 1e9, "ns per cached KV token read"),
     )
-    print(f"fitted {fitted.samples} steps:")
+    print(f"fitted {fitted.samples} steps on {fitted.threads} threads:")
     for name, value, scale, unit in rows:
         print(f"  {name:<17} {value:.4e} s  ({value * scale:.4g} {unit})")
     print(f"  median relative error {fitted.rel_error:.1%}")
@@ -227,9 +234,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         plan,
         dtype=args.dtype,
         threads=args.threads,
+        split=args.split,
         progress=lambda line: print(f"  {line}", flush=True),
     )
-    _print_fit(fitted)
+    for each in (fitted, *fitted.shares):
+        _print_fit(each)
     fitted.save(args.out)
     print(f"wrote {args.out}")
     print(f"use it with: --backend sim --sim-profile fitted:{args.out}")

@@ -33,7 +33,7 @@ import time
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -88,14 +88,18 @@ class SimRunner:
         vocab_size: int,
         avoid: Iterable[int] = (),
         time_scale: float = 1.0,
+        on_threads: Mapping[int, TimingModel] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``avoid``: token ids never emitted (EOS). ``time_scale``: every modelled second
-        lasts this many real ones. ``sleep``/``clock``: injectable for tests."""
+        lasts this many real ones. ``on_threads``: the step times of the engine on each
+        thread count it may be given (``use_threads``). ``sleep``/``clock``: injectable for
+        tests."""
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.timing = timing
+        self._on_threads = dict(on_threads or {})
         self.block_size = block_size
         self.num_layers = num_layers
         self.time_scale = time_scale
@@ -112,14 +116,21 @@ class SimRunner:
         """Modelled seconds of every step so far (before the time scale)."""
         self._digests: OrderedDict[int, tuple[Sequence, int]] = OrderedDict()
 
+    def use_threads(self, threads: int) -> None:
+        """Price the steps from now on as the engine's on ``threads`` threads: a
+        ``compute.CoreSplit``'s ``set_threads``, called on the engine thread before a step
+        and at its checkpoints. Only thread counts given in ``on_threads``."""
+        if threads not in self._on_threads:
+            raise ValueError(f"no step times on {threads} threads: {sorted(self._on_threads)}")
+        self.timing = self._on_threads[threads]
+
     # -- step ----------------------------------------------------------------------------
     def execute(
         self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
     ) -> StepResult:
         start = self._clock()
-        modelled = self.timing.step_time(step_of(out))
-        self.modelled_s += modelled
-        seconds = modelled * self.time_scale
+        step, timing = step_of(out), self.timing
+        seconds = timing.step_time(step) * self.time_scale
         failed: dict[str, str] = {}
         sampling: list[Sequence] = []
         for chunk in out.decodes:
@@ -143,13 +154,17 @@ class SimRunner:
                 sampling.append(seq)
                 if seq.layer_hook is not None:
                     hooked.append((seq, seq.num_computed_tokens + chunk.num_tokens))
+        end, spent = start + seconds, seconds
         if hooked or checkpoint is not None:
             # Layer by layer: each layer's KV is out when its share of the step is spent, and
             # between layers the gate may hand the device to another engine for a while,
-            # which does not count as this step's own time.
-            waited = 0.0
+            # which does not count as this step's own time, or move the step to another
+            # share of the threads, which prices its remaining layers anew.
+            end, spent = start, 0.0
             for layer in range(self.num_layers):
-                self._wait_until(start + waited + seconds * (layer + 1) / self.num_layers)
+                end += seconds / self.num_layers
+                spent += seconds / self.num_layers
+                self._wait_until(end)
                 for seq, ctx in hooked:
                     assert seq.layer_hook is not None
                     k, v = self.read_layer(layer, seq.block_table, ctx)
@@ -157,9 +172,12 @@ class SimRunner:
                 if checkpoint is not None and layer + 1 < self.num_layers:
                     before = self._clock()
                     checkpoint()
-                    waited += self._clock() - before
-            start += waited
-        self._wait_until(start + seconds)
+                    end += self._clock() - before
+                    if self.timing is not timing:
+                        timing = self.timing
+                        seconds = timing.step_time(step) * self.time_scale
+        self.modelled_s += spent / self.time_scale
+        self._wait_until(end)
         drawn: dict[str, tuple[int, float]] = {}
         top: dict[str, TopLogprobs] = {}
         for s in sampling:

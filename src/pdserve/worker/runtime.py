@@ -24,6 +24,7 @@ The caller closes the engine (and its own clients) afterwards.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -69,10 +70,10 @@ logger = logging.getLogger(__name__)
 
 
 def host_lease_dir(options: WorkerOptions) -> Path | None:
-    """Where the worker's engine takes turns on the host's cores (``--host-lease``); None
-    without a lease, and for TensorRT-LLM, which runs on a GPU of its own. Sim engines that
-    share a lease take turns with their modelled steps: one device shared, as the torch
-    engines of one host share its cores."""
+    """Where the worker's engine shares the host's cores (``--host-lease``); None without a
+    lease, and for TensorRT-LLM, which runs on a GPU of its own. Sim engines that share a
+    lease share the modelled device with their modelled steps, as the torch engines of one
+    host share its cores (``sim.backend.sim_split``)."""
     return None if options.backend == TENSORRT_LLM else options.host_lease
 
 
@@ -92,7 +93,8 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
             options.model,
             SimOptions.parse(options.sim_profile, options.sim_time_scale, options.sim_link),
             batch_window_ms=options.max_wait_ms,
-            gate=None if lease_dir is None else host_lease(options, lease_dir),
+            lease=None if lease_dir is None else functools.partial(host_lease, options, lease_dir),
+            split_threads=options.lease_split_threads,
             **options.engine_config(),
         )
         if options.scheduling.kv_events and options.redis_url:
@@ -119,8 +121,8 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
 def host_lease(
     options: WorkerOptions, lease_dir: Path, split: CoreSplit | None = None
 ) -> HostLease:
-    """The gate by which this worker's engine shares the cores with the host's others: a
-    sim engine (one modelled device, no threads) always takes turns."""
+    """The gate by which this worker's engine shares the cores with the host's others,
+    splitting the threads by ``split`` or, without one, taking turns."""
     return HostLease(
         lease_dir,
         interactive_period_s=options.interactive_period_ms / 1000.0,

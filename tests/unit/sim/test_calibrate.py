@@ -18,10 +18,18 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidArgumentError
-from pdserve.sim.calibrate import CalibrationPlan, RecordingRunner, calibrate, record_plan
+from pdserve.sim.calibrate import (
+    CalibrationPlan,
+    RecordingRunner,
+    calibrate,
+    record_plan,
+    split_shares,
+)
 from pdserve.sim.cli import main_sim
+from pdserve.sim.fitted import Fitted
+from pdserve.sim.profile import parse_profile
 from pdserve.sim.shapes import ModelShape
-from pdserve.sim.timing import Fitted, SimStep, parse_profile
+from pdserve.sim.timing import SimStep
 
 
 def _expected(out: SchedulerOutput) -> SimStep:
@@ -170,6 +178,10 @@ def test_cli_calibrate_quick_end_to_end(
     printed = capsys.readouterr().out
     fitted = _check_profile(out, tiny_llama_dir)
     assert f"{OMP_WAIT_POLICY}={WORKER_WAIT_POLICY}" in fitted.device  # as the workers run
+    # Measured again on each share of a host lease's split, as the workers step under one.
+    assert fitted.threads >= 1
+    assert tuple(s.threads for s in fitted.shares) == split_shares(fitted.threads)
+    assert printed.count("fitted ") == 1 + len(fitted.shares)
     assert f"OpenMP wait policy {WORKER_WAIT_POLICY}" in printed
     assert "machine:" in printed
     assert "isa:" in printed

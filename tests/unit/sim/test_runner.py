@@ -24,7 +24,7 @@ from pdserve.engine.outputs import FinishReason, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.sim.backend import SimOptions, sim_compute
 from pdserve.sim.runner import SimRunner, prompt_digest, sim_token
-from pdserve.sim.timing import SimStep
+from pdserve.sim.timing import SimStep, step_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -260,6 +260,58 @@ def test_time_given_away_at_a_checkpoint_is_not_the_step_s_own(tiny_llama_dir: P
     assert len(calls) == 3  # between the four layers
     assert ticks.now - 100.0 == pytest.approx(step_s + 0.5)
     assert calls[2] - 100.0 == pytest.approx(0.5 + step_s * 3 / 4)
+
+
+@dataclass(frozen=True)
+class Slower:
+    """``Linear`` taking ``k`` times as long: the engine on fewer threads."""
+
+    k: float
+
+    def step_time(self, step: SimStep) -> float:
+        return self.k * Linear().step_time(step)
+
+    def describe(self) -> str:
+        return f"linear x {self.k}"
+
+
+def test_a_step_moved_to_a_share_of_the_threads_prices_its_remaining_layers_there(
+    tiny_llama_dir: Path,
+) -> None:
+    """A host lease's split sets the threads before a step and at its checkpoints
+    (``use_threads``): the layers after the change take the share's time."""
+    engine = sim_engine(tiny_llama_dir)
+    ticks = Ticks()
+    old = with_runner(engine, ticks)
+    runner = SimRunner(
+        Linear(),
+        num_blocks=old._kv.size // old.block_size,
+        block_size=old.block_size,
+        num_layers=old.num_layers,
+        vocab_size=engine.model_config.vocab_size,
+        on_threads={2: Linear(), 1: Slower(2.0)},
+        sleep=ticks.sleep,
+        clock=ticks.clock,
+    )
+    engine.runner = runner
+    calls: list[float] = []
+
+    def checkpoint() -> None:
+        calls.append(ticks.now)
+        if len(calls) == 2:  # after the second of four layers, onto a 1-thread share
+            runner.use_threads(1)
+
+    engine.add_request("s", prompts(10, [40])[0], SamplingParams(temperature=0.0, max_tokens=1))
+    runner.execute(engine.scheduler.schedule(), checkpoint)
+    step_s = 1e-3 + 40e-5
+    assert ticks.now - 100.0 == pytest.approx(step_s / 2 + 2 * step_s / 2)
+    assert runner.modelled_s == pytest.approx(1.5 * step_s)
+    # The next step starts on the share: all of it at the share's time.
+    before, sched = ticks.now, engine.scheduler.schedule()
+    runner.execute(sched)
+    assert ticks.now - before == pytest.approx(2 * Linear().step_time(step_of(sched)))
+    with pytest.raises(ValueError, match="no step times on 3 threads"):
+        runner.use_threads(3)
 
 
 def test_the_hash_draws_among_what_the_masks_leave(tiny_llama_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,16 +13,10 @@ import pytest
 
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.errors import InvalidArgumentError
+from pdserve.sim.fitted import Fitted, features, fit
+from pdserve.sim.profile import parse_profile
 from pdserve.sim.shapes import MODELS, Accelerator, ModelShape, accelerator
-from pdserve.sim.timing import (
-    Fitted,
-    Roofline,
-    SimStep,
-    features,
-    fit,
-    parse_profile,
-    step_of,
-)
+from pdserve.sim.timing import Roofline, SimStep, step_of
 
 TINY = ModelShape("tiny", 2, 8, 2, 1, 4, 16, 10)
 # Round numbers so that every term below is computed by hand.
@@ -240,6 +235,61 @@ def test_fitted_save_load_round_trip(tmp_path: Path) -> None:
 )
 def test_fitted_load_refuses_bad_files(tmp_path: Path, mutate: Any) -> None:
     data = TRUE.to_json()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidArgumentError) as e:
+        Fitted.load(path, flag="--prof")
+    assert e.value.field == "--prof"
+    assert str(path) in str(e.value)
+
+
+def _split_host() -> Fitted:
+    """TRUE measured on 2 threads, with a slower fit on a 1-thread share."""
+    one = dataclasses.replace(TRUE, overhead_s=2.5e-3, prefill_token_s=7e-5, threads=1)
+    return dataclasses.replace(TRUE, threads=2, shares=(one,))
+
+
+def test_fitted_shares_round_trip_and_price_each_thread_count(tmp_path: Path) -> None:
+    split = _split_host()
+    path = tmp_path / "split.json"
+    split.save(path)
+    loaded = Fitted.load(path)
+    assert loaded == split
+    share = loaded.on_threads(1)
+    assert share is not None and share.threads == 1
+    assert share.step_time(MIXED) > loaded.step_time(MIXED)
+    assert loaded.on_threads(2) is loaded
+    assert loaded.on_threads(3) is None
+    on = parse_profile(f"fitted:{path}").on_threads
+    assert sorted(on) == [1, 2] and on[1] == share
+    # A profile without shares (or an accelerator's) models no split.
+    TRUE.save(path)
+    assert Fitted.load(path).threads == 0
+    assert parse_profile(f"fitted:{path}").on_threads == {}
+    assert parse_profile("roofline:h100:llama-3-8b").on_threads == {}
+
+
+def test_a_file_from_before_thread_counts_loads(tmp_path: Path) -> None:
+    data = TRUE.to_json()
+    del data["threads"], data["shares"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert Fitted.load(path) == TRUE
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d["shares"][0].update(threads=2),  # not fewer than the whole's
+        lambda d: d["shares"][0].update(threads=0),
+        lambda d: d["shares"][0]["coefficients"].pop("overhead_s"),
+        lambda d: d.update(shares={"1": {}}),
+        lambda d: d.update(threads=True),
+    ],
+)
+def test_fitted_load_refuses_bad_shares(tmp_path: Path, mutate: Any) -> None:
+    data = _split_host().to_json()
     mutate(data)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
