@@ -14,12 +14,14 @@ several lengths (per-token cost against attention pairs), and prefills after a c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,43 +343,29 @@ def describe_device(threads: int, dtype: str) -> str:
     )
 
 
-def calibrate(
-    model_dir: str | Path,
-    plan: CalibrationPlan | None = None,
-    *,
-    dtype: str = "auto",
-    threads: int | None = None,
-    split: bool = True,
-    progress: Progress | None = None,
-) -> Fitted:
-    """Load ``model_dir`` into the torch engine, run ``plan`` and fit a ``Fitted`` profile.
+Beside = Callable[[int], AbstractContextManager[object]]
+"""Given a thread count, a context in which that many threads of the host are busy with the
+engine's work (``sim.companion.beside``): what the other share of a split runs."""
 
-    With ``split`` the plan runs again on each share of the threads that a host lease's
-    split gives (``split_shares``), fit into the profile's ``shares``: engines sharing a host
-    step on those while a long prefill runs beside decode steps.
 
-    ``dtype`` and ``threads`` are the engine's (``EngineConfig.dtype`` and ``num_threads``;
-    the latter sets torch's process-wide thread count). The engine is sized for the plan:
-    a token budget holding its longest prompt in one step, and a KV pool holding its
-    largest decode batch. The profile's model shape is the checkpoint's ``config.json`` with
-    the bytes per element of the dtype actually run; its device names this CPU, the torch
-    threads and the dtype. Its ``rel_error`` says how well the linear model fits.
-    """
-    import torch
-
+def load_engine(
+    model_dir: Path, plan: CalibrationPlan, *, dtype: str = "auto", threads: int | None = None
+) -> Engine:
+    """The torch engine on ``model_dir`` sized for ``plan`` (capped to the model's length): a
+    token budget holding its longest prompt in one step, a KV pool holding its largest decode
+    batch, prefix caching on. ``dtype`` and ``threads`` are ``EngineConfig.dtype`` and
+    ``num_threads`` (the latter sets torch's process-wide thread count)."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.models.config import ModelConfig
 
-    model_dir = Path(model_dir)
-    plan = plan or CalibrationPlan()
     mc = ModelConfig.from_dir(model_dir)
     limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
     plan = plan.capped(limit)
     defaults = EngineConfig()
     max_seqs = max(defaults.max_num_seqs, *plan.decode_batches)
     budget = max(plan.longest_chunk, max_seqs)
-    engine = Engine.from_pretrained(
+    return Engine.from_pretrained(
         model_dir,
         dtype=dtype,
         num_threads=threads,
@@ -386,6 +374,35 @@ def calibrate(
         max_num_batched_tokens=budget,
         num_kv_blocks=plan.kv_blocks(defaults.block_size, budget),
     )
+
+
+def calibrate(
+    model_dir: str | Path,
+    plan: CalibrationPlan | None = None,
+    *,
+    dtype: str = "auto",
+    threads: int | None = None,
+    split: bool = True,
+    beside: Beside | None = None,
+    progress: Progress | None = None,
+) -> Fitted:
+    """Load ``model_dir`` into the torch engine (``load_engine``), run ``plan`` and fit a
+    ``Fitted`` profile.
+
+    With ``split`` the plan runs again on each share of the threads that a host lease's
+    split gives (``split_shares``), fit into the profile's ``shares``: engines sharing a host
+    step on those while a long prefill runs beside decode steps, so each share is measured
+    while ``beside`` keeps the rest of the threads busy (None: the rest stays idle).
+
+    The profile's model shape is the checkpoint's ``config.json`` with the bytes per element
+    of the dtype actually run; its device names this CPU, the torch threads and the dtype.
+    Its ``rel_error`` says how well the linear model fits.
+    """
+    import torch
+
+    model_dir = Path(model_dir)
+    plan = plan or CalibrationPlan()
+    engine = load_engine(model_dir, plan, dtype=dtype, threads=threads)
     assert engine.dtype is not None  # the torch engine's
     dtype_name = str(engine.dtype).removeprefix("torch.")
     shape = dataclasses.replace(
@@ -398,9 +415,14 @@ def calibrate(
         for n in (all_threads, *(split_shares(all_threads) if split else ())):
             torch.set_num_threads(n)
             device = describe_device(n, dtype_name)
-            if progress is not None:
-                progress(f"measuring {shape.name} on {device}")
-            fits.append(fit(record_plan(engine, plan, progress), shape, device, threads=n))
+            others: AbstractContextManager[object] = contextlib.nullcontext()
+            if beside is not None and n < all_threads:
+                others = beside(all_threads - n)
+                device += f", beside {all_threads - n} busy threads"
+            with others:
+                if progress is not None:
+                    progress(f"measuring {shape.name} on {device}")
+                fits.append(fit(record_plan(engine, plan, progress), shape, device, threads=n))
     finally:
         torch.set_num_threads(all_threads)
     return dataclasses.replace(fits[0], shares=tuple(fits[1:]))

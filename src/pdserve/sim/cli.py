@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -212,6 +213,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from pdserve.engine.dtype import resolve_dtype
     from pdserve.models.linear import cpu_has_bf16_kernels
     from pdserve.sim.calibrate import CalibrationPlan, calibrate
+    from pdserve.sim.companion import beside
 
     _check_args(args)
     plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
@@ -235,6 +237,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=args.threads,
         split=args.split,
+        beside=functools.partial(beside, args.model, dtype=args.dtype),
         progress=lambda line: print(f"  {line}", flush=True),
     )
     for each in (fitted, *fitted.shares):
