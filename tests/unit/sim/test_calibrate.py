@@ -181,6 +181,8 @@ def test_cli_calibrate_quick_end_to_end(
     # Measured again on each share of a host lease's split, as the workers step under one.
     assert fitted.threads >= 1
     assert tuple(s.threads for s in fitted.shares) == split_shares(fitted.threads)
+    # Each share measured while the companion load kept the other threads busy.
+    assert all("busy threads" in s.device for s in fitted.shares)
     assert printed.count("fitted ") == 1 + len(fitted.shares)
     assert f"OpenMP wait policy {WORKER_WAIT_POLICY}" in printed
     assert "machine:" in printed
