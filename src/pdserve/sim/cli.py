@@ -55,6 +55,14 @@ def sim_parser() -> argparse.ArgumentParser:
         help="measure on every thread only, not also on the shares of a host lease's split "
         "(sim workers sharing a --host-lease then take turns instead of splitting)",
     )
+    cal.add_argument(
+        "--steps",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="fit to the steps serving workers recorded (their --record-steps files; "
+        "repeatable) instead of measuring a plan: the steps under the cluster's own load",
+    )
     cal.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     cal.add_argument("--repeats", type=int, default=None, help="steps measured per shape")
     _add_plan_parser(sub)
@@ -212,8 +220,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from pdserve.cpuinfo import cpu_model, isa_flags
     from pdserve.engine.dtype import resolve_dtype
     from pdserve.models.linear import cpu_has_bf16_kernels
-    from pdserve.sim.calibrate import CalibrationPlan, calibrate
+    from pdserve.sim.calibrate import calibrate, fit_recorded
     from pdserve.sim.companion import beside
+    from pdserve.sim.recording import CalibrationPlan, read_step_logs
+    from pdserve.sim.shapes import ModelShape
 
     _check_args(args)
     plan = CalibrationPlan.quick() if args.quick else CalibrationPlan()
@@ -231,15 +241,21 @@ def run_calibrate(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, "cpu")
     print(f"torch {torch.__version__}, {threads} threads, dtype {dtype} (--dtype {args.dtype})")
     print(f"OpenMP wait policy {policy}, as the workers run (compute.omp)")
-    fitted = calibrate(
-        args.model,
-        plan,
-        dtype=args.dtype,
-        threads=args.threads,
-        split=args.split,
-        beside=functools.partial(beside, args.model, dtype=args.dtype),
-        progress=lambda line: print(f"  {line}", flush=True),
-    )
+    if args.steps:  # the steps as serving workers took them, under their load
+        shape = ModelShape.from_config(args.model / "config.json", flag="--model")
+        shape = dataclasses.replace(shape, dtype_bytes=getattr(torch, dtype).itemsize)
+        fitted = fit_recorded(read_step_logs(args.steps), shape, dtype)
+        print(f"fitted to the steps recorded in {', '.join(str(p) for p in args.steps)}")
+    else:
+        fitted = calibrate(
+            args.model,
+            plan,
+            dtype=args.dtype,
+            threads=args.threads,
+            split=args.split,
+            beside=functools.partial(beside, args.model, dtype=args.dtype),
+            progress=lambda line: print(f"  {line}", flush=True),
+        )
     for each in (fitted, *fitted.shares):
         _print_fit(each)
     fitted.save(args.out)

@@ -20,7 +20,8 @@ from pathlib import Path
 from pdserve.compute.omp import worker_omp_env
 from pdserve.deathsig import stop, wrap
 from pdserve.errors import WorkerUnavailableError
-from pdserve.sim.calibrate import CalibrationPlan, load_engine, record_plan
+from pdserve.sim.calibrate import load_engine
+from pdserve.sim.recording import CalibrationPlan, record_plan
 
 READY = b"ready"
 LOAD = CalibrationPlan(

@@ -197,6 +197,11 @@ class WorkerOptions:
         DEFAULT_LINK, "modelled link of hand-offs into this worker: nvlink, rdma-400, "
         "rdma-200, tcp-25, same-host", group=SIM_GROUP,
     )  # fmt: skip
+    record_steps: Path | None = setting(
+        None, "append every engine step's shape, threads and seconds to this JSON-lines file "
+        "(torch backend), for 'pdserve sim calibrate --steps' to fit", group=SIM_GROUP,
+    )  # fmt: skip
+    """``sim.recording.StepLog``: the steps as this worker takes them, under its load."""
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     """Lane, waiting order, KV events (``scheduling_options``)."""
 
@@ -290,6 +295,8 @@ def check_backend(o: WorkerOptions) -> None:
     """Refuse flags the chosen backend cannot honour, naming the flag."""
     if o.backend != SIM and o.sim_profile:
         raise InvalidArgumentError("--sim-profile", "needs --backend sim")
+    if o.backend != TORCH and o.record_steps is not None:
+        raise InvalidArgumentError("--record-steps", "records the torch engine's steps only")
     if o.transport == TransportKind.NIXL.value or o.nixl_pool_bytes:
         check_nixl(o)
     if o.backend in (TORCH, SIM):

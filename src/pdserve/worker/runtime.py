@@ -33,6 +33,7 @@ from pdserve.backends import SIM, TENSORRT_LLM, EngineBackend
 from pdserve.backends.pytorch import TorchBackend, set_torch_threads, torch_threads
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import CoreSplit, HostLease
+from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.errors import InvalidArgumentError
 from pdserve.handoff import DecodeConnector, PrefillConnector
@@ -113,9 +114,20 @@ async def open_backend(options: WorkerOptions) -> EngineBackend:
         )
         if options.scheduling.kv_events and options.redis_url:
             install_events(torch_backend.engine)
+        if options.record_steps is not None:
+            record_steps(torch_backend.engine.engine, options.record_steps)
         backend = torch_backend
     await backend.start()
     return backend
+
+
+def record_steps(engine: Engine, path: Path) -> None:
+    """Append each step ``engine`` runs to ``path`` (``--record-steps``), with the threads
+    the engine thread runs it on (a split's share, or all of them). The file stays open for
+    the life of the process; each line is written whole."""
+    from pdserve.sim.recording import RecordingRunner, StepLog
+
+    engine.runner = RecordingRunner(engine.runner, StepLog(path, torch_threads))
 
 
 def host_lease(

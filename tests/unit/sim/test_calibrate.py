@@ -18,16 +18,11 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidArgumentError
-from pdserve.sim.calibrate import (
-    CalibrationPlan,
-    RecordingRunner,
-    calibrate,
-    record_plan,
-    split_shares,
-)
+from pdserve.sim.calibrate import calibrate, split_shares
 from pdserve.sim.cli import main_sim
 from pdserve.sim.fitted import Fitted
 from pdserve.sim.profile import parse_profile
+from pdserve.sim.recording import CalibrationPlan, RecordingRunner, record_plan
 from pdserve.sim.shapes import ModelShape
 from pdserve.sim.timing import SimStep
 
