@@ -25,7 +25,7 @@ from pdserve.errors import InvalidArgumentError, WorkerUnavailableError
 from pdserve.models.config import ModelConfig
 from pdserve_bench.measure import Peer, PeerError, Workload, run_cases
 from pdserve_bench.membw import DEFAULT_BYTES, decode_roofline, measure_bandwidth
-from pdserve_bench.report import BenchReport
+from pdserve_bench.report import CHUNKED, BenchReport
 
 Log = Callable[[str], None]
 
@@ -83,13 +83,20 @@ def run_bench(
     dtype: str = "bfloat16",
     include_hf: bool = True,
     vllm_python: str | Path | None = None,
+    prefill_chunk: int = 0,
     membw_bytes: int = DEFAULT_BYTES,
     log: Log = lambda _msg: None,
 ) -> BenchReport:
-    """Measure bandwidth, then every case on every requested peer; see the module docstring."""
+    """Measure bandwidth, then every case on every requested peer; see the module docstring.
+    ``prefill_chunk``: also pdserve with that token budget per step, so longer prompts are
+    prefilled in chunks of it (0: not measured)."""
     workload = workload or Workload()
     if threads < 1:
         raise InvalidArgumentError("threads", f"must be >= 1, got {threads}")
+    if prefill_chunk < 0 or 0 < prefill_chunk < workload.max_batch:
+        raise InvalidArgumentError(
+            "prefill_chunk", f"must be 0 or >= the largest decode batch, got {prefill_chunk}"
+        )
     if dtype not in ("bfloat16", "float32"):
         raise InvalidArgumentError("dtype", f"must be bfloat16 or float32, got {dtype!r}")
     model_dir = Path(model_dir)
@@ -114,6 +121,17 @@ def run_bench(
         peers.append(pdserve_peer)
         machine["pdserve_config"] = pdserve_peer.description
         log(f"pdserve engine: {pdserve_peer.description}")
+        if prefill_chunk:
+            log(f"loading pdserve, prefilling in chunks of {prefill_chunk} tokens ...")
+            chunked = PdservePeer(
+                model_dir,
+                workload,
+                dtype=dtype,
+                threads=threads,
+                name=CHUNKED,
+                max_num_batched_tokens=prefill_chunk,
+            )
+            peers.append(chunked)
         if include_hf:
             from pdserve_bench.hf_peer import HFPeer
 
@@ -203,6 +221,14 @@ def parser() -> argparse.ArgumentParser:
         help="rounds a wide case may grow to (0: 2x --repeats)",
     )
     p.add_argument("--prefill-lens", type=_int_list, default=(1024, 4096), help="default 1024,4096")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also time pdserve prefilling in chunks of this many tokens (its step budget), "
+        "beside its one-shot prefill (default 0: not measured)",
+    )
     p.add_argument("--decode-batches", type=_int_list, default=(1, 8, 32), help="default 1,8,32")
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -251,6 +277,7 @@ def main(argv: Sequence[str]) -> int:
         dtype=args.dtype,
         include_hf=not args.no_hf,
         vllm_python=args.vllm_python,
+        prefill_chunk=args.prefill_chunk,
         membw_bytes=args.membw_mib * 2**20,
         log=log,
     )

@@ -10,8 +10,10 @@ from pdserve_bench.measure import CaseResult
 from pdserve_bench.membw import Bandwidth, Roofline
 from pdserve_bench.tables import format_table
 
-PEERS = ("pdserve", "hf", "vllm")
-PEER_TITLES = {"pdserve": "pdserve", "hf": "HF", "vllm": "vLLM"}
+CHUNKED = "pdserve_chunked"
+"""pdserve prefilling in chunks (``bench engine --prefill-chunk``)."""
+PEERS = ("pdserve", CHUNKED, "hf", "vllm")
+PEER_TITLES = {"pdserve": "pdserve", CHUNKED: "pdserve chunked", "hf": "HF", "vllm": "vLLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +27,12 @@ class Metric:
     values: dict[str, float | None]
     higher_is_better: bool
 
-    def ratio(self, peer: str) -> float | None:
-        """``pdserve / peer`` (for times below 1 is better, for rates above 1 is)."""
-        mine, theirs = self.values.get("pdserve"), self.values.get(peer)
-        if mine is None or theirs is None or theirs == 0:
+    def ratio(self, peer: str, mine: str = "pdserve") -> float | None:
+        """``mine / peer`` (for times below 1 is better, for rates above 1 is)."""
+        mine_v, theirs = self.values.get(mine), self.values.get(peer)
+        if mine_v is None or theirs is None or theirs == 0:
             return None
-        return mine / theirs
+        return mine_v / theirs
 
 
 @dataclass(slots=True)
@@ -78,18 +80,22 @@ class BenchReport:
         return {p: (get(self.results[p][case]) if p in self.results else None) for p in PEERS}
 
     def table(self) -> str:
-        """The results as a fixed-width text table (also valid Markdown)."""
-        head = ["metric", "unit", *(PEER_TITLES[p] for p in PEERS), "pdserve/HF", "pdserve/vLLM"]
-        lines = [head]
+        """The results as a fixed-width text table (also valid Markdown). The chunked
+        prefill's columns appear only where it was measured: it over one-shot."""
+        chunked = CHUNKED in self.results
+        peers = [p for p in PEERS if p != CHUNKED or chunked]
+        head = ["metric", "unit", *(PEER_TITLES[p] for p in peers), "pdserve/HF", "pdserve/vLLM"]
+        lines = [head + (["chunked/one-shot"] if chunked else [])]
         for m in self.metrics():
             lines.append(
                 [
                     m.label,
                     m.unit,
-                    *(_fmt(m.values.get(p)) for p in PEERS),
+                    *(_fmt(m.values.get(p)) for p in peers),
                     _fmt_ratio(m.ratio("hf")),
                     _fmt_ratio(m.ratio("vllm")),
                 ]
+                + ([_fmt_ratio(m.ratio("pdserve", CHUNKED))] if chunked else [])
             )
         out = format_table(lines, left_columns=2)
         roof = self.roofline
@@ -134,6 +140,7 @@ class BenchReport:
                     "unit": m.unit,
                     "pdserve_over_hf": m.ratio("hf"),
                     "pdserve_over_vllm": m.ratio("vllm"),
+                    "chunked_over_one_shot": m.ratio("pdserve", CHUNKED),
                 }
                 for m in self.metrics()
             },

@@ -108,6 +108,8 @@ def test_bench_engine_cli_on_tiny_checkpoint(
         "3",
         "--membw-mib",
         "16",
+        "--prefill-chunk",  # also pdserve with a 16-token budget: the 64-token prompt in 4
+        "16",
         "--json",
         str(out),
         "--quiet",
@@ -129,6 +131,9 @@ def test_bench_engine_cli_on_tiny_checkpoint(
             assert row[peer] is not None and row[peer] > 0, (key, peer, row)
         assert row["vllm"] is None and row["pdserve_over_vllm"] is None
         assert row["pdserve_over_hf"] == pytest.approx(row["pdserve"] / row["hf"])
+        assert row["pdserve_chunked"] is not None and row["pdserve_chunked"] > 0, key
+        ratio = row["chunked_over_one_shot"]
+        assert ratio == pytest.approx(row["pdserve_chunked"] / row["pdserve"])
     assert "vllm" in report["skipped"]
 
     # Per case and peer: every repeat kept; a prefill's token count is its prompt.
@@ -154,6 +159,7 @@ def test_bench_engine_cli_on_tiny_checkpoint(
     table = capsys.readouterr().out
     for label in ("prefill 64 tok", "decode batch 1", "decode batch 2", "decode b1 / roofline"):
         assert label in table
+    assert "pdserve chunked" in table and "chunked/one-shot" in table
 
 
 @pytest.mark.skipif(not cpu_attention.NATIVE_MODULE, reason="native attention kernels not built")
