@@ -30,6 +30,8 @@ _COEFFICIENTS = (
 )
 FITTED_FORMAT = "pdserve-sim-fitted"
 FITTED_VERSION = 1
+SPREAD_POINTS = 100
+"""Quantiles of a fit's measured-over-predicted step times kept in a profile (``spread``)."""
 
 
 def features(step: SimStep) -> tuple[float, float, float, float, float]:
@@ -74,6 +76,11 @@ class Fitted:
     shares: tuple[Fitted, ...] = ()
     """The same engine measured on fewer threads, each with its ``threads``, none with
     shares of its own."""
+    spread: tuple[float, ...] = ()
+    """How the measured steps varied about the fit: measured over predicted time at
+    ``SPREAD_POINTS`` evenly spaced quantiles, ascending. A sim engine draws a step's
+    factor from them (``factor``), so its steps vary, tails included, as the measured ones
+    did; empty: every step takes the predicted time."""
 
     def __post_init__(self) -> None:
         for share in self.shares:
@@ -81,6 +88,14 @@ class Fitted:
                 raise InvalidArgumentError(
                     "shares", f"a share needs 1..{self.threads - 1} threads and no shares"
                 )
+        if any(not (f > 0 and np.isfinite(f)) for f in self.spread):
+            raise InvalidArgumentError("spread", "the factors must be finite and > 0")
+
+    def factor(self, u: float) -> float:
+        """The factor of a step at quantile ``u`` (uniform in [0, 1)) of ``spread``."""
+        if not self.spread:
+            return 1.0
+        return self.spread[min(len(self.spread) - 1, int(u * len(self.spread)))]
 
     def on_threads(self, threads: int) -> Fitted | None:
         """The fit measured on ``threads`` threads; None where none was."""
@@ -126,6 +141,7 @@ class Fitted:
             "samples": self.samples,
             "rel_error": self.rel_error,
             "coefficients": dict(zip(_COEFFICIENTS, self.coefficients, strict=True)),
+            "spread": list(self.spread),
         }
 
     def save(self, path: Path | str) -> None:
@@ -187,6 +203,12 @@ def _fit_from_json(
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad(f"'{key}' {value!r} is not a non-negative int")
     rel_error = _non_negative(data["rel_error"], "rel_error", bad)
+    spread = data.get("spread", [])
+    if not isinstance(spread, list):
+        raise bad("'spread' is not a list")
+    factors = tuple(_non_negative(f, "spread", bad) for f in spread)
+    if any(f == 0 for f in factors) or list(factors) != sorted(factors):
+        raise bad("'spread' is not an ascending list of factors > 0")
     overhead, prefill, decode, pairs, kv_read = (values[key] for key in _COEFFICIENTS)
     return Fitted(
         overhead,
@@ -199,6 +221,7 @@ def _fit_from_json(
         samples=samples,
         rel_error=rel_error,
         threads=threads,
+        spread=factors,
     )
 
 
@@ -253,7 +276,11 @@ def fit(
             break
         active.pop(int(np.argmin(sol)))
     coeffs = beta / scale
-    rel = np.abs(X @ coeffs - y) / y
+    predicted = X @ coeffs
+    rel = np.abs(predicted - y) / y
+    ratio = y[predicted > 0] / predicted[predicted > 0]
+    points = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
+    spread = np.quantile(ratio, points) if len(ratio) else np.array([])
     overhead, prefill, decode, pairs, kv_read = (float(c) for c in coeffs)
     return Fitted(
         overhead,
@@ -266,4 +293,5 @@ def fit(
         samples=len(samples),
         rel_error=float(np.median(rel)),
         threads=threads,
+        spread=tuple(max(1e-4, round(float(f), 4)) for f in spread),
     )

@@ -29,6 +29,7 @@ model emit garbage.
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
 from array import array
@@ -45,7 +46,8 @@ from pdserve.engine.sampling_params import LOGIT_BIAS_RANGE
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.logprobs import PromptLogprobs, TopLogprobs
-from pdserve.sim.timing import TimingModel, step_of
+from pdserve.sim.fitted import Fitted
+from pdserve.sim.timing import SimStep, TimingModel, step_of
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_arrays import KVArray
@@ -100,6 +102,8 @@ class SimRunner:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.timing = timing
         self._on_threads = dict(on_threads or {})
+        # Where in a fitted profile's spread each step falls (``Fitted.factor``).
+        self._draws = random.Random(0)
         self.block_size = block_size
         self.num_layers = num_layers
         self.time_scale = time_scale
@@ -129,8 +133,8 @@ class SimRunner:
         self, out: SchedulerOutput, checkpoint: Callable[[], None] | None = None
     ) -> StepResult:
         start = self._clock()
-        step, timing = step_of(out), self.timing
-        seconds = timing.step_time(step) * self.time_scale
+        step, timing, u = step_of(out), self.timing, self._draws.random()
+        seconds = self._seconds(timing, step, u)
         failed: dict[str, str] = {}
         sampling: list[Sequence] = []
         for chunk in out.decodes:
@@ -175,7 +179,7 @@ class SimRunner:
                     end += self._clock() - before
                     if self.timing is not timing:
                         timing = self.timing
-                        seconds = timing.step_time(step) * self.time_scale
+                        seconds = self._seconds(timing, step, u)
         self.modelled_s += spent / self.time_scale
         self._wait_until(end)
         drawn: dict[str, tuple[int, float]] = {}
@@ -191,6 +195,12 @@ class SimRunner:
                 if s.params.logprobs:
                     top[s.request_id] = TopLogprobs((token,), (0.0,))
         return StepResult(drawn, failed, top=top, prompt=prompt)
+
+    def _seconds(self, timing: TimingModel, step: SimStep, u: float) -> float:
+        """Real seconds of ``step`` on ``timing``, at quantile ``u`` of a fitted profile's
+        spread (a roofline's steps take their modelled time exactly)."""
+        factor = timing.factor(u) if isinstance(timing, Fitted) else 1.0
+        return timing.step_time(step) * self.time_scale * factor
 
     def token_for(self, seq: Sequence) -> int | None:
         """The token ``seq`` draws next (None: its masks leave none)."""

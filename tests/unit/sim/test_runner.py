@@ -23,7 +23,9 @@ from pdserve.engine.kv_payload import KVLayout, KVPayload
 from pdserve.engine.outputs import FinishReason, StepFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.sim.backend import SimOptions, sim_compute
+from pdserve.sim.fitted import Fitted
 from pdserve.sim.runner import SimRunner, prompt_digest, sim_token
+from pdserve.sim.shapes import ModelShape
 from pdserve.sim.timing import SimStep, step_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -312,6 +314,32 @@ def test_a_step_moved_to_a_share_of_the_threads_prices_its_remaining_layers_ther
     assert ticks.now - before == pytest.approx(2 * Linear().step_time(step_of(sched)))
     with pytest.raises(ValueError, match="no step times on 3 threads"):
         runner.use_threads(3)
+
+
+def test_a_fitted_profile_s_steps_vary_as_its_measured_ones_did(tiny_llama_dir: Path) -> None:
+    """Each step's time is the fit's prediction times a factor drawn from its spread."""
+    shape = ModelShape.from_config(tiny_llama_dir / "config.json")
+    fitted = Fitted(1e-3, 1e-5, 1e-4, 0.0, 0.0, shape, "t", 0, 0.0, spread=(1.0, 3.0))
+    engine = sim_engine(tiny_llama_dir)
+    ticks = Ticks()
+    old = with_runner(engine, ticks)
+    runner = SimRunner(
+        fitted,
+        num_blocks=old._kv.size // old.block_size,
+        block_size=old.block_size,
+        num_layers=old.num_layers,
+        vocab_size=engine.model_config.vocab_size,
+        sleep=ticks.sleep,
+        clock=ticks.clock,
+    )
+    engine.runner = runner
+    engine.add_request("v", prompts(12, [8])[0], SamplingParams(temperature=0.0, max_tokens=40))
+    factors = set()
+    while engine.has_unfinished():
+        before, sched = ticks.now, engine.scheduler.schedule()
+        engine.scheduler.update(sched, runner.execute(sched).sampled)
+        factors.add(round((ticks.now - before) / fitted.step_time(step_of(sched)), 6))
+    assert factors == {1.0, 3.0}
 
 
 def test_the_hash_draws_among_what_the_masks_leave(tiny_llama_dir: Path) -> None:
