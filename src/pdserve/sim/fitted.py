@@ -31,7 +31,9 @@ _COEFFICIENTS = (
 FITTED_FORMAT = "pdserve-sim-fitted"
 FITTED_VERSION = 1
 SPREAD_POINTS = 100
-"""Quantiles of a fit's measured-over-predicted step times kept in a profile (``spread``)."""
+"""Quantiles of a fit's residuals (measured less predicted seconds) kept in a profile."""
+FASTEST = 0.5
+"""A step drawn from the spread takes at least this share of its predicted time."""
 
 
 def features(step: SimStep) -> tuple[float, float, float, float, float]:
@@ -77,10 +79,11 @@ class Fitted:
     """The same engine measured on fewer threads, each with its ``threads``, none with
     shares of its own."""
     spread: tuple[float, ...] = ()
-    """How the measured steps varied about the fit: measured over predicted time at
-    ``SPREAD_POINTS`` evenly spaced quantiles, ascending. A sim engine draws a step's
-    factor from them (``factor``), so its steps vary, tails included, as the measured ones
-    did; empty: every step takes the predicted time."""
+    """How the measured steps varied about the fit: measured less predicted seconds at
+    ``SPREAD_POINTS`` evenly spaced quantiles, ascending. A sim engine adds one drawn from
+    them to each step (``varied``), so its steps vary, tails included, as the measured ones
+    did. Added, not multiplied: what stretches a step on a shared host is a wait for a
+    core, whatever the step's length. Empty: every step takes the predicted time."""
 
     def __post_init__(self) -> None:
         for share in self.shares:
@@ -88,14 +91,16 @@ class Fitted:
                 raise InvalidArgumentError(
                     "shares", f"a share needs 1..{self.threads - 1} threads and no shares"
                 )
-        if any(not (f > 0 and np.isfinite(f)) for f in self.spread):
-            raise InvalidArgumentError("spread", "the factors must be finite and > 0")
+        if not all(np.isfinite(r) for r in self.spread):
+            raise InvalidArgumentError("spread", "the residuals must be finite")
 
-    def factor(self, u: float) -> float:
-        """The factor of a step at quantile ``u`` (uniform in [0, 1)) of ``spread``."""
-        if not self.spread:
-            return 1.0
-        return self.spread[min(len(self.spread) - 1, int(u * len(self.spread)))]
+    def varied(self, seconds: float, u: float) -> float:
+        """A step predicted at ``seconds``, with the residual at quantile ``u`` (uniform in
+        [0, 1)) of ``spread`` added; never below ``FASTEST`` of ``seconds``."""
+        if not self.spread or seconds <= 0:
+            return seconds
+        residual = self.spread[min(len(self.spread) - 1, int(u * len(self.spread)))]
+        return max(FASTEST * seconds, seconds + residual)
 
     def on_threads(self, threads: int) -> Fitted | None:
         """The fit measured on ``threads`` threads; None where none was."""
@@ -206,9 +211,11 @@ def _fit_from_json(
     spread = data.get("spread", [])
     if not isinstance(spread, list):
         raise bad("'spread' is not a list")
-    factors = tuple(_non_negative(f, "spread", bad) for f in spread)
-    if any(f == 0 for f in factors) or list(factors) != sorted(factors):
-        raise bad("'spread' is not an ascending list of factors > 0")
+    if not all(isinstance(r, int | float) and not isinstance(r, bool) for r in spread):
+        raise bad("'spread' holds a value that is not a number")
+    residuals = tuple(float(r) for r in spread)
+    if not all(np.isfinite(r) for r in residuals) or list(residuals) != sorted(residuals):
+        raise bad("'spread' is not an ascending list of finite residuals (seconds)")
     overhead, prefill, decode, pairs, kv_read = (values[key] for key in _COEFFICIENTS)
     return Fitted(
         overhead,
@@ -221,7 +228,7 @@ def _fit_from_json(
         samples=samples,
         rel_error=rel_error,
         threads=threads,
-        spread=factors,
+        spread=residuals,
     )
 
 
@@ -278,9 +285,8 @@ def fit(
     coeffs = beta / scale
     predicted = X @ coeffs
     rel = np.abs(predicted - y) / y
-    ratio = y[predicted > 0] / predicted[predicted > 0]
     points = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
-    spread = np.quantile(ratio, points) if len(ratio) else np.array([])
+    spread = np.quantile(y - predicted, points)
     overhead, prefill, decode, pairs, kv_read = (float(c) for c in coeffs)
     return Fitted(
         overhead,
@@ -293,5 +299,5 @@ def fit(
         samples=len(samples),
         rel_error=float(np.median(rel)),
         threads=threads,
-        spread=tuple(max(1e-4, round(float(f), 4)) for f in spread),
+        spread=tuple(round(float(r), 6) for r in spread),
     )

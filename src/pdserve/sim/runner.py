@@ -102,7 +102,7 @@ class SimRunner:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.timing = timing
         self._on_threads = dict(on_threads or {})
-        # Where in a fitted profile's spread each step falls (``Fitted.factor``).
+        # Where in a fitted profile's spread each step falls (``Fitted.varied``).
         self._draws = random.Random(0)
         self.block_size = block_size
         self.num_layers = num_layers
@@ -199,8 +199,10 @@ class SimRunner:
     def _seconds(self, timing: TimingModel, step: SimStep, u: float) -> float:
         """Real seconds of ``step`` on ``timing``, at quantile ``u`` of a fitted profile's
         spread (a roofline's steps take their modelled time exactly)."""
-        factor = timing.factor(u) if isinstance(timing, Fitted) else 1.0
-        return timing.step_time(step) * self.time_scale * factor
+        modelled = timing.step_time(step)
+        if isinstance(timing, Fitted):
+            modelled = timing.varied(modelled, u)
+        return modelled * self.time_scale
 
     def token_for(self, seq: Sequence) -> int | None:
         """The token ``seq`` draws next (None: its masks leave none)."""

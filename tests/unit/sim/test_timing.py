@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.errors import InvalidArgumentError
-from pdserve.sim.fitted import SPREAD_POINTS, Fitted, features, fit
+from pdserve.sim.fitted import FASTEST, SPREAD_POINTS, Fitted, features, fit
 from pdserve.sim.profile import parse_profile
 from pdserve.sim.shapes import MODELS, Accelerator, ModelShape, accelerator
 from pdserve.sim.timing import Roofline, SimStep, step_of
@@ -272,18 +272,19 @@ def test_fitted_shares_round_trip_and_price_each_thread_count(tmp_path: Path) ->
 
 def test_the_fit_keeps_how_the_steps_varied_about_it(tmp_path: Path) -> None:
     steps = varied_steps() * 8
-    noise = [1.0, 1.0, 1.0, 0.9, 1.1, 1.0, 1.0, 2.5]  # one step in eight stalls
-    samples = [(s, TRUE.step_time(s) * noise[i % 8]) for i, s in enumerate(steps)]
+    stall = [0.0, 0.0, 0.0, -1e-5, 1e-5, 0.0, 0.0, 0.02]  # one step in eight waits 20 ms
+    samples = [(s, TRUE.step_time(s) + stall[i % 8]) for i, s in enumerate(steps)]
     fitted = fit(samples, LLAMA, "t")
     assert len(fitted.spread) == SPREAD_POINTS
     assert list(fitted.spread) == sorted(fitted.spread)
-    assert fitted.factor(0.5) == pytest.approx(1.0, rel=0.1)
-    assert fitted.factor(0.999) == pytest.approx(2.5 / fitted.factor(0.5), rel=0.15)
-    assert fitted.factor(0.0) < 1.0 < fitted.factor(0.99)
+    short = 0.01
+    assert fitted.varied(short, 0.5) == pytest.approx(short, abs=2e-3)
+    assert fitted.varied(short, 0.999) - fitted.varied(short, 0.5) == pytest.approx(0.02, rel=0.2)
+    assert fitted.varied(short, 0.0) >= FASTEST * short
     path = tmp_path / "spread.json"
     fitted.save(path)
     assert Fitted.load(path) == fitted
-    assert TRUE.factor(0.99) == 1.0  # no spread: every step its predicted time
+    assert TRUE.varied(short, 0.999) == short  # no spread: every step its predicted time
 
 
 def test_a_file_from_before_thread_counts_loads(tmp_path: Path) -> None:
@@ -303,7 +304,7 @@ def test_a_file_from_before_thread_counts_loads(tmp_path: Path) -> None:
         lambda d: d.update(shares={"1": {}}),
         lambda d: d.update(threads=True),
         lambda d: d.update(spread=[1.2, 1.0]),  # not ascending
-        lambda d: d.update(spread=[0.0, 1.0]),
+        lambda d: d.update(spread=["slow"]),
         lambda d: d.update(spread="wide"),
     ],
 )
