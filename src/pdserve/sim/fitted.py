@@ -216,13 +216,8 @@ def _fit_from_json(
     residuals = tuple(float(r) for r in spread)
     if not all(np.isfinite(r) for r in residuals) or list(residuals) != sorted(residuals):
         raise bad("'spread' is not an ascending list of finite residuals (seconds)")
-    overhead, prefill, decode, pairs, kv_read = (values[key] for key in _COEFFICIENTS)
-    return Fitted(
-        overhead,
-        prefill,
-        decode,
-        pairs,
-        kv_read,
+    return _fitted(
+        [values[key] for key in _COEFFICIENTS],
         model=shape,
         device=device,
         samples=samples,
@@ -230,6 +225,12 @@ def _fit_from_json(
         threads=threads,
         spread=residuals,
     )
+
+
+def _fitted(coefficients: Sequence[float], **fields: Any) -> Fitted:
+    """A ``Fitted`` of ``coefficients`` in ``_COEFFICIENTS`` order and the other ``fields``."""
+    overhead, prefill, decode, pairs, kv_read = coefficients
+    return Fitted(overhead, prefill, decode, pairs, kv_read, **fields)
 
 
 def _non_negative(value: Any, key: str, bad: Callable[[str], InvalidArgumentError]) -> float:
@@ -287,13 +288,8 @@ def fit(
     rel = np.abs(predicted - y) / y
     points = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS
     spread = np.quantile(y - predicted, points)
-    overhead, prefill, decode, pairs, kv_read = (float(c) for c in coeffs)
-    return Fitted(
-        overhead,
-        prefill,
-        decode,
-        pairs,
-        kv_read,
+    return _fitted(
+        [float(c) for c in coeffs],
         model=model,
         device=device,
         samples=len(samples),
