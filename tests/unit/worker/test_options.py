@@ -90,10 +90,12 @@ def test_environment_defaults() -> None:
         ),
         (lambda: WorkerOptions(Path("/m"), WorkerRole.DECODE, faults=("bogus",)), "--fault"),
         (
-            lambda: parse("--model", "/m", "--kvstore", "h:1", "--backend", "sim",
-                          "--sim-profile", "roofline:h100:llama-3-8b", "--record-steps", "s"),
+            lambda: parse(
+                *("--model", "/m", "--kvstore", "h:1", "--backend", "sim", "--record-steps", "s"),
+                *("--sim-profile", "roofline:h100:llama-3-8b"),
+            ),
             "--record-steps",
-        ),  # fmt: skip
+        ),
         (lambda: parse("--kvstore", "h:1"), "--model"),
         # argparse checks choices on the command line only: a bad default from the environment
         # is refused when the options are made.
