@@ -89,6 +89,12 @@ BULK_TOKENS = 256
 """Default size above which a step's prompt tokens make it bulk."""
 
 
+def interactive_threads(threads: int, keep: int | None = None) -> int:
+    """The threads interactive steps keep under a split of ``threads``: ``keep``
+    (``--lease-split-threads``; 0: no split), or half of them when None."""
+    return threads // 2 if keep is None else keep
+
+
 @dataclass(frozen=True, slots=True)
 class CoreSplit:
     """How an engine's threads are split while bulk and interactive steps run at once."""

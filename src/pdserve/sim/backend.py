@@ -24,7 +24,7 @@ from typing import Any
 
 from pdserve.backends.base import SIM
 from pdserve.backends.pytorch import TorchBackend
-from pdserve.compute.lease import CoreSplit
+from pdserve.compute.lease import CoreSplit, interactive_threads
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.gate import ComputeGate
@@ -134,7 +134,7 @@ def sim_split(
     if not on or keep == 0:
         return None
     threads = max(on)
-    keep = threads // 2 if keep is None else keep
+    keep = interactive_threads(threads, keep)
     if keep not in on or threads - keep not in on:
         raise InvalidArgumentError(
             "--lease-split-threads",

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.compute.lease import interactive_threads
 from pdserve.compute.omp import OMP_WAIT_POLICY
 from pdserve.cpuinfo import cpu_model, isa_flags
 from pdserve.errors import InvalidArgumentError
@@ -130,7 +131,8 @@ def split_shares(threads: int) -> tuple[int, ...]:
     none for an engine of one thread, which is never split."""
     if threads < 2:
         return ()
-    return tuple(sorted({threads // 2, threads - threads // 2}))
+    keep = interactive_threads(threads)
+    return tuple(sorted({keep, threads - keep}))
 
 
 def fit_recorded(

@@ -33,6 +33,7 @@ from pdserve.backends import SIM, TENSORRT_LLM, EngineBackend
 from pdserve.backends.pytorch import TorchBackend, set_torch_threads, torch_threads
 from pdserve.backends.tensorrt_llm_api import DEFAULT_BLOCK_SIZE, TensorRTLLMConfig, read_shape
 from pdserve.compute import CoreSplit, HostLease
+from pdserve.compute.lease import interactive_threads
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_payload import DTYPES
 from pdserve.errors import InvalidArgumentError
@@ -147,7 +148,7 @@ def torch_split(options: WorkerOptions) -> CoreSplit | None:
     """How the torch engine's threads split while a long prefill runs beside decode steps
     (``--lease-split-threads``); None where there is nothing to split."""
     threads = options.threads or torch_threads()
-    keep = threads // 2 if options.lease_split_threads is None else options.lease_split_threads
+    keep = interactive_threads(threads, options.lease_split_threads)
     if keep == 0 or threads < 2:
         return None
     if keep >= threads:
